@@ -1,0 +1,4 @@
+"""The `edgeinfer` command line."""
+from .main import cli, main
+
+__all__ = ["cli", "main"]

@@ -1,0 +1,37 @@
+"""Turning `--model` into an export folder, exporting a catalog model into the cache on first use."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgeinfer.models import DEFAULT_MODEL, catalog, exported_model_dir, is_catalog_name
+from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError
+from edgeinfer.sdk.manifest import MANIFEST_NAME
+
+
+def resolve_export(model: str | None, say) -> Path:
+    model = model or DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if is_catalog_name(model) and not path.exists():
+        return _cached_export(model, say)
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {model!r} is neither an existing folder nor a catalog name ({', '.join(sorted(catalog()))}): "
+            "pass a folder made by `edgeinfer export`, or a catalog name")
+    return path
+
+
+def _cached_export(name: str, say) -> Path:
+    out = exported_model_dir(name)
+    if not (out / MANIFEST_NAME).exists():
+        say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
+        export = _exporter()
+        export.export_model(name, out, export.ExportOptions(force=True), say)
+    return out
+
+
+def _exporter():
+    try:
+        import edgeinfer.export as export
+    except ImportError as e:
+        raise EdgeInferError(f"exporting needs the export extra ({e.name} is missing): pip install 'edgeinfer[export]'") from None
+    return export

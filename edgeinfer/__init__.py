@@ -1,0 +1,9 @@
+"""edgeinfer: causal language models on edge boxes through ONNX Runtime.
+
+The package maps its parts from the repository's folders: `edgeinfer.sdk` (runtime),
+`edgeinfer.export` (Hugging Face → ONNX), `edgeinfer.cli` and `edgeinfer.models` (catalog).
+"""
+from edgeinfer.sdk import EdgeInferError, Engine, GenerationResult
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "GenerationResult", "EdgeInferError", "__version__"]

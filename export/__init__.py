@@ -1,0 +1,5 @@
+"""Export: a Hugging Face causal LM → prefill.onnx + decode.onnx + edgeinfer.json.
+Needs the `edgeinfer[export]` extra (torch, transformers, optimum-onnx)."""
+from .pipeline import ExportOptions, export_model
+
+__all__ = ["ExportOptions", "export_model"]

@@ -1,0 +1,131 @@
+"""`edgeinfer export`: a Hugging Face model in, a complete export folder out, or nothing."""
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
+
+from .graphs import export_graph, kv_layout
+from .source import resolve_source, load_model
+from .validate import validate
+
+STAGES = ("load", "export prefill", "export decode", "tokenizer", "validate", "write")
+_TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    force: bool = False  # replace an existing output folder
+
+
+def export_model(model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None) -> Manifest:
+    """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`.
+
+    Everything is written to a temporary folder beside `out`, which becomes `out` only once
+    complete and validated; on any failure nothing is left behind.
+    """
+    out = Path(out).expanduser()
+    if out.exists() and not options.force:
+        raise ExportError(f"{out} already exists: pass --force to replace it, or choose another folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    work.mkdir()
+    try:
+        manifest = _export_into(model, work, say)
+        _replace(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _export_into(model: str, work: Path, say) -> Manifest:
+    stage = _Stages(say)
+    with stage("load"):
+        source = resolve_source(model, say)
+        torch_model, tokenizer = load_model(source)
+    graphs = {}
+    for name in ("prefill", "decode"):
+        with stage(f"export {name}"):
+            graphs[name] = export_graph(torch_model, name, work)
+    with stage("tokenizer"):
+        tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
+    manifest = _manifest(source.name, torch_model, graphs, kv_layout(work, graphs["decode"]), tokenizer_spec)
+    manifest.save(work)
+    with stage("validate"):
+        validation = validate(torch_model, work)
+        say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
+            f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
+    with stage("write"):
+        manifest = Manifest.from_dict({**manifest.to_dict(), "validation": validation, "files": describe_files(work)})
+        manifest.save(work)
+    return manifest
+
+
+def _manifest(source, model, graphs, kv, tokenizer_spec) -> Manifest:
+    config, generation = model.config, model.generation_config
+    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
+    return Manifest(
+        format_version=FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
+        vocab_size=config.vocab_size, max_context=_max_context(config), bos_token_id=bos,
+        eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
+        prefill=graphs["prefill"], decode=graphs["decode"], kv=kv, tokenizer=tokenizer_spec, tools=_tool_versions(),
+    )
+
+
+def _max_context(config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if getattr(config, name, None):
+            return int(getattr(config, name))
+    raise ExportError(f"the {config.model_type} config names no maximum context length")
+
+
+def _save_tokenizer(model, tokenizer, work: Path) -> TokenizerSpec:
+    tokenizer.save_pretrained(work)
+    model.generation_config.save_pretrained(work)
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    if template:
+        (work / "chat_template.jinja").write_text(template)
+    return TokenizerSpec(chat_template="chat_template.jinja" if template else None,
+                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+
+
+def _tool_versions() -> dict[str, str]:
+    versions = {}
+    for name in _TOOLS:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return versions
+
+
+def _replace(work: Path, out: Path) -> None:
+    """Move the finished export to `out`; an old `out` (with --force) goes only after that."""
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    if out.exists():
+        out.rename(old)
+    work.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class _Stages:
+    def __init__(self, say):
+        self.say, self.index = say, 0
+
+    @contextmanager
+    def __call__(self, name: str):
+        self.index += 1
+        self.say(f"[{self.index}/{len(STAGES)}] {name}")
+        start = time.perf_counter()
+        yield
+        self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")

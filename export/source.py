@@ -1,0 +1,83 @@
+"""Where the model to export comes from, and loading it with transformers."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeinfer.models import catalog, is_catalog_name, lookup
+from edgeinfer.models.fetch import fetch_source
+from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
+from edgeinfer.sdk.manifest import MANIFEST_NAME
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+TASK = "text-generation-with-past"
+
+
+@dataclass(frozen=True)
+class Source:
+    """What `from_pretrained` loads (`path`, plus `gguf_file` inside it), and how the manifest names it."""
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+
+def resolve_source(model: str, say=lambda message: None) -> Source:
+    """A local folder, a `.gguf` file, a catalog name, or a hub id, in that order."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{model} is a file but not a .gguf: pass a Hugging Face model folder, a .gguf file, a catalog name or a hub id")
+        return Source(str(path.resolve()), str(path.resolve().parent), path.name)
+    if path.is_dir():
+        return _folder_source(path)
+    if is_catalog_name(model):
+        fetched = resolve_source(fetch_source(lookup(model), say))
+        return Source(f"{model} ({fetched.name})", fetched.path, fetched.gguf_file)
+    if _HUB_ID.match(model) and not model.startswith((".", "/", "~")):
+        return Source(model, model)
+    names = ", ".join(sorted(catalog()))
+    raise ModelNotFoundError(f"{model!r} is not an existing path, a catalog name ({names}) or a hub id like org/name")
+
+
+def _folder_source(path: Path) -> Source:
+    if (path / MANIFEST_NAME).exists():
+        raise ExportError(f"{path} is already an edgeinfer export: load it with `edgeinfer run --model {path}`")
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model folder: pass a model folder, a .gguf file, a catalog name or a hub id")
+    return Source(str(path.resolve()), str(path.resolve()))
+
+
+def load_model(source: Source):
+    """The fp32 PyTorch model and its fast tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        config = AutoConfig.from_pretrained(source.path, **kwargs)
+        check_supported(config.model_type)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+    except OSError as e:
+        raise ModelNotFoundError(f"cannot load {source.name}: {_first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
+    if not tokenizer.is_fast:
+        raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
+    return model, tokenizer
+
+
+def check_supported(model_type: str) -> None:
+    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the ONNX configs)
+    from optimum.exporters.tasks import TasksManager
+
+    try:
+        tasks = TasksManager.get_supported_tasks_for_model_type(model_type, exporter="onnx", library_name="transformers")
+    except KeyError:
+        tasks = {}
+    if TASK not in tasks:
+        raise ExportError(f"model type {model_type!r} cannot be exported: optimum-onnx has no {TASK} export for it")
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

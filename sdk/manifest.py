@@ -1,0 +1,139 @@
+"""`edgeinfer.json`: the one contract between export and runtime.
+
+Export writes it; the runtime reads graph names, KV layout and token ids from it (and from the
+graphs' own inputs), never from a table of architecture names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ManifestError, NotAnExportError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "edgeinfer.json"
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One ONNX graph of the export and the names of its inputs and outputs, in graph order."""
+
+    file: str
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Layout of the KV cache: `past[i]` of the decode graph is fed from `present[i]` of the
+    previous step, and grows along `sequence_axis`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    sequence_axis: int
+    past: list[str]
+    present: list[str]
+
+    def __post_init__(self):
+        if len(self.past) != len(self.present):
+            raise ManifestError(f"KV layout lists {len(self.past)} past inputs but {len(self.present)} present outputs")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    file: str = "tokenizer.json"
+    config: str = "tokenizer_config.json"
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    max_context: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    prefill: GraphSpec
+    decode: GraphSpec
+    kv: KVSpec
+    tokenizer: TokenizerSpec
+    tools: dict[str, str] = field(default_factory=dict)
+    validation: dict = field(default_factory=dict)
+    files: dict[str, dict] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise ManifestError(
+                f"manifest format version {version!r} is newer than this edgeinfer reads ({FORMAT_VERSION}): "
+                "upgrade edgeinfer, or re-export the model with this version"
+            )
+        nested = {"prefill": GraphSpec, "decode": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
+        try:
+            values = {k: (nested[k](**v) if k in nested else v) for k, v in data.items()}
+            return cls(**values)
+        except TypeError as e:
+            raise ManifestError(f"manifest is malformed ({e}): re-export the model with `edgeinfer export`") from None
+
+    def save(self, folder: Path) -> None:
+        (Path(folder) / MANIFEST_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_manifest(folder: str | Path) -> Manifest:
+    """Read and check the manifest of an export folder; sizes of all listed files are checked too."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise NotAnExportError(f"model path {folder} does not exist: pass an export folder made by `edgeinfer export`, or a catalog name")
+    if not folder.is_dir():
+        raise NotAnExportError(f"model path {folder} is a file, not an export folder: run `edgeinfer export {folder} -o OUT` first")
+    path = folder / MANIFEST_NAME
+    if not path.exists():
+        hint = "it looks like a Hugging Face model folder" if (folder / "config.json").exists() else "it has no edgeinfer.json"
+        raise NotAnExportError(f"{folder} is not an edgeinfer export ({hint}): run `edgeinfer export {folder} -o OUT` and load OUT")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON ({e}): the export is damaged, export the model again") from None
+    check_file_sizes(folder, manifest.files)
+    return manifest
+
+
+def check_file_sizes(folder: Path, files: dict[str, dict]) -> None:
+    for name, info in files.items():
+        path = folder / name
+        if not path.exists():
+            raise NotAnExportError(f"export file {path} is missing: the export is incomplete, export the model again")
+        size = path.stat().st_size
+        if size != info["size"]:
+            raise NotAnExportError(
+                f"export file {path} has {size} bytes but the manifest says {info['size']}: "
+                "it is truncated or was changed, export the model again"
+            )
+
+
+def describe_files(folder: Path) -> dict[str, dict]:
+    """Size and SHA-256 of every file in an export folder, for the manifest."""
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
+            for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
