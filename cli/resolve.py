@@ -13,10 +13,12 @@ def resolve_export(model: str | None, say) -> Path:
     path = Path(model).expanduser()
     if is_catalog_name(model) and not path.exists():
         return _cached_export(model, say)
+    names = ", ".join(sorted(catalog()))
+    if not path.exists() and ("/" in model or model.startswith((".", "~"))):
+        raise ModelNotFoundError(f"model path {model} does not exist: pass a folder made by `edgeinfer export`, or a catalog name ({names})")
     if not path.exists():
-        raise ModelNotFoundError(
-            f"model {model!r} is neither an existing folder nor a catalog name ({', '.join(sorted(catalog()))}): "
-            "pass a folder made by `edgeinfer export`, or a catalog name")
+        raise ModelNotFoundError(f"{model!r} is not a catalog name ({names}) or an existing folder: "
+                                 "pass a folder made by `edgeinfer export`, or a catalog name")
     return path
 
 

@@ -1,0 +1,51 @@
+"""The real default model, SmolLM2-135M-Instruct, from its offline source (a PyPI wheel holding a
+GGUF file), exported into a fresh cache exactly as a new user's first `edgeinfer run` does."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+NAME = "smollm2-135m-instruct"
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("edgeinfer-cache")
+    env = {**os.environ, "EDGEINFER_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
+                           "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
+    return cache, done
+
+
+def test_first_run_exports_the_default_model_and_answers(first_run):
+    cache, done = first_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Paris" in done.stdout
+    for stage in ("[1/6] load", "[2/6] export prefill", "[3/6] export decode", "[4/6] tokenizer", "[5/6] validate", "[6/6] write"):
+        assert stage in done.stderr
+    assert "finish: eos" in done.stderr
+    assert (cache / "exports" / NAME / "edgeinfer.json").is_file()
+    assert [p.name for p in (cache / "exports").iterdir()] == [NAME]  # no temporary folder left
+
+
+def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(first_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgeinfer import Engine
+
+    cache, _ = first_run
+    gguf = next((cache / "sources" / NAME).glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(PROMPT).input_ids
+    engine = Engine.load(cache / "exports" / NAME, provider="cpu")
+    assert engine.prompt_ids(PROMPT) == ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    result = engine.generate(PROMPT, max_new_tokens=32)
+    assert len(expected) == 32 and result.token_ids == expected
+    assert engine.manifest.validation["passed"] and engine.manifest.validation["max_abs_diff_decode"] < 1e-3

@@ -1,0 +1,27 @@
+"""A plain `pip install .` (a built wheel) works, not only the editable install."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models; from edgeinfer import Engine; "
+         "from edgeinfer.models import catalog; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(catalog()))")
+
+
+def test_built_wheel_imports_and_runs_the_cli(tmp_path):
+    pip = [sys.executable, "-m", "pip"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+                   check=True, capture_output=True, timeout=600)
+    wheel = next((tmp_path / "dist").glob("edgeinfer-*.whl"))
+    target = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, capture_output=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    sdk_file, cli_file, names = done.stdout.split(" ", 2)
+    assert sdk_file == str(target / "edgeinfer" / "sdk" / "__init__.py")
+    assert cli_file == str(target / "edgeinfer" / "cli" / "__init__.py")
+    assert names.strip() == "['smollm2-135m-instruct']"
+    help_text = subprocess.run([str(target / "bin" / "edgeinfer"), "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert help_text.returncode == 0 and all(c in help_text.stdout for c in ("export", "run", "info"))

@@ -1,0 +1,20 @@
+"""The runtime profile: loading and generating must not import torch, transformers or optimum."""
+import subprocess
+import sys
+
+SCRIPT = """
+import sys
+from edgeinfer import Engine
+engine = Engine.load(sys.argv[1], provider="cpu")
+pieces = list(engine.stream(engine.chat_prompt([{"role": "user", "content": "hi"}]), max_new_tokens=8))
+result = engine.generate("The capital", max_new_tokens=8)
+assert len(result.token_ids) == 8 and len(pieces) >= 1, result
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "optimum"))
+print(",".join(heavy) or "none")
+"""
+
+
+def test_generation_imports_no_torch_transformers_or_optimum(tiny_llama):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama[1])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "none"

@@ -1,0 +1,154 @@
+"""Export and generation on a tiny random-weight llama, pinned against transformers."""
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from edgeinfer import Engine
+from edgeinfer.export import export_model
+from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.kv_cache import KVCache
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    folder = tiny_llama[0]
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.load(tiny_llama[1], provider="cpu")
+
+
+def hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_export_writes_both_graphs_and_manifest(tiny_llama):
+    folder = tiny_llama[1]
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    assert manifest["format_version"] == 1
+    assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == ("llama", 2, 2, 8)
+    assert (manifest["vocab_size"], manifest["max_context"], manifest["bos_token_id"], manifest["eos_token_ids"]) == (320, 256, 1, [])
+    assert manifest["validation"]["passed"] and manifest["validation"]["max_abs_diff_decode"] < 1e-4
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+            "prefill.onnx", "prefill.onnx.data", "decode.onnx", "decode.onnx.data"} <= set(manifest["files"])
+    prefill = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
+    decode = onnx.load(str(folder / "decode.onnx"), load_external_data=False).graph
+    assert [i.name for i in prefill.input] == ["input_ids", "attention_mask", "position_ids"]
+    assert [o.name for o in prefill.output][:3] == ["logits", "present.0.key", "present.0.value"]
+    past = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
+    assert [i.name for i in decode.input] == ["input_ids", "attention_mask", "position_ids", *past]
+    assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
+
+
+def test_greedy_tokens_equal_transformers(engine, hf):
+    model, tokenizer = hf
+    ids = tokenizer(PROMPT).input_ids
+    result = engine.generate(PROMPT, max_new_tokens=32)
+    assert result.token_ids == hf_greedy(model, ids, 32)
+    assert result.finish_reason == "length" and result.prompt_tokens == len(ids)
+    assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert result.ttft_s > 0 and result.decode_tokens_per_s > 0
+
+
+def test_token_id_prompt_gives_the_same_tokens(engine, hf):
+    ids = hf[1](PROMPT).input_ids
+    assert engine.generate(ids, max_new_tokens=12).token_ids == engine.generate(PROMPT, max_new_tokens=12).token_ids
+
+
+def test_logits_match_pytorch_at_every_step(engine, hf):
+    model = hf[0]
+    ids = hf[1](PROMPT).input_ids
+    cache = KVCache(engine.manifest.kv)
+    logits = engine.prefill(ids, cache)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), use_cache=True)
+    np.testing.assert_allclose(logits[0], ref.logits[0].numpy(), atol=1e-4)
+    past = ref.past_key_values
+    for _ in range(8):
+        token = int(np.argmax(logits[0, -1]))
+        logits = engine.decode(token, cache)
+        with torch.no_grad():
+            ref = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+        past = ref.past_key_values
+        np.testing.assert_allclose(logits[0, -1], ref.logits[0, -1].numpy(), atol=1e-4)
+    assert cache.length == len(ids) + 8
+
+
+def test_kv_cache_stays_as_ort_values_on_the_device(engine):
+    cache = KVCache(engine.manifest.kv)
+    engine.prefill([5, 6, 7], cache)
+    engine.decode(8, cache)
+    assert list(cache.past) == engine.manifest.kv.past
+    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in cache.past.values())
+    assert [v.shape() for v in cache.past.values()] == [[1, 2, 4, 8]] * 4
+
+
+def test_streamed_pieces_join_to_the_generated_text(engine):
+    pieces = list(engine.stream(PROMPT, max_new_tokens=20))
+    result = engine.generate(PROMPT, max_new_tokens=20)
+    assert "".join(p.text for p in pieces) == result.text
+    assert [t for p in pieces for t in p.token_ids] == result.token_ids
+    assert [p.finish_reason for p in pieces][-1] == "length" and all(p.finish_reason is None for p in pieces[:-1])
+
+
+def test_eos_from_the_manifest_ends_generation(engine, tiny_llama, tmp_path):
+    tokens = engine.generate(PROMPT, max_new_tokens=10).token_ids
+    eos = tokens[5]
+    folder = tmp_path / "eos"
+    shutil.copytree(tiny_llama[1], folder)
+    manifest = json.loads((folder / "edgeinfer.json").read_text())
+    manifest["eos_token_ids"] = [eos]
+    (folder / "edgeinfer.json").write_text(json.dumps(manifest))
+    result = Engine.load(folder, provider="cpu").generate(PROMPT, max_new_tokens=10)
+    assert result.finish_reason == "eos"
+    assert result.token_ids == tokens[: tokens.index(eos)]
+
+
+def test_chat_prompt_uses_the_models_template(engine, hf):
+    messages = [{"role": "user", "content": "Hello there"}]
+    expected = hf[1].apply_chat_template(messages, add_generation_prompt=True)
+    assert engine.chat_prompt(messages) == expected
+
+
+def test_export_refuses_an_existing_folder_and_leaves_it_alone(tiny_llama, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists.*--force"):
+        export_model(str(tiny_llama[0]), out)
+    assert (out / "keep.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_force_replaces_an_existing_export(tiny_llama, tmp_path):
+    from edgeinfer.export import ExportOptions
+
+    out = tmp_path / "again"
+    shutil.copytree(tiny_llama[1], out)
+    (out / "stale.txt").write_text("old")
+    export_model(str(tiny_llama[0]), out, ExportOptions(force=True))
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+    assert Engine.load(out, provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids == \
+        Engine.load(tiny_llama[1], provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids
+
+
+def test_failed_export_leaves_nothing(tmp_path):
+    (tmp_path / "notamodel").mkdir()
+    (tmp_path / "notamodel" / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(ExportError, match="'bert' cannot be exported"):
+        export_model(str(tmp_path / "notamodel"), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notamodel"]
