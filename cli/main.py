@@ -17,10 +17,9 @@ def say(message: str) -> None:
 
 @click.group()
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-@click.pass_context
-def cli(ctx, debug):
+def cli(debug):
     """Run causal language models through ONNX Runtime."""
-    ctx.obj = {"debug": debug}
+    # --debug is read by main(), which turns errors into one line unless it is given.
 
 
 @cli.command()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgeinfer.models import DEFAULT_MODEL, catalog, exported_model_dir, is_catalog_name
+from edgeinfer.models import DEFAULT_MODEL, entries, exported_model_dir, is_catalog_name
 from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
@@ -13,7 +13,7 @@ def resolve_export(model: str | None, say) -> Path:
     path = Path(model).expanduser()
     if is_catalog_name(model) and not path.exists():
         return _cached_export(model, say)
-    names = ", ".join(sorted(catalog()))
+    names = ", ".join(sorted(entries()))
     if not path.exists() and ("/" in model or model.startswith((".", "~"))):
         raise ModelNotFoundError(f"model path {model} does not exist: pass a folder made by `edgeinfer export`, or a catalog name ({names})")
     if not path.exists():

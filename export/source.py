@@ -5,8 +5,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgeinfer.models import catalog, is_catalog_name, lookup
-from edgeinfer.models.fetch import fetch_source
+from edgeinfer.models import entries, is_catalog_name, lookup
+from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
@@ -36,9 +36,17 @@ def resolve_source(model: str, say=lambda message: None) -> Source:
         fetched = resolve_source(fetch_source(lookup(model), say))
         return Source(f"{model} ({fetched.name})", fetched.path, fetched.gguf_file)
     if _HUB_ID.match(model) and not model.startswith((".", "/", "~")):
-        return Source(model, model)
-    names = ", ".join(sorted(catalog()))
+        return _hub_source(model)
+    names = ", ".join(sorted(entries()))
     raise ModelNotFoundError(f"{model!r} is not an existing path, a catalog name ({names}) or a hub id like org/name")
+
+
+def _hub_source(hub_id: str) -> Source:
+    folder = download_from_hub(hub_id)
+    if folder is None:
+        raise ModelNotFoundError(f"cannot download {hub_id} from the Hugging Face hub (offline, no such model, or no access): "
+                                 "pass a local model folder or .gguf file, or log in with HF_TOKEN for a gated model")
+    return Source(hub_id, folder)
 
 
 def _folder_source(path: Path) -> Source:

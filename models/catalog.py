@@ -22,17 +22,18 @@ class CatalogEntry:
     gguf_member: str | None = None
 
 
-def catalog() -> dict[str, CatalogEntry]:
+def entries() -> dict[str, CatalogEntry]:
+    """Every catalog entry by name."""
     data = json.loads(resources.files("edgeinfer.models").joinpath("catalog.json").read_text())
     return {name: CatalogEntry(name=name, **fields) for name, fields in data.items()}
 
 
 def lookup(name: str) -> CatalogEntry:
-    entries = catalog()
-    if name not in entries:
-        raise ModelNotFoundError(f"{name!r} is not a catalog name, a folder or a file: known names are {', '.join(sorted(entries))}")
-    return entries[name]
+    known = entries()
+    if name not in known:
+        raise ModelNotFoundError(f"{name!r} is not a catalog name, a folder or a file: known names are {', '.join(sorted(known))}")
+    return known[name]
 
 
 def is_catalog_name(name: str) -> bool:
-    return name in catalog()
+    return name in entries()

@@ -20,7 +20,7 @@ _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "tokeniz
 def fetch_source(entry: CatalogEntry, say=lambda message: None) -> str:
     """A local path the exporter can load: a hub snapshot folder, or a `.gguf` file."""
     if entry.hub_id:
-        folder = _from_hub(entry.hub_id)
+        folder = download_from_hub(entry.hub_id)
         if folder:
             say(f"using {entry.hub_id} from the Hugging Face hub")
             return folder
@@ -30,7 +30,9 @@ def fetch_source(entry: CatalogEntry, say=lambda message: None) -> str:
     raise ModelNotFoundError(f"no source of {entry.name} can be reached: connect to the Hugging Face hub, or export a local copy")
 
 
-def _from_hub(hub_id: str) -> str | None:
+def download_from_hub(hub_id: str) -> str | None:
+    """The local snapshot folder of a hub model (config, weights, tokenizer), or None where the
+    hub cannot be reached or does not have it. Fails fast offline, without retries."""
     from huggingface_hub import snapshot_download  # comes with the export extra
 
     try:

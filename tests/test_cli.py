@@ -1,5 +1,6 @@
 """The `edgeinfer` command, run as a user runs it: a subprocess, its exit code and its output."""
 import json
+import os
 import subprocess
 import sys
 
@@ -40,6 +41,13 @@ def test_run_with_a_file_instead_of_a_folder(tiny_llama):
 
 def test_export_of_an_unknown_catalog_name(tmp_path):
     assert_one_line_error(edgeinfer("export", "no-such-model", "-o", str(tmp_path / "out")), "'no-such-model'", "catalog name")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_hub_id_that_cannot_be_reached(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    done = edgeinfer("export", "edgeinfer-tests/does-not-exist", "-o", str(tmp_path / "out"), env=env)
+    assert_one_line_error(done, "cannot download edgeinfer-tests/does-not-exist from the Hugging Face hub", "local model folder")
     assert not (tmp_path / "out").exists()
 
 

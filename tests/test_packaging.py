@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models; from edgeinfer import Engine; "
-         "from edgeinfer.models import catalog; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(catalog()))")
+         "from edgeinfer.models import entries; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(entries()))")
 
 
 def test_built_wheel_imports_and_runs_the_cli(tmp_path):

@@ -152,3 +152,12 @@ def test_failed_export_leaves_nothing(tmp_path):
     with pytest.raises(ExportError, match="'bert' cannot be exported"):
         export_model(str(tmp_path / "notamodel"), tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notamodel"]
+
+
+def test_export_above_tolerance_fails_with_the_figure_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    import edgeinfer.export.validate as validate
+
+    monkeypatch.setattr(validate, "RELATIVE_TOLERANCE", 0.0)
+    with pytest.raises(ExportError, match=r"differ from PyTorch by \d.*e-0\d in the logits \(tolerance 0\)"):
+        export_model(str(tiny_llama[0]), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
