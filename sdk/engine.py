@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,6 @@ class GenerationResult:
     finish_reason: str
     ttft_s: float
     decode_tokens_per_s: float
-    pieces: list[Piece] = field(default_factory=list, repr=False)
 
 
 class Engine:
@@ -84,7 +83,6 @@ class Engine:
             finish_reason=last.finish_reason,
             ttft_s=last.ttft_s,
             decode_tokens_per_s=last.decode_tokens_per_s,
-            pieces=pieces,
         )
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Iterator[Piece]:
@@ -151,18 +149,20 @@ class Engine:
         n = len(ids)
         step = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
                 "position_ids": np.arange(n, dtype=np.int64)[None, :]}
-        return self._run(self.prefill_graph, step, {}, cache)
+        return self._run(self.prefill_graph, step, cache)
 
     def decode(self, token: int, cache: KVCache) -> np.ndarray:
         """Run the decode graph for one new token on top of `cache`; returns its logits."""
         n = cache.length
         step = {"input_ids": np.array([[token]], np.int64), "attention_mask": np.ones((1, n + 1), np.int64),
                 "position_ids": np.array([[n]], np.int64)}
-        return self._run(self.decode_graph, step, cache.past, cache)
+        return self._run(self.decode_graph, step, cache)
 
-    def _run(self, graph: Graph, step: dict, past: dict, cache: KVCache) -> np.ndarray:
+    def _run(self, graph: Graph, step: dict, cache: KVCache) -> np.ndarray:
+        """One pass of a graph: the step's inputs it takes plus the cache's past (empty before
+        prefill); the presents stay on the device in the cache, only the logits come to the host."""
         inputs = {name: value for name, value in step.items() if name in graph.inputs}
-        present, host = graph.run({**inputs, **past}, keep=cache.present_names, fetch=["logits"])
+        present, host = graph.run({**inputs, **cache.past}, keep=cache.present_names, fetch=["logits"])
         cache.update(present)
         return host["logits"]
 

@@ -161,3 +161,21 @@ def test_export_above_tolerance_fails_with_the_figure_and_leaves_nothing(tiny_ll
     with pytest.raises(ExportError, match=r"differ from PyTorch by \d.*e-0\d in the logits \(tolerance 0\)"):
         export_model(str(tiny_llama[0]), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_prompts_are_refused_before_any_work(engine):
+    from edgeinfer.sdk.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="the prompt is empty"):
+        engine.generate("")
+    with pytest.raises(GenerationError, match=r"token ids \[320, -1\] are outside the vocabulary \(0..319\)"):
+        engine.generate([5, 320, -1])
+    with pytest.raises(GenerationError, match="the prompt has 256 tokens but the model's context is 256"):
+        engine.generate([5] * 256)
+    with pytest.raises(GenerationError, match="max_new_tokens must be at least 1, got 0"):
+        engine.generate("hi", max_new_tokens=0)
+
+
+def test_generation_stops_at_the_context(engine):
+    result = engine.generate([5] * 250, max_new_tokens=20)
+    assert len(result.token_ids) == 6 and result.finish_reason == "length"
