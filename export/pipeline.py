@@ -1,6 +1,7 @@
 """`edgeinfer export`: a Hugging Face model in, a complete export folder out, or nothing."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 import uuid
@@ -63,7 +64,7 @@ def _export_into(model: str, work: Path, say) -> Manifest:
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
     with stage("write"):
-        manifest = Manifest.from_dict({**manifest.to_dict(), "validation": validation, "files": describe_files(work)})
+        manifest = dataclasses.replace(manifest, validation=validation, files=describe_files(work))
         manifest.save(work)
     return manifest
 
