@@ -1,6 +1,7 @@
 """The catalog: short names for models edgeinfer knows how to fetch, and where they live."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -22,8 +23,9 @@ class CatalogEntry:
     gguf_member: str | None = None
 
 
+@functools.cache
 def entries() -> dict[str, CatalogEntry]:
-    """Every catalog entry by name."""
+    """Every catalog entry by name (read once per process)."""
     data = json.loads(resources.files("edgeinfer.models").joinpath("catalog.json").read_text())
     return {name: CatalogEntry(name=name, **fields) for name, fields in data.items()}
 

@@ -91,20 +91,20 @@ class Engine:
         ids = self.prompt_ids(prompt)
         budget = self._token_budget(len(ids), max_new_tokens)
         detokenizer = Detokenizer(self.tokenizer)
-        new, times, pending, finish = [], [], [], "length"
+        times, pending, finish, made = [], [], "length", 0
         tokens = self._token_stream(ids)
         for token in tokens:
             times.append(time.perf_counter())
             if token in self.manifest.eos_token_ids:
                 finish = "eos"
                 break
-            new.append(token)
+            made += 1
             pending.append(token)
             text = detokenizer.add(token)
             if text:
                 yield Piece(text, pending)
                 pending = []
-            if len(new) == budget:
+            if made == budget:
                 break
         tokens.close()
         yield Piece(detokenizer.flush(), pending, finish, times[0] - start, _rate(times), len(ids))
