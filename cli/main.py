@@ -1,6 +1,7 @@
 """The `edgeinfer` command: a thin shell over the SDK and the exporter."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -8,11 +9,9 @@ import click
 
 from edgeinfer.sdk.errors import EdgeInferError
 
-from .resolve import _exporter, resolve_export
-
-
-def say(message: str) -> None:
-    click.echo(message, err=True)
+from .chat import chat
+from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
+from .resolve import _exporter, load_engine, say, say_timings
 
 
 @click.group()
@@ -35,24 +34,26 @@ def export(model, output, force):
 
 @cli.command()
 @click.argument("prompt")
-@click.option("--model", "model", default=None, help="Export folder or catalog name [default: smollm2-135m-instruct].")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
+@with_options(MODEL_OPTIONS)
+@with_options(GENERATION_OPTIONS)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
-def run(prompt, model, max_new_tokens, provider, threads, chat):
-    """Generate text after PROMPT, streaming it as it is produced."""
-    from edgeinfer.sdk import Engine
-
-    engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads)
-    say(f"provider: {engine.provider} ({engine.provider_reason})")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming.")
+def run(prompt, model, provider, threads, chat, as_json, **params):
+    """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
+    settings = generation_settings(params)
+    prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
+    engine = load_engine(model, provider, threads)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
-    for piece in engine.stream(ids, max_new_tokens=max_new_tokens):
+    if as_json:
+        result = engine.generate(ids, **settings)
+        click.echo(json.dumps({"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)},
+                              ensure_ascii=False))
+        return
+    for piece in engine.stream(ids, **settings):
         click.echo(piece.text, nl=False)
         sys.stdout.flush()
     click.echo()
-    say(f"time to first token {piece.ttft_s * 1000:.0f} ms, {piece.decode_tokens_per_s:.1f} tokens/s, "
-        f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}")
+    say_timings(piece)
 
 
 @cli.command()
@@ -66,6 +67,9 @@ def info(folder):
     click.echo(json.dumps(manifest.to_dict(), indent=2))
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
+
+
+cli.add_command(chat)
 
 
 def main() -> None:

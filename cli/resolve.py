@@ -1,11 +1,32 @@
-"""Turning `--model` into an export folder, exporting a catalog model into the cache on first use."""
+"""Turning `--model` into a loaded engine, exporting a catalog model into the cache on first use;
+the messages the commands print on stderr."""
 from __future__ import annotations
 
 from pathlib import Path
 
+import click
+
 from edgeinfer.models import DEFAULT_MODEL, entries, exported_model_dir, is_catalog_name
 from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
+
+
+def say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def say_timings(piece) -> None:
+    say(f"time to first token {piece.ttft_s * 1000:.0f} ms, {piece.decode_tokens_per_s:.1f} tokens/s, "
+        f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}")
+
+
+def load_engine(model: str | None, provider: str, threads: int | None):
+    """The engine for `--model`, saying which provider runs it and why."""
+    from edgeinfer.sdk import Engine
+
+    engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads)
+    say(f"provider: {engine.provider} ({engine.provider_reason})")
+    return engine
 
 
 def resolve_export(model: str | None, say) -> Path:

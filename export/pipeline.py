@@ -77,8 +77,24 @@ def _manifest(source, model, graphs, kv, tokenizer_spec) -> Manifest:
         format_version=FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
         vocab_size=config.vocab_size, max_context=_max_context(config), bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
-        prefill=graphs["prefill"], decode=graphs["decode"], kv=kv, tokenizer=tokenizer_spec, tools=_tool_versions(),
+        prefill=graphs["prefill"], decode=graphs["decode"], kv=kv, tokenizer=tokenizer_spec,
+        generation=generation_defaults(generation), tools=_tool_versions(),
     )
+
+
+def generation_defaults(generation) -> dict:
+    """The model's generation config in edgeinfer's settings. Sampling settings count only where
+    the config samples (`do_sample`), as in transformers; otherwise decoding is greedy."""
+    defaults = {}
+    if generation.max_new_tokens:
+        defaults["max_new_tokens"] = int(generation.max_new_tokens)
+    if generation.do_sample:
+        defaults.update(temperature=float(generation.temperature if generation.temperature is not None else 1.0),
+                        top_k=int(generation.top_k or 0), top_p=float(generation.top_p if generation.top_p is not None else 1.0),
+                        min_p=float(generation.min_p or 0.0))
+    if generation.repetition_penalty not in (None, 1.0):
+        defaults["repetition_penalty"] = float(generation.repetition_penalty)
+    return defaults
 
 
 def _max_context(config) -> int:

@@ -22,9 +22,9 @@ def validate(model, folder: Path) -> dict:
     engine = Engine.load(folder, provider="cpu")
     ids = np.random.default_rng(0).integers(0, engine.manifest.vocab_size, SAMPLE_TOKENS).tolist()
     cache = KVCache(engine.manifest.kv)
-    onnx_prefill = engine.prefill(ids, cache)[0, -1]
+    onnx_prefill = engine.prefill([ids], cache).numpy()[0, -1]
     token = int(np.argmax(onnx_prefill))
-    onnx_decode = engine.decode(token, cache)[0, -1]
+    onnx_decode = engine.decode([token], cache).numpy()[0, -1]
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         ref_prefill = out.logits[0, -1].numpy()

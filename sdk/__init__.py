@@ -1,9 +1,11 @@
 """edgeinfer's runtime: load an export and generate with ONNX Runtime (no torch needed)."""
-from .engine import Engine, GenerationResult, Piece
+from .engine import Engine
 from .errors import (EdgeInferError, ExportError, GenerationError, ManifestError, ModelNotFoundError,
-                     NotAnExportError, ProviderError)
+                     NotAnExportError, ProviderError, SettingsError)
 from .manifest import FORMAT_VERSION, Manifest, load_manifest
+from .sequence import GenerationResult, Piece
+from .settings import GenerationConfig
 
-__all__ = ["Engine", "GenerationResult", "Piece", "EdgeInferError", "ExportError", "GenerationError",
-           "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError", "FORMAT_VERSION",
-           "Manifest", "load_manifest"]
+__all__ = ["Engine", "GenerationConfig", "GenerationResult", "Piece", "EdgeInferError", "ExportError",
+           "GenerationError", "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError",
+           "SettingsError", "FORMAT_VERSION", "Manifest", "load_manifest"]

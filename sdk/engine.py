@@ -1,60 +1,41 @@
 """The engine: load an export, then prefill once and decode one token at a time."""
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+import onnxruntime as ort
 
-from .errors import GenerationError, ManifestError
-from .kv_cache import KVCache
+from .errors import GenerationError, ManifestError, SettingsError
+from .kv_cache import PAD_ID, KVCache
 from .manifest import Manifest, load_manifest
-from .runtime import Graph, RuntimeOptions, choose_provider
-from .sampling import greedy
-from .tokenizer import Detokenizer, Tokenizer
+from .runtime import Graph, LogitsHeads, RuntimeOptions, choose_provider
+from .sequence import GenerationResult, Piece, Sequence
+from .settings import GenerationConfig, resolve_settings
+from .tokenizer import Tokenizer
 
-DEFAULT_MAX_NEW_TOKENS = 256
 # Inputs the engine knows how to fill, besides the KV cache.
 _STEP_INPUTS = {"input_ids", "attention_mask", "position_ids"}
 
-
-@dataclass
-class Piece:
-    """A piece of streamed output: whole characters of text and the tokens that made them.
-    The last piece of a stream has `finish_reason` and the timings set."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    ttft_s: float | None = None
-    decode_tokens_per_s: float | None = None
-    prompt_tokens: int | None = None
-
-
-@dataclass
-class GenerationResult:
-    """`token_ids` are the new tokens, without the EOS that ended generation;
-    `finish_reason` is "eos" or "length"."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: str
-    ttft_s: float
-    decode_tokens_per_s: float
+Prompt = str | list[int]
 
 
 class Engine:
-    """Runs an edgeinfer export. Create it with `Engine.load(path)`."""
+    """Runs an edgeinfer export. Create it with `Engine.load(path)`.
+
+    An engine keeps no state between calls (each generation has its own KV cache), so one
+    engine can serve several threads at once."""
 
     def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions):
         self.folder = Path(folder)
         self.manifest = manifest
+        self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
         self.prefill_graph = self._open_graph(manifest.prefill, options)
         self.decode_graph = self._open_graph(manifest.decode, options)
+        self.heads = LogitsHeads(self.prefill_graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
 
     @classmethod
@@ -72,103 +53,141 @@ class Engine:
             raise ManifestError(f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`")
         return graph
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> GenerationResult:
-        """Generate greedily after `prompt` (text, or token ids) and return the whole result."""
-        pieces = list(self.stream(prompt, max_new_tokens))
-        last = pieces[-1]
-        return GenerationResult(
-            text="".join(p.text for p in pieces),
-            token_ids=[t for p in pieces for t in p.token_ids],
-            prompt_tokens=last.prompt_tokens,
-            finish_reason=last.finish_reason,
-            ttft_s=last.ttft_s,
-            decode_tokens_per_s=last.decode_tokens_per_s,
-        )
+    # The public calls. Settings: `config=` (a GenerationConfig; default: the model's own) and/or
+    # any of its fields as keywords, e.g. `generate(prompt, temperature=0.7, seed=1)`.
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> Iterator[Piece]:
-        """Yield the output piece by piece as it is generated."""
-        start = time.perf_counter()
-        ids = self.prompt_ids(prompt)
-        budget = self._token_budget(len(ids), max_new_tokens)
-        detokenizer = Detokenizer(self.tokenizer)
-        times, pending, finish, made = [], [], "length", 0
-        tokens = self._token_stream(ids)
-        for token in tokens:
-            times.append(time.perf_counter())
-            if token in self.manifest.eos_token_ids:
-                finish = "eos"
-                break
-            made += 1
-            pending.append(token)
-            text = detokenizer.add(token)
-            if text:
-                yield Piece(text, pending)
-                pending = []
-            if made == budget:
-                break
-        tokens.close()
-        yield Piece(detokenizer.flush(), pending, finish, times[0] - start, _rate(times), len(ids))
+    def generate(self, prompt: Prompt | list[Prompt], config: GenerationConfig | None = None,
+                 **settings) -> GenerationResult | list[GenerationResult]:
+        """Generate after `prompt` (text, or token ids) and return the whole result. Given a list
+        of prompts, run them as one batch and return one result per prompt."""
+        if _is_batch(prompt):
+            rows = [[] for _ in prompt]
+            for row, piece in self.stream_batch(prompt, config, **settings):
+                rows[row].append(piece)
+            return [GenerationResult.from_pieces(pieces) for pieces in rows]
+        return GenerationResult.from_pieces(list(self.stream(prompt, config, **settings)))
+
+    def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
+        """Yield the output piece by piece as it is generated. Closing the iterator stops the work."""
+        if _is_batch(prompt):
+            raise GenerationError("stream takes one prompt: use stream_batch (or generate) for a list of prompts")
+        return _only_pieces(self._start([prompt], config, settings))
+
+    def stream_batch(self, prompts: list[Prompt], config: GenerationConfig | None = None,
+                     **settings) -> Iterator[tuple[int, Piece]]:
+        """Run `prompts` as one batch, yielding (row, piece) as each row's output is generated."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise GenerationError("stream_batch takes a non-empty list of prompts")
+        return self._start(list(prompts), config, settings)
+
+    def chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> GenerationResult:
+        """The model's reply to a conversation (a list of {"role", "content"} messages)."""
+        return self.generate(self.chat_prompt(messages), config, **settings)
+
+    def stream_chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
+        """The model's reply to a conversation, piece by piece."""
+        return self.stream(self.chat_prompt(messages), config, **settings)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
         return self.tokenizer.encode(self.tokenizer.render_chat(messages), add_special_tokens=False)
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in prompt):
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.manifest.vocab_size]
             if bad:
                 raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
+        else:
+            raise GenerationError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise GenerationError("the prompt is empty: pass some text or token ids")
         return ids
 
-    def _token_budget(self, prompt_len: int, max_new_tokens: int) -> int:
-        if max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        room = self.manifest.max_context - prompt_len
+    # Generation.
+
+    def _start(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> Iterator[tuple[int, Piece]]:
+        """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
+        start = time.perf_counter()
+        config = resolve_settings(self.default_config, config, settings)
+        self._check_stop_ids(config.stop_token_ids)
+        ids = [self.prompt_ids(p) for p in prompts]
+        budget = self._token_budget(ids, config.max_new_tokens)
+        rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start) for row in ids]
+        return self._loop(rows, config.is_greedy)
+
+    def _loop(self, rows: list[Sequence], is_greedy: bool) -> Iterator[tuple[int, Piece]]:
+        """Prefill once, then choose → yield → decode until every row has ended."""
+        cache = KVCache(self.manifest.kv)
+        logits = self.prefill([row.prompt_ids for row in rows], cache)
+        while True:
+            tokens = self._choose(logits, rows, is_greedy)
+            for index, (row, token) in enumerate(zip(rows, tokens)):
+                piece = None if row.is_done else row.add(token)
+                if piece is not None:
+                    yield index, piece
+            if all(row.is_done for row in rows):
+                return
+            logits = self.decode([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)], cache)
+
+    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool) -> list[int]:
+        """The next token of every row. Greedy needs only the ids, so ArgMax runs on the device
+        that holds the logits; sampling brings each row's last-position logits to the host."""
+        if is_greedy:
+            return self.heads.argmax(logits)
+        last = self.heads.last(logits)
+        return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
+
+    def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
+        """Run the prefill graph over the prompts (one batch); fills `cache` and returns the
+        logits [batch, sequence, vocab], left on the device."""
+        return self._run(self.prefill_graph, cache.prefill_inputs(prompts), cache)
+
+    def decode(self, tokens: list[int], cache: KVCache) -> ort.OrtValue:
+        """Run the decode graph for one new token per row on top of `cache`; returns the logits
+        [batch, 1, vocab], left on the device."""
+        return self._run(self.decode_graph, cache.decode_inputs(tokens), cache)
+
+    def _run(self, graph: Graph, step: dict, cache: KVCache) -> ort.OrtValue:
+        """One pass of a graph: the step's inputs it takes plus the cache's past (empty before
+        prefill); the presents and the logits stay on the device."""
+        inputs = {name: value for name, value in step.items() if name in graph.inputs}
+        kept, _ = graph.run({**inputs, **cache.past}, keep=[*cache.present_names, "logits"], fetch=[])
+        cache.update(kept)
+        return kept["logits"]
+
+    def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
+        bad = [t for t in ids if t >= self.manifest.vocab_size]
+        if bad:
+            raise SettingsError(f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
+
+    def _token_budget(self, prompts: list[list[int]], max_new_tokens: int) -> int:
+        """New tokens each row may make: `max_new_tokens`, or less where the context ends. In a
+        batch the longest prompt sets the room left for every row."""
+        longest = max(len(p) for p in prompts)
+        room = self.manifest.max_context - longest
         if room < 1:
-            raise GenerationError(
-                f"the prompt has {prompt_len} tokens but the model's context is {self.manifest.max_context}: shorten the prompt"
-            )
+            which = "the prompt has" if len(prompts) == 1 else "the longest prompt of the batch has"
+            raise GenerationError(f"{which} {longest} tokens but the model's context is {self.manifest.max_context}: shorten the prompt")
         return min(max_new_tokens, room)
 
-    def _token_stream(self, ids: list[int]) -> Iterator[int]:
-        """Prefill, then decode → sample forever; the caller stops it."""
-        cache = KVCache(self.manifest.kv)
-        logits = self.prefill(ids, cache)
-        while True:
-            token = greedy(logits)
-            yield token
-            logits = self.decode(token, cache)
 
-    def prefill(self, ids: list[int], cache: KVCache) -> np.ndarray:
-        """Run the prefill graph over the whole prompt; fills `cache`, returns the logits."""
-        n = len(ids)
-        step = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None, :]}
-        return self._run(self.prefill_graph, step, cache)
-
-    def decode(self, token: int, cache: KVCache) -> np.ndarray:
-        """Run the decode graph for one new token on top of `cache`; returns its logits."""
-        n = cache.length
-        step = {"input_ids": np.array([[token]], np.int64), "attention_mask": np.ones((1, n + 1), np.int64),
-                "position_ids": np.array([[n]], np.int64)}
-        return self._run(self.decode_graph, step, cache)
-
-    def _run(self, graph: Graph, step: dict, cache: KVCache) -> np.ndarray:
-        """One pass of a graph: the step's inputs it takes plus the cache's past (empty before
-        prefill); the presents stay on the device in the cache, only the logits come to the host."""
-        inputs = {name: value for name, value in step.items() if name in graph.inputs}
-        present, host = graph.run({**inputs, **cache.past}, keep=cache.present_names, fetch=["logits"])
-        cache.update(present)
-        return host["logits"]
+def _model_defaults(manifest: Manifest) -> GenerationConfig:
+    try:
+        return GenerationConfig(**manifest.generation)
+    except (SettingsError, TypeError) as e:
+        raise ManifestError(f"the manifest's generation defaults are invalid ({e}): export the model again") from None
 
 
-def _rate(times: list[float]) -> float:
-    """Tokens per second after the first token."""
-    if len(times) < 2 or times[-1] <= times[0]:
-        return 0.0
-    return (len(times) - 1) / (times[-1] - times[0])
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(isinstance(p, (str, list, tuple)) for p in prompt)
+
+
+def _only_pieces(events: Iterator[tuple[int, Piece]]) -> Iterator[Piece]:
+    try:
+        for _, piece in events:
+            yield piece
+    finally:
+        events.close()

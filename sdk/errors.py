@@ -26,5 +26,9 @@ class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 
 
+class SettingsError(GenerationError):
+    """A generation setting that is unknown or out of its range."""
+
+
 class ExportError(EdgeInferError):
     """Export could not produce a valid pair of graphs."""

@@ -1,31 +1,53 @@
-"""The KV cache of one generation: the only code that knows how present becomes past."""
+"""The KV cache of one generation: the only code that knows how present becomes past, and which
+of its slots hold real tokens (the attention mask) for every row of a batch."""
 from __future__ import annotations
 
+import numpy as np
+
 from .manifest import KVSpec
-from .runtime import sequence_length
+
+PAD_ID = 0  # fed where a row has no token: left padding, and rows that have already ended
 
 
 class KVCache:
-    """Holds the past keys and values as OrtValues on the engine's device.
+    """Holds the past keys and values as OrtValues on the engine's device, and the attention
+    mask over them.
 
-    They are never copied to the host: each step's `present.*` outputs are kept on the device
-    by the runtime and bound, as they are, as the next step's `past_key_values.*` inputs.
+    The keys and values are never copied to the host: each step's `present.*` outputs are kept
+    on the device by the runtime and bound, as they are, as the next step's `past_key_values.*`
+    inputs. Prompts of a batch are left-padded, so every row's newest token is at the end.
     """
 
     def __init__(self, spec: KVSpec):
         self.spec = spec
         self.past: dict = {}
+        self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
 
     @property
     def length(self) -> int:
-        """Tokens held in the cache."""
-        if not self.past:
-            return 0
-        return sequence_length(next(iter(self.past.values())), self.spec.sequence_axis)
+        """Slots in the cache (padding included)."""
+        return self.mask.shape[1]
 
     @property
     def present_names(self) -> list[str]:
         return self.spec.present
+
+    def prefill_inputs(self, prompts: list[list[int]]) -> dict[str, np.ndarray]:
+        """Inputs of the prefill graph for `prompts`, left-padded to the longest."""
+        width = max(len(p) for p in prompts)
+        ids = np.full((len(prompts), width), PAD_ID, np.int64)
+        self.mask = np.zeros((len(prompts), width), np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = prompt
+            self.mask[row, width - len(prompt):] = 1
+        positions = np.maximum(self.mask.cumsum(axis=1) - 1, 0)
+        return {"input_ids": ids, "attention_mask": self.mask, "position_ids": positions}
+
+    def decode_inputs(self, tokens: list[int]) -> dict[str, np.ndarray]:
+        """Inputs of the decode graph for one new token per row, on top of the cache."""
+        positions = self.mask.sum(axis=1, keepdims=True)
+        self.mask = np.concatenate([self.mask, np.ones((len(tokens), 1), np.int64)], axis=1)
+        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions}
 
     def update(self, present: dict) -> None:
         """Take a step's present outputs as the past of the next step."""

@@ -66,6 +66,8 @@ class Manifest:
     decode: GraphSpec
     kv: KVSpec
     tokenizer: TokenizerSpec
+    # Default generation settings (GenerationConfig fields), from the model's generation config.
+    generation: dict = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)
     validation: dict = field(default_factory=dict)
     files: dict[str, dict] = field(default_factory=dict)

@@ -9,11 +9,13 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from .errors import ManifestError, NotAnExportError, ProviderError
+from .heads import head_model
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
                 ort_state.InvalidArgument, ort_state.RuntimeException)
 _QUIET, _DEFAULT_SEVERITY = 4, 2
+_ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}  # ONNX TensorProto codes
 
 
 @dataclass(frozen=True)
@@ -60,32 +62,36 @@ def choose_provider(requested: str) -> tuple[str, str]:
 
 
 class Graph:
-    """One ONNX graph in one InferenceSession, always run through IO binding."""
+    """One ONNX graph in one InferenceSession, always run through IO binding. `source` is the
+    path of an .onnx file, or a serialized model (the small heads built in memory)."""
 
-    def __init__(self, path: Path, provider: str, threads: int | None):
+    def __init__(self, source: Path | bytes, provider: str, threads: int | None):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or 0
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         providers = [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
-        if not Path(path).is_file():
-            raise NotAnExportError(f"graph {path} is missing: the export is incomplete, export the model again")
+        name = "a built-in head graph" if isinstance(source, bytes) else str(source)
+        if not isinstance(source, bytes) and not Path(source).is_file():
+            raise NotAnExportError(f"graph {source} is missing: the export is incomplete, export the model again")
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
+            self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
+                                                providers=providers)
         except _LOAD_ERRORS as e:
-            raise NotAnExportError(f"ONNX Runtime cannot load {path} ({e}): the file is damaged, export the model again") from None
+            raise NotAnExportError(f"ONNX Runtime cannot load {name} ({e}): the file is damaged, export the model again") from None
         if PROVIDERS[provider] not in self.session.get_providers():
-            raise ProviderError(f"ONNX Runtime did not start {PROVIDERS[provider]} for {path}: use provider 'cpu'")
-        self.path = Path(path)
+            raise ProviderError(f"ONNX Runtime did not start {PROVIDERS[provider]} for {name}: use provider 'cpu'")
+        self.name = name
         self.device = provider
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_types = {o.name: o.type for o in self.session.get_outputs()}
 
     def check_names(self, inputs: list[str], outputs: list[str]) -> None:
         """The graph must take and give exactly the names the manifest lists."""
         if list(self.inputs) != inputs or self.output_names != outputs:
             raise ManifestError(
-                f"{self.path.name} takes {list(self.inputs)} and gives {self.output_names}, but the manifest lists "
+                f"{Path(self.name).name} takes {list(self.inputs)} and gives {self.output_names}, but the manifest lists "
                 f"{inputs} and {outputs}: the graph and manifest come from different exports, export the model again"
             )
 
@@ -112,3 +118,24 @@ class Graph:
 
 def sequence_length(value: ort.OrtValue, axis: int) -> int:
     return value.shape()[axis]
+
+
+class LogitsHeads:
+    """The heads of `heads.py`, run on the device that holds the logits.
+
+    This is the line between device and host in generation: the logits stay where the graph
+    made them, and only token ids (greedy) or one position's logits (sampling) cross it."""
+
+    def __init__(self, logits_type: str, provider: str):
+        if logits_type not in _ONNX_TYPES:
+            raise ManifestError(f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again")
+        self._argmax = Graph(head_model("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
+        self._last = Graph(head_model("last", _ONNX_TYPES[logits_type]), provider, threads=1)
+
+    def argmax(self, logits: ort.OrtValue) -> list[int]:
+        """Each row's greedy token: the largest logit of its last position."""
+        return self._argmax.run({"logits": logits}, keep=[], fetch=["argmax"])[1]["argmax"].tolist()
+
+    def last(self, logits: ort.OrtValue) -> np.ndarray:
+        """Each row's last-position logits on the host, [batch, vocab] float32."""
+        return self._last.run({"logits": logits}, keep=[], fetch=["last"])[1]["last"].astype(np.float32, copy=False)

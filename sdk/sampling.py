@@ -1,9 +1,77 @@
-"""Choosing the next token from the last position's logits."""
+"""Choosing the next token from one row's last-position logits: a pure function built once from
+the settings (greedy when temperature is 0, else a short chain of filters, then a seeded draw).
+
+The order of the filters is transformers': repetition penalty, temperature, top-k, top-p, min-p.
+"""
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from .settings import GenerationConfig
 
-def greedy(logits: np.ndarray) -> int:
-    """The id of the largest logit of the last position; `logits` is [batch=1, seq, vocab]."""
-    return int(np.argmax(logits[0, -1]))
+Sampler = Callable[[np.ndarray, Sequence[int]], int]
+
+
+def make_sampler(config: GenerationConfig) -> Sampler:
+    """A function (logits [vocab], token history) → next token id. Each sampler owns its random
+    generator, seeded from `config.seed`, so equal seeds give equal draws in any process."""
+    penalty = config.repetition_penalty
+    if config.temperature == 0 or config.top_k == 1:
+        return lambda logits, history: int(np.argmax(penalize(logits, history, penalty)))
+    rng = np.random.default_rng(config.seed)
+
+    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+        scores = penalize(logits, history, penalty).astype(np.float64) / config.temperature
+        ids = top_k(scores, config.top_k)
+        probs = softmax(scores[ids])
+        keep = top_p(probs, config.top_p) & min_p(probs, config.min_p)
+        return int(ids[draw(np.where(keep, probs, 0.0), rng)])
+
+    return sample
+
+
+def penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    """Make tokens already seen (prompt included) less likely: positive logits are divided by
+    `penalty`, negative ones multiplied."""
+    if penalty == 1.0 or len(history) == 0:
+        return logits
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    out = logits.copy()
+    out[seen] = np.where(out[seen] < 0, out[seen] * penalty, out[seen] / penalty)
+    return out
+
+
+def top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the `k` largest scores (all ids when k is 0 or at least the vocabulary)."""
+    if 0 < k < scores.size:
+        return np.argpartition(-scores, k - 1)[:k]
+    return np.arange(scores.size)
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    e = np.exp(scores - scores.max())
+    return e / e.sum()
+
+
+def top_p(probs: np.ndarray, p: float) -> np.ndarray:
+    """Keep the most likely tokens until their probabilities add up to `p` (always at least one)."""
+    if p >= 1.0:
+        return np.ones(probs.size, bool)
+    order = np.argsort(-probs, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]  # probability mass ranked above each token
+    keep = np.zeros(probs.size, bool)
+    keep[order[before < p]] = True
+    return keep
+
+
+def min_p(probs: np.ndarray, p: float) -> np.ndarray:
+    """Keep tokens at least `p` times as likely as the most likely one."""
+    return probs >= p * probs.max()
+
+
+def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn with probability proportional to `weights`."""
+    cumulative = np.cumsum(weights)
+    return min(int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")), weights.size - 1)

@@ -72,14 +72,14 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
     model = hf[0]
     ids = hf[1](PROMPT).input_ids
     cache = KVCache(engine.manifest.kv)
-    logits = engine.prefill(ids, cache)
+    logits = engine.prefill([ids], cache).numpy()
     with torch.no_grad():
         ref = model(torch.tensor([ids]), use_cache=True)
     np.testing.assert_allclose(logits[0], ref.logits[0].numpy(), atol=1e-4)
     past = ref.past_key_values
     for _ in range(8):
         token = int(np.argmax(logits[0, -1]))
-        logits = engine.decode(token, cache)
+        logits = engine.decode([token], cache).numpy()
         with torch.no_grad():
             ref = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = ref.past_key_values
@@ -89,8 +89,8 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
 
 def test_kv_cache_stays_as_ort_values_on_the_device(engine):
     cache = KVCache(engine.manifest.kv)
-    engine.prefill([5, 6, 7], cache)
-    engine.decode(8, cache)
+    engine.prefill([[5, 6, 7]], cache)
+    engine.decode([8], cache)
     assert list(cache.past) == engine.manifest.kv.past
     assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in cache.past.values())
     assert [v.shape() for v in cache.past.values()] == [[1, 2, 4, 8]] * 4
@@ -172,7 +172,7 @@ def test_bad_prompts_are_refused_before_any_work(engine):
         engine.generate([5, 320, -1])
     with pytest.raises(GenerationError, match="the prompt has 256 tokens but the model's context is 256"):
         engine.generate([5] * 256)
-    with pytest.raises(GenerationError, match="max_new_tokens must be at least 1, got 0"):
+    with pytest.raises(GenerationError, match="max_new_tokens must be an integer of at least 1, got 0"):
         engine.generate("hi", max_new_tokens=0)
 
 

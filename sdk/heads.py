@@ -1,0 +1,30 @@
+"""Two tiny ONNX graphs that run on the logits where they are (on the GPU under CUDA), so the
+full [batch, sequence, vocab] logits never have to come to the host:
+
+- `last`: the last position's logits, [batch, vocab], for sampling on the host;
+- `argmax`: the id of the largest logit at the last position, [batch], for greedy decoding.
+
+The prompt is left-padded in a batch, so the last position is the last token of every row.
+"""
+from __future__ import annotations
+
+OPSET = 17
+IR_VERSION = 8  # old enough for every onnxruntime edgeinfer supports
+
+
+def head_model(kind: str, logits_type: int) -> bytes:
+    """The serialized model of head `kind` ("last" or "argmax") for logits of ONNX element type
+    `logits_type` (float, float16, ...)."""
+    from onnx import TensorProto, helper
+
+    last_index = helper.make_tensor("last_index", TensorProto.INT64, [], [-1])
+    nodes = [helper.make_node("Gather", ["logits", "last_index"], ["last"], axis=1)]
+    if kind == "argmax":
+        nodes.append(helper.make_node("ArgMax", ["last"], ["argmax"], axis=-1, keepdims=0))
+        output = helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch"])
+    else:
+        output = helper.make_tensor_value_info("last", logits_type, ["batch", "vocab"])
+    logits = helper.make_tensor_value_info("logits", logits_type, ["batch", "sequence", "vocab"])
+    graph = helper.make_graph(nodes, f"edgeinfer_{kind}", [logits], [output], initializer=[last_index])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    return model.SerializeToString()

@@ -1,0 +1,104 @@
+"""One prompt's generation, token by token: its text, its stop conditions and its timings.
+The engine owns the graphs and the batch; a Sequence owns what happens to each new token."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Ids
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import make_sampler
+from .settings import GenerationConfig
+from .stopping import StopStrings
+from .tokenizer import Detokenizer, Tokenizer
+
+
+@dataclass
+class Piece:
+    """A piece of streamed output: whole characters of text and the tokens that made them.
+    The last piece of a stream has `finish_reason` and the timings set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    """`token_ids` are the new tokens, without the EOS or stop token id that ended generation
+    (tokens that spelled a stop string are kept; the text ends before the stop string).
+    `finish_reason` is "eos", "stop" or "length"."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    ttft_s: float
+    decode_tokens_per_s: float
+
+    @classmethod
+    def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
+        last = pieces[-1]
+        return cls(text="".join(p.text for p in pieces), token_ids=[t for p in pieces for t in p.token_ids],
+                   prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
+                   decode_tokens_per_s=last.decode_tokens_per_s)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Ids[int],
+                 tokenizer: Tokenizer, start: float):
+        self.prompt_ids = prompt_ids
+        self.history = list(prompt_ids)  # what the repetition penalty looks at
+        self.budget = budget
+        self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
+        self.sampler = make_sampler(config)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.stops = StopStrings(config.stop)
+        self.start, self.times = start, []
+        self.made, self.pending = 0, []
+        self.finish_reason: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    def choose(self, logits: np.ndarray) -> int:
+        """The next token from this row's last-position logits (host side)."""
+        return self.sampler(logits, self.history)
+
+    def add(self, token: int) -> Piece | None:
+        """Take the next token; return a piece when there is text to show or generation ended."""
+        self.times.append(time.perf_counter())
+        if token in self.end_ids:
+            return self._end(self.end_ids[token], "")
+        self.history.append(token)
+        self.pending.append(token)
+        self.made += 1
+        text, stopped = self.stops.add(self.detokenizer.add(token))
+        if stopped:
+            return self._end("stop", text, stopped=True)
+        if self.made == self.budget:
+            return self._end("length", text)
+        if not text:
+            return None
+        piece, self.pending = Piece(text, self.pending), []
+        return piece
+
+    def _end(self, reason: str, text: str, stopped: bool = False) -> Piece:
+        if not stopped:  # what the detokenizer and the stop strings still hold
+            tail, stopped = self.stops.add(self.detokenizer.flush())
+            text += tail if stopped else tail + self.stops.flush()
+        self.finish_reason = "stop" if stopped else reason
+        return Piece(text, self.pending, self.finish_reason, self.times[0] - self.start, _rate(self.times),
+                     len(self.prompt_ids))
+
+
+def _rate(times: list[float]) -> float:
+    """Tokens per second after the first token."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return 0.0
+    return (len(times) - 1) / (times[-1] - times[0])
