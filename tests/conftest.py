@@ -52,3 +52,59 @@ def tiny_llama(tmp_path_factory):
     build_llama(root / "hf")
     export_model(str(root / "hf"), root / "export")
     return root / "hf", root / "export"
+
+
+CHAIN_TEXT = ("Edge boxes", "東京🙂", " model; STOP")  # the middle part is spelled byte by byte
+EOS_ID = 2  # <|im_end|>
+
+
+def chain_ids(tokenizer) -> list[int]:
+    """<|im_start|> then the tokens of CHAIN_TEXT, every id distinct; multi-byte characters are
+    split into one token per byte, so a character spans several tokens."""
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    vocab, byte_char = tokenizer.get_vocab(), bytes_to_unicode()
+    head, spelled, tail = CHAIN_TEXT
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    ids = [1, *encode(head), *(vocab[byte_char[b]] for b in spelled.encode()), *encode(tail)]
+    assert len(set(ids)) == len(ids)
+    return ids
+
+
+def build_chain_llama(folder):
+    """A llama that deterministically says CHAIN_TEXT and then EOS after <|im_start|>: attention and
+    MLP outputs are zero, so the last token alone picks the next; token i of the chain has the i-th
+    unit vector as embedding, and the lm_head row of token i+1 reads that unit vector."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    ids = chain_ids(tokenizer)
+    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=EOS_ID)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for i, (token, successor) in enumerate(zip(ids, [*ids[1:], EOS_ID])):
+            model.model.embed_tokens.weight[token, i] = 1.0
+            model.lm_head.weight[successor, i] = 1.0
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=EOS_ID)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return ids
+
+
+@pytest.fixture(scope="session")
+def chain_llama(tmp_path_factory):
+    """(export folder, chain ids) of the llama that spells CHAIN_TEXT."""
+    from edgeinfer.export import export_model
+
+    root = tmp_path_factory.mktemp("chain-llama")
+    ids = build_chain_llama(root / "hf")
+    export_model(str(root / "hf"), root / "export")
+    return root / "export", ids
