@@ -20,6 +20,7 @@ GENERATION_OPTIONS = [
     click.option("--repetition-penalty", type=float, default=None, help="Penalize tokens already seen (1: off)."),
     click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
     click.option("--stop", multiple=True, help="Stop before this text; repeatable."),
+    click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop at this token id; repeatable."),
     click.option("--ignore-eos", is_flag=True, default=None, help="Keep generating past the model's EOS."),
 ]
 

@@ -87,3 +87,89 @@ def test_info_prints_the_manifest_and_providers(tiny_llama):
 def test_run_with_an_unknown_provider(tiny_llama):
     done = edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "bogus", "hi")
     assert done.returncode == 2 and "Invalid value for '--provider'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_run_takes_every_generation_setting_as_a_flag(tiny_llama):
+    flags = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01", "--repetition-penalty", "1.1",
+             "--seed", "4", "--stop", "zz", "--stop", "qq", "--stop-token-id", "300", "--max-new-tokens", "12"]
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "The capital")
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate(
+        "The capital", temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.1, seed=4,
+        stop=["zz", "qq"], stop_token_ids=[300], max_new_tokens=12)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected.text + "\n" and f"finish: {expected.finish_reason}" in done.stderr
+
+
+def test_every_generation_setting_has_a_flag():
+    from edgeinfer.cli.options import GENERATION_OPTIONS
+    from edgeinfer.sdk.settings import FIELDS
+
+    names = [option(lambda: None).__click_params__[0].name for option in GENERATION_OPTIONS]
+    assert sorted(names) == sorted(FIELDS)
+
+
+def test_run_json_prints_one_machine_readable_result(tiny_llama):
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "9", "--ignore-eos", "The capital")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=9)
+    assert (result["text"], result["token_ids"], result["finish_reason"]) == (expected.text, expected.token_ids, "length")
+    assert result["prompt_tokens"] == expected.prompt_tokens and result["provider"] == "cpu"
+    assert result["ttft_s"] > 0 and result["decode_tokens_per_s"] > 0
+
+
+def test_run_reads_the_prompt_from_stdin(tiny_llama):
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(tiny_llama[1]), "--json",
+                           "--max-new-tokens", "6", "-"], input="The capital\n", capture_output=True, text=True, timeout=300)
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=6)
+    assert done.returncode == 0 and json.loads(done.stdout)["token_ids"] == expected.token_ids, done.stderr
+
+
+def test_run_with_an_invalid_setting(tiny_llama):
+    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--top-p", "2", "hi"), "top_p must be a number in (0, 1]", "got 2.0")
+
+
+def chat(folder, lines, *flags):
+    return subprocess.run([sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(folder), "--max-new-tokens", "6", *flags],
+                          input="".join(line + "\n" for line in lines), capture_output=True, text=True, timeout=300)
+
+
+def test_chat_keeps_the_conversation_and_streams_each_reply(tiny_llama):
+    done = chat(tiny_llama[1], ["Hello", "And Paris?"], "--system", "Be brief.")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = engine.chat(messages, max_new_tokens=6).text
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And Paris?"}]
+    second = engine.chat(messages, max_new_tokens=6).text
+    assert done.stdout == first + "\n" + second + "\n"
+
+
+def test_chat_reset_starts_a_new_conversation(tiny_llama):
+    done = chat(tiny_llama[1], ["Hello", "/reset", "And Paris?", "/exit", "never read"])
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    replies = [engine.chat([{"role": "user", "content": text}], max_new_tokens=6).text for text in ("Hello", "And Paris?")]
+    assert done.returncode == 0 and done.stdout == "\n".join(replies) + "\n"
+    assert "(conversation cleared)" in done.stderr
+
+
+def test_chat_drops_the_oldest_exchange_when_the_context_is_full(tiny_llama):
+    long = "Edge boxes run small language models. " * 6  # about 60 tokens a message; the context is 256
+    done = chat(tiny_llama[1], [long + str(i) for i in range(5)])
+    assert done.returncode == 0, done.stderr
+    assert "oldest exchange was dropped" in done.stderr and len(done.stdout.splitlines()) >= 5
+
+
+def test_chat_ends_cleanly_on_ctrl_c_at_the_prompt(tiny_llama):
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(tiny_llama[1])],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    output = ""
+    while "> " not in output and time.monotonic() < deadline:  # wait for the first prompt
+        output += process.stderr.read(1)
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=60)
+    assert process.returncode == 0 and "Traceback" not in output + rest, output + rest

@@ -8,11 +8,33 @@ from edgeinfer.sdk.runtime import cuda_unusable_reason
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_unusable_reason() is not None, reason=f"no CUDA: {cuda_unusable_reason()}")]
 
 
-def test_cuda_gives_the_cpu_tokens_and_keeps_the_cache_on_the_gpu(tiny_llama):
-    gpu = Engine.load(tiny_llama[1], provider="cuda")
-    cpu = Engine.load(tiny_llama[1], provider="cpu")
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    return Engine.load(tiny_llama[1], provider="cuda"), Engine.load(tiny_llama[1], provider="cpu")
+
+
+def test_cuda_gives_the_cpu_tokens_and_keeps_the_cache_and_logits_on_the_gpu(engines):
+    gpu, cpu = engines
     assert gpu.generate("The capital", max_new_tokens=16).token_ids == cpu.generate("The capital", max_new_tokens=16).token_ids
     cache = KVCache(gpu.manifest.kv)
-    gpu.prefill([5, 6, 7], cache)
-    gpu.decode(8, cache)
+    gpu.prefill([[5, 6, 7]], cache)
+    logits = gpu.decode([8], cache)
     assert all(v.device_name().lower() == "cuda" for v in cache.past.values())
+    assert logits.device_name().lower() == "cuda"
+    assert gpu.heads.argmax(logits) == cpu.heads.argmax(cpu.decode([8], _prefilled(cpu, [5, 6, 7])))
+
+
+def _prefilled(engine, ids):
+    cache = KVCache(engine.manifest.kv)
+    engine.prefill([ids], cache)
+    return cache
+
+
+def test_cuda_batches_and_sampling(engines):
+    gpu, cpu = engines
+    prompts = ["Hi", "The capital of France is" * 4]
+    assert [r.token_ids for r in gpu.generate(prompts, max_new_tokens=12)] == \
+        [cpu.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    sampled = gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3)
+    assert sampled.token_ids == gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3).token_ids
+    assert len(sampled.token_ids) == 12

