@@ -3,7 +3,7 @@ The engine owns the graphs and the batch; a Sequence owns what happens to each n
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Ids
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +49,7 @@ class GenerationResult:
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Ids[int],
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Iterable[int],
                  tokenizer: Tokenizer, start: float):
         self.prompt_ids = prompt_ids
         self.history = list(prompt_ids)  # what the repetition penalty looks at
