@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
 from .chat import chat
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
@@ -25,10 +25,11 @@ def cli(debug):
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Folder to write the export to.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
-def export(model, output, force):
+@click.option("--max-context", type=int, default=None, help="Tokens the runtime may hold [default: the model's limit].")
+def export(model, output, force, max_context):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to prefill/decode ONNX graphs."""
     exporter = _exporter()
-    manifest = exporter.export_model(model, output, exporter.ExportOptions(force=force), say)
+    manifest = exporter.export_model(model, output, exporter.ExportOptions(force=force, max_context=max_context), say)
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
 
 
@@ -57,9 +58,22 @@ def run(prompt, model, provider, threads, chat, as_json, **params):
 
 
 @cli.command()
-@click.argument("folder", type=click.Path())
-def info(folder):
-    """Print an export's manifest and the execution providers usable here."""
+@click.argument("folder", type=click.Path(), required=False)
+@click.option("--architectures", is_flag=True, help="List the model families edgeinfer can export.")
+def info(folder, architectures):
+    """Print an export's manifest and the execution providers usable here, or (--architectures)
+    the model families edgeinfer can export."""
+    if architectures:
+        from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
+
+        click.echo("supported (each proven by a parity test against transformers):")
+        click.echo("  " + ", ".join(SUPPORTED))
+        click.echo("not supported:")
+        for name, reason in UNSUPPORTED.items():
+            click.echo(f"  {name}: {reason}")
+        return
+    if folder is None:
+        raise click.UsageError("pass an export FOLDER, or --architectures")
     from edgeinfer.sdk.manifest import load_manifest
     from edgeinfer.sdk.runtime import cuda_unusable_reason
 
@@ -67,6 +81,34 @@ def info(folder):
     click.echo(json.dumps(manifest.to_dict(), indent=2))
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
+
+
+@cli.command()
+@click.argument("folder", type=click.Path())
+@click.option("--against", "source", required=True, help="The model it was exported from: folder, .gguf, catalog name or hub id.")
+@click.option("--prompt", default=None, help="Text to check with [default: a fixed sentence].")
+@click.option("--new-tokens", default=16, show_default=True, type=click.IntRange(1, 4096))
+def check(folder, source, prompt, new_tokens):
+    """Check the export in FOLDER against its PyTorch source: greedy tokens, prefill and decode
+    logits, and a batch of two prompts against single runs. Exits 1 if any differs."""
+    _exporter()  # a clear error where the export extra is missing
+    from edgeinfer.export.check import DEFAULT_PROMPT, check_export
+    from edgeinfer.export.source import load_model, resolve_source
+
+    model, _ = load_model(resolve_source(source, say))
+    result = check_export(folder, model, prompt or DEFAULT_PROMPT, new_tokens)
+    same = {True: "equal", False: "DIFFERENT"}
+    click.echo(f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'")
+    if not result.tokens_equal:
+        click.echo(f"  transformers: {result.expected_tokens}\n  export:       {result.tokens}")
+    for stage in ("prefill", "decode"):
+        difference = getattr(result, f"max_abs_diff_{stage}")
+        verdict = "within" if difference <= result.tolerance else "ABOVE"
+        click.echo(f"{stage} logits: largest difference {difference:.2e}, {verdict} tolerance {result.tolerance:.2e}")
+    click.echo(f"batch of two prompts: rows {same[result.batch_rows_equal_single]} to single runs")
+    if not result.passed:
+        raise ExportError(f"the export in {folder} does not match {source}: re-export it, and report the check's output if it persists")
+    click.echo("check passed")
 
 
 cli.add_command(chat)

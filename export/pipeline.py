@@ -24,6 +24,12 @@ _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx
 @dataclass(frozen=True)
 class ExportOptions:
     force: bool = False  # replace an existing output folder
+    max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
+
+    def __post_init__(self):
+        if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
+                                             or self.max_context < 2):
+            raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")
 
 
 def export_model(model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None) -> Manifest:
@@ -39,14 +45,14 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
     work = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
-        manifest = _export_into(model, work, say)
+        manifest = _export_into(model, work, options, say)
         _replace(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
-def _export_into(model: str, work: Path, say) -> Manifest:
+def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
     stage = _Stages(say)
     with stage("load"):
         source = resolve_source(model, say)
@@ -57,7 +63,8 @@ def _export_into(model: str, work: Path, say) -> Manifest:
             graphs[name] = export_graph(torch_model, name, work)
     with stage("tokenizer"):
         tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
-    manifest = _manifest(source.name, torch_model, graphs, kv_layout(work, graphs["decode"]), tokenizer_spec)
+    context = max_context(torch_model.config, tokenizer, options.max_context)
+    manifest = _manifest(source.name, torch_model, graphs, kv_layout(work, graphs["decode"]), tokenizer_spec, context)
     manifest.save(work)
     with stage("validate"):
         validation = validate(torch_model, work)
@@ -69,13 +76,13 @@ def _export_into(model: str, work: Path, say) -> Manifest:
     return manifest
 
 
-def _manifest(source, model, graphs, kv, tokenizer_spec) -> Manifest:
+def _manifest(source, model, graphs, kv, tokenizer_spec, context: int) -> Manifest:
     config, generation = model.config, model.generation_config
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
     return Manifest(
         format_version=FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
-        vocab_size=config.vocab_size, max_context=_max_context(config), bos_token_id=bos,
+        vocab_size=config.vocab_size, max_context=context, bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
         prefill=graphs["prefill"], decode=graphs["decode"], kv=kv, tokenizer=tokenizer_spec,
         generation=generation_defaults(generation), tools=_tool_versions(),
@@ -97,11 +104,19 @@ def generation_defaults(generation) -> dict:
     return defaults
 
 
-def _max_context(config) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if getattr(config, name, None):
-            return int(getattr(config, name))
-    raise ExportError(f"the {config.model_type} config names no maximum context length")
+def max_context(config, tokenizer, requested: int | None) -> int:
+    """The context the export serves: `requested`, else the model's limit (its config, else its
+    tokenizer's model_max_length)."""
+    names = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
+    limit = next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
+    if limit is None and 0 < (tokenizer.model_max_length or 0) < 10**7:  # tokenizers say 1e30 for "no limit"
+        limit = int(tokenizer.model_max_length)
+    if requested is not None and limit is not None and requested > limit:
+        raise ExportError(f"--max-context {requested} is more than this model's context of {limit} tokens: pass at most {limit}")
+    if requested is None and limit is None:
+        raise ExportError(f"the {config.model_type} config names no maximum context length: pass --max-context N "
+                          "(the context the model was trained with)")
+    return requested or limit
 
 
 def _save_tokenizer(model, tokenizer, work: Path) -> TokenizerSpec:

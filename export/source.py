@@ -1,6 +1,7 @@
 """Where the model to export comes from, and loading it with transformers."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,9 @@ from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
+from .families import SUPPORTED, UNSUPPORTED
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-TASK = "text-generation-with-past"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ def load_model(source: Source):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if not source.gguf_file:
+        check_supported(_model_type(Path(source.path)))
     try:
         config = AutoConfig.from_pretrained(source.path, **kwargs)
         check_supported(config.model_type)
@@ -70,21 +74,28 @@ def load_model(source: Source):
         tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
     except OSError as e:
         raise ModelNotFoundError(f"cannot load {source.name}: {_first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
+    except ValueError as e:  # transformers' word for a config or GGUF it cannot read
+        raise ExportError(f"transformers cannot load {source.name}: {_first_line(e)}") from None
     if not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
 
 
 def check_supported(model_type: str) -> None:
-    import optimum.exporters.onnx.model_configs  # noqa: F401  (registers the ONNX configs)
-    from optimum.exporters.tasks import TasksManager
+    """Refuse, in one line, a model type that edgeinfer cannot export."""
+    if model_type in UNSUPPORTED:
+        raise ExportError(f"model type {model_type!r} cannot be exported: {UNSUPPORTED[model_type]}; "
+                          "`edgeinfer info --architectures` lists the supported ones")
+    if model_type not in SUPPORTED:
+        raise ExportError(f"model type {model_type!r} cannot be exported: edgeinfer exports decoder-only language models "
+                          "of the families that `edgeinfer info --architectures` lists")
 
+
+def _model_type(folder: Path) -> str:
     try:
-        tasks = TasksManager.get_supported_tasks_for_model_type(model_type, exporter="onnx", library_name="transformers")
-    except KeyError:
-        tasks = {}
-    if TASK not in tasks:
-        raise ExportError(f"model type {model_type!r} cannot be exported: optimum-onnx has no {TASK} export for it")
+        return str(json.loads((folder / "config.json").read_text())["model_type"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ExportError(f"{folder / 'config.json'} has no readable model_type: is it a Hugging Face model folder?") from None
 
 
 def _first_line(error: Exception) -> str:

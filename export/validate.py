@@ -15,28 +15,33 @@ RELATIVE_TOLERANCE = 1e-3
 
 
 def validate(model, folder: Path) -> dict:
-    """Prefill a fixed sample prompt and decode one token, in ONNX Runtime (CPU) and in PyTorch;
+    """Prefill a fixed random prompt and decode one token, in ONNX Runtime (CPU) and in PyTorch;
     return the largest logits differences, or raise if they are above tolerance."""
-    import torch
-
     engine = Engine.load(folder, provider="cpu")
     ids = np.random.default_rng(0).integers(0, engine.manifest.vocab_size, SAMPLE_TOKENS).tolist()
+    result = {"sample_tokens": SAMPLE_TOKENS, **logits_differences(engine, model, ids)}
+    worst = max(result["max_abs_diff_prefill"], result["max_abs_diff_decode"])
+    result["passed"] = worst <= result["tolerance"]
+    if not result["passed"]:
+        raise ExportError(f"the ONNX graphs differ from PyTorch by {worst:.3g} in the logits (tolerance {result['tolerance']:.3g}): the export is not valid")
+    return result
+
+
+def logits_differences(engine: Engine, model, ids: list[int]) -> dict:
+    """Largest absolute differences between the engine's and PyTorch's logits at the prompt's last
+    position (prefill) and for one decoded token, and the tolerance for them."""
+    import torch
+
     cache = KVCache(engine.manifest.kv)
     onnx_prefill = engine.prefill([ids], cache).numpy()[0, -1]
     token = int(np.argmax(onnx_prefill))
     onnx_decode = engine.decode([token], cache).numpy()[0, -1]
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
-        ref_prefill = out.logits[0, -1].numpy()
-        ref_decode = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True).logits[0, -1].numpy()
-    result = {
-        "sample_tokens": SAMPLE_TOKENS,
+        ref_prefill = out.logits[0, -1].float().numpy()
+        ref_decode = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True).logits[0, -1].float().numpy()
+    return {
         "max_abs_diff_prefill": float(np.abs(onnx_prefill - ref_prefill).max()),
         "max_abs_diff_decode": float(np.abs(onnx_decode - ref_decode).max()),
         "tolerance": RELATIVE_TOLERANCE * max(1.0, float(np.abs(ref_prefill).max())),
     }
-    worst = max(result["max_abs_diff_prefill"], result["max_abs_diff_decode"])
-    result["passed"] = worst <= result["tolerance"]
-    if not result["passed"]:
-        raise ExportError(f"the ONNX graphs differ from PyTorch by {worst:.3g} in the logits (tolerance {result['tolerance']:.3g}): the export is not valid")
-    return result

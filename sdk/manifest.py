@@ -29,7 +29,8 @@ class GraphSpec:
 @dataclass(frozen=True)
 class KVSpec:
     """Layout of the KV cache: `past[i]` of the decode graph is fed from `present[i]` of the
-    previous step, and grows along `sequence_axis`."""
+    previous step, and grows along `sequence_axis`. Keys have `head_size`; values have
+    `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention)."""
 
     num_layers: int
     num_kv_heads: int
@@ -38,6 +39,7 @@ class KVSpec:
     sequence_axis: int
     past: list[str]
     present: list[str]
+    value_head_size: int | None = None
 
     def __post_init__(self):
         if len(self.past) != len(self.present):

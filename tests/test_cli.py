@@ -173,3 +173,44 @@ def test_chat_ends_cleanly_on_ctrl_c_at_the_prompt(tiny_llama):
     process.send_signal(signal.SIGINT)
     _, rest = process.communicate(timeout=60)
     assert process.returncode == 0 and "Traceback" not in output + rest, output + rest
+
+
+def test_check_confirms_an_export_against_its_source(tiny_llama):
+    done = edgeinfer("check", str(tiny_llama[1]), "--against", str(tiny_llama[0]), "--new-tokens", "8")
+    assert done.returncode == 0, done.stderr
+    assert "greedy tokens (8 after a " in done.stdout and "equal to transformers'" in done.stdout
+    assert "rows equal to single runs" in done.stdout and done.stdout.endswith("check passed\n")
+
+
+def test_check_against_other_weights_fails_in_one_line(tiny_llama, tmp_path):
+    from conftest import build_llama
+
+    build_llama(tmp_path / "other", seed=1)
+    done = edgeinfer("check", str(tiny_llama[1]), "--against", str(tmp_path / "other"), "--new-tokens", "8")
+    assert "ABOVE tolerance" in done.stdout
+    assert_one_line_error(done, "does not match", "re-export")
+
+
+def test_info_lists_the_architectures():
+    from edgeinfer.export.families import SUPPORTED
+
+    done = edgeinfer("info", "--architectures")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].strip().split(", ") == list(SUPPORTED) and "internlm2: transformers 4.57 has no internlm2 model" in done.stdout
+
+
+def test_export_of_an_architecture_edgeinfer_has_never_seen(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "mamba"}')
+    done = edgeinfer("export", str(tmp_path / "model"), "-o", str(tmp_path / "out"))
+    assert_one_line_error(done, "model type 'mamba' cannot be exported", "edgeinfer info --architectures")
+
+
+def test_export_with_a_smaller_context(tiny_llama, tmp_path):
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--max-context", "64")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["max_context"] == 64
+    assert len(Engine.load(tmp_path / "out", provider="cpu").generate([5] * 60, max_new_tokens=10).token_ids) == 4
+    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "big"), "--max-context", "1000"),
+                          "--max-context 1000 is more than this model's context of 256 tokens")
