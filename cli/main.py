@@ -95,7 +95,7 @@ def check(folder, source, prompt, new_tokens):
     from edgeinfer.export.check import DEFAULT_PROMPT, check_export
     from edgeinfer.export.source import load_model, resolve_source
 
-    model, _ = load_model(resolve_source(source, say))
+    model, _ = load_model(resolve_source(source, say), with_tokenizer=False)
     result = check_export(folder, model, prompt or DEFAULT_PROMPT, new_tokens)
     same = {True: "equal", False: "DIFFERENT"}
     click.echo(f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'")

@@ -59,8 +59,8 @@ def _folder_source(path: Path) -> Source:
     return Source(str(path.resolve()), str(path.resolve()))
 
 
-def load_model(source: Source):
-    """The fp32 PyTorch model and its fast tokenizer."""
+def load_model(source: Source, with_tokenizer: bool = True):
+    """The fp32 PyTorch model and its fast tokenizer (None without `with_tokenizer`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -71,12 +71,12 @@ def load_model(source: Source):
         config = AutoConfig.from_pretrained(source.path, **kwargs)
         check_supported(config.model_type)
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs) if with_tokenizer else None
     except OSError as e:
         raise ModelNotFoundError(f"cannot load {source.name}: {_first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
     except ValueError as e:  # transformers' word for a config or GGUF it cannot read
         raise ExportError(f"transformers cannot load {source.name}: {_first_line(e)}") from None
-    if not tokenizer.is_fast:
+    if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
 
