@@ -27,7 +27,7 @@ def cli(debug):
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--max-context", type=int, default=None, help="Tokens the runtime may hold [default: the model's limit].")
 def export(model, output, force, max_context):
-    """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to prefill/decode ONNX graphs."""
+    """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to an ONNX graph for prefill and decode."""
     exporter = _exporter()
     manifest = exporter.export_model(model, output, exporter.ExportOptions(force=force, max_context=max_context), say)
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")

@@ -1,4 +1,4 @@
-"""Export: a Hugging Face causal LM → prefill.onnx + decode.onnx + edgeinfer.json.
+"""Export: a Hugging Face causal LM → model.onnx (prefill and decode) + edgeinfer.json.
 Needs the `edgeinfer[export]` extra (torch, transformers, optimum-onnx)."""
 from .pipeline import ExportOptions, export_model
 

@@ -1,5 +1,16 @@
-"""The two ONNX graphs, made by optimum-onnx's exporter for the model's architecture:
-prefill (the whole prompt, no past) and decode (one token on top of the KV cache)."""
+"""The model's ONNX graph, made by optimum-onnx's exporter for the model's architecture.
+
+One graph does both phases: it takes the KV cache as `past_key_values.*` inputs, so prefill is
+the graph run over the whole prompt with an empty past (zero tokens), and decode is the graph run
+for one new token on top of the past. Its outputs are bit-identical to those of optimum-onnx's
+separate no-past graph (checked on every family in tests/test_architectures.py), and one graph
+means one session: one copy of the weights in memory, one set of pre-packed weights, and half the
+load time of two.
+
+After export the graph computes logits for the last position only: a prompt's other positions
+would cost a [batch, prompt, vocab] product that nothing reads (a fifth of prefill's arithmetic on
+SmolLM2), and decode has one position anyway.
+"""
 from __future__ import annotations
 
 import shutil
@@ -8,43 +19,73 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
+from onnx import helper
 
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
 from .families import onnx_config_constructor
 
+GRAPH_FILE = "model.onnx"
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
-GRAPHS = {"prefill": False, "decode": True}  # graph name → takes past inputs
 # What tracing a model can raise (torch.onnx's own errors derive from RuntimeError).
 _TRACE_ERRORS = (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError, NotImplementedError)
 _ONNX_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+# Ops between the lm_head MatMul and the logits that act on each position alone (softcapping, scaling).
+_POSITIONWISE = {"Mul", "Div", "Tanh", "Add", "Cast", "Identity"}
 
 
-def export_graph(model, name: str, folder: Path) -> GraphSpec:
-    """Export one graph into `folder` as NAME.onnx with its weights in NAME.onnx.data."""
+def export_graph(model, folder: Path) -> GraphSpec:
+    """Export the graph into `folder` as model.onnx, its weights in model.onnx.data."""
     from optimum.exporters.onnx.convert import export
 
-    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=GRAPHS[name])
-    scratch = folder / f".{name}-scratch"
+    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
+    scratch = folder / ".scratch"
     scratch.mkdir()
     try:
         with warnings.catch_warnings(), _full_length_caches():
             # The tracer's warnings about Python-side shape checks are expected for these
-            # models; the export's validation stage is the real check of the graphs.
+            # models; the export's validation stage is the real check of the graph.
             warnings.simplefilter("ignore")
-            export(model, onnx_config, scratch / f"{name}.onnx")
+            export(model, onnx_config, scratch / GRAPH_FILE)
     except _TRACE_ERRORS as e:
-        raise ExportError(f"optimum-onnx could not export the {name} graph of this {model.config.model_type} model: "
+        raise ExportError(f"optimum-onnx could not export this {model.config.model_type} model: "
                           f"{type(e).__name__}: {_first_line(e)}") from e
     try:
-        graph = onnx.load(str(scratch / f"{name}.onnx"))  # with its weights, wherever optimum put them
-        onnx.save(graph, str(folder / f"{name}.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"{name}.onnx.data", size_threshold=1024)
+        graph = onnx.load(str(scratch / GRAPH_FILE))  # with its weights, wherever optimum put them
+        last_position_logits(graph.graph)
+        onnx.save(graph, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=f"{GRAPH_FILE}.data", size_threshold=1024)
     finally:
         shutil.rmtree(scratch)
-    return GraphSpec(file=f"{name}.onnx", inputs=[i.name for i in graph.graph.input],
+    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input],
                      outputs=[o.name for o in graph.graph.output])
+
+
+def last_position_logits(graph: onnx.GraphProto) -> None:
+    """Make the graph compute logits for the last position only: the hidden states going into
+    the lm_head MatMul are sliced to their last position first."""
+    producers = {output: node for node in graph.node for output in node.output}
+    node = producers["logits"]
+    while node.op_type in _POSITIONWISE:  # walk back over per-position ops to the MatMul
+        node = next(producers[i] for i in node.input if i in producers)
+    if node.op_type != "MatMul":
+        raise ExportError(f"the logits come from a {node.op_type} node, not the lm_head MatMul edgeinfer expects")
+    hidden = node.input[0]
+    names = {"starts": "edgeinfer_last_start", "ends": "edgeinfer_last_end", "axes": "edgeinfer_last_axis",
+             "out": "edgeinfer_last_hidden"}
+    graph.initializer.extend([helper.make_tensor(names["starts"], onnx.TensorProto.INT64, [1], [-1]),
+                              helper.make_tensor(names["ends"], onnx.TensorProto.INT64, [1], [2**62]),
+                              helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1])])
+    node.input[0] = names["out"]
+    slice_node = helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]],
+                                  name="edgeinfer_last_position")
+    position = list(graph.node).index(node)
+    graph.node.insert(position, slice_node)
+    for output in graph.output:  # the logits' sequence axis is now 1
+        if output.name == "logits":
+            output.type.tensor_type.shape.dim[1].Clear()
+            output.type.tensor_type.shape.dim[1].dim_value = 1
 
 
 @contextmanager
@@ -72,9 +113,9 @@ def _full_length_caches():
         cache_utils.DynamicCache.__init__ = original
 
 
-def kv_layout(folder: Path, decode: GraphSpec) -> KVSpec:
-    """The KV cache's layout, read off the decode graph's past inputs."""
-    graph = onnx.load(str(folder / decode.file), load_external_data=False).graph
+def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
+    """The KV cache's layout, read off the graph's past inputs."""
+    graph = onnx.load(str(folder / spec.file), load_external_data=False).graph
     past = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
     key, value = (past[0].type.tensor_type.shape.dim, past[1].type.tensor_type.shape.dim)
     sequence_axis = next(k for k, d in enumerate(key) if "past_sequence_length" in d.dim_param)

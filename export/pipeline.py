@@ -17,7 +17,7 @@ from .graphs import export_graph, kv_layout
 from .source import resolve_source, load_model
 from .validate import validate
 
-STAGES = ("load", "export prefill", "export decode", "tokenizer", "validate", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "write")
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -57,14 +57,12 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     with stage("load"):
         source = resolve_source(model, say)
         torch_model, tokenizer = load_model(source)
-    graphs = {}
-    for name in ("prefill", "decode"):
-        with stage(f"export {name}"):
-            graphs[name] = export_graph(torch_model, name, work)
+    with stage("export graph"):
+        graph = export_graph(torch_model, work)
     with stage("tokenizer"):
         tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
     context = max_context(torch_model.config, tokenizer, options.max_context)
-    manifest = _manifest(source.name, torch_model, graphs, kv_layout(work, graphs["decode"]), tokenizer_spec, context)
+    manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     manifest.save(work)
     with stage("validate"):
         validation = validate(torch_model, work)
@@ -76,7 +74,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     return manifest
 
 
-def _manifest(source, model, graphs, kv, tokenizer_spec, context: int) -> Manifest:
+def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifest:
     config, generation = model.config, model.generation_config
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
@@ -84,7 +82,7 @@ def _manifest(source, model, graphs, kv, tokenizer_spec, context: int) -> Manife
         format_version=FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
         vocab_size=config.vocab_size, max_context=context, bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
-        prefill=graphs["prefill"], decode=graphs["decode"], kv=kv, tokenizer=tokenizer_spec,
+        graph=graph, kv=kv, tokenizer=tokenizer_spec,
         generation=generation_defaults(generation), tools=_tool_versions(),
     )
 

@@ -1,4 +1,4 @@
-"""Export's check: both graphs, run through edgeinfer's own runtime, against the PyTorch model."""
+"""Export's check: the graph, run through edgeinfer's own runtime, against the PyTorch model."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,6 @@ import numpy as np
 
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.kv_cache import KVCache
 
 SAMPLE_TOKENS = 16
 # Largest logits difference accepted, relative to the largest reference logit (at least 1).
@@ -32,7 +31,7 @@ def logits_differences(engine: Engine, model, ids: list[int]) -> dict:
     position (prefill) and for one decoded token, and the tolerance for them."""
     import torch
 
-    cache = KVCache(engine.manifest.kv)
+    cache = engine.new_cache()
     onnx_prefill = engine.prefill([ids], cache).numpy()[0, -1]
     token = int(np.argmax(onnx_prefill))
     onnx_decode = engine.decode([token], cache).numpy()[0, -1]

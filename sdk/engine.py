@@ -33,9 +33,8 @@ class Engine:
         self.manifest = manifest
         self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
-        self.prefill_graph = self._open_graph(manifest.prefill, options)
-        self.decode_graph = self._open_graph(manifest.decode, options)
-        self.heads = LogitsHeads(self.prefill_graph.output_types["logits"], self.provider)
+        self.graph = self._open_graph(manifest.graph, options)
+        self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
 
     @classmethod
@@ -123,7 +122,7 @@ class Engine:
 
     def _loop(self, rows: list[Sequence], is_greedy: bool) -> Iterator[tuple[int, Piece]]:
         """Prefill once, then choose → yield → decode until every row has ended."""
-        cache = KVCache(self.manifest.kv)
+        cache = self.new_cache()
         logits = self.prefill([row.prompt_ids for row in rows], cache)
         while True:
             tokens = self._choose(logits, rows, is_greedy)
@@ -143,21 +142,25 @@ class Engine:
         last = self.heads.last(logits)
         return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
 
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one generation."""
+        return KVCache(self.manifest.kv, {name: self.graph.inputs[name].shape for name in self.manifest.kv.past})
+
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
-        """Run the prefill graph over the prompts (one batch); fills `cache` and returns the
-        logits [batch, sequence, vocab], left on the device."""
-        return self._run(self.prefill_graph, cache.prefill_inputs(prompts), cache)
+        """Run the graph over the prompts (one batch) with an empty past; fills `cache` and
+        returns the last position's logits [batch, 1, vocab], left on the device."""
+        return self._run(cache.prefill_inputs(prompts), cache)
 
     def decode(self, tokens: list[int], cache: KVCache) -> ort.OrtValue:
-        """Run the decode graph for one new token per row on top of `cache`; returns the logits
+        """Run the graph for one new token per row on top of `cache`; returns the logits
         [batch, 1, vocab], left on the device."""
-        return self._run(self.decode_graph, cache.decode_inputs(tokens), cache)
+        return self._run(cache.decode_inputs(tokens), cache)
 
-    def _run(self, graph: Graph, step: dict, cache: KVCache) -> ort.OrtValue:
-        """One pass of a graph: the step's inputs it takes plus the cache's past (empty before
-        prefill); the presents and the logits stay on the device."""
-        inputs = {name: value for name, value in step.items() if name in graph.inputs}
-        kept, _ = graph.run({**inputs, **cache.past}, keep=[*cache.present_names, "logits"], fetch=[])
+    def _run(self, step: dict, cache: KVCache) -> ort.OrtValue:
+        """One pass of the graph: the step's inputs it takes plus the cache's past; the presents
+        and the logits stay on the device."""
+        inputs = {name: value for name, value in step.items() if name in self.graph.inputs}
+        kept, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.present_names, "logits"], fetch=[])
         cache.update(kept)
         return kept["logits"]
 

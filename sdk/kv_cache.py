@@ -18,8 +18,11 @@ class KVCache:
     inputs. Prompts of a batch are left-padded, so every row's newest token is at the end.
     """
 
-    def __init__(self, spec: KVSpec):
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list]):
+        """`past_shapes`: each past input's shape as the graph declares it (numbers, and names for
+        the batch and the past's length)."""
         self.spec = spec
+        self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
 
@@ -41,7 +44,14 @@ class KVCache:
             ids[row, width - len(prompt):] = prompt
             self.mask[row, width - len(prompt):] = 1
         positions = np.maximum(self.mask.cumsum(axis=1) - 1, 0)
+        self.past = {name: self._empty(name, len(prompts)) for name in self.spec.past}
         return {"input_ids": ids, "attention_mask": self.mask, "position_ids": positions}
+
+    def _empty(self, name: str, batch: int) -> np.ndarray:
+        """A past of zero tokens, for prefill: the declared shape with the batch filled in."""
+        shape = [0 if axis == self.spec.sequence_axis else (dim if isinstance(dim, int) else batch)
+                 for axis, dim in enumerate(self.past_shapes[name])]
+        return np.zeros(shape, np.dtype(self.spec.dtype))
 
     def decode_inputs(self, tokens: list[int]) -> dict[str, np.ndarray]:
         """Inputs of the decode graph for one new token per row, on top of the cache."""

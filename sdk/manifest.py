@@ -13,13 +13,14 @@ from pathlib import Path
 
 from .errors import ManifestError, NotAnExportError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one graph for prefill and decode (1 had a separate prefill graph)
 MANIFEST_NAME = "edgeinfer.json"
 
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One ONNX graph of the export and the names of its inputs and outputs, in graph order."""
+    """The export's ONNX graph and the names of its inputs and outputs, in graph order. It takes
+    the KV cache as inputs: prefill runs it with an empty past, decode with the cache so far."""
 
     file: str
     inputs: list[str]
@@ -28,7 +29,7 @@ class GraphSpec:
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Layout of the KV cache: `past[i]` of the decode graph is fed from `present[i]` of the
+    """Layout of the KV cache: `past[i]` of the graph is fed from `present[i]` of the
     previous step, and grows along `sequence_axis`. Keys have `head_size`; values have
     `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention)."""
 
@@ -64,8 +65,7 @@ class Manifest:
     max_context: int
     bos_token_id: int | None
     eos_token_ids: list[int]
-    prefill: GraphSpec
-    decode: GraphSpec
+    graph: GraphSpec
     kv: KVSpec
     tokenizer: TokenizerSpec
     # Default generation settings (GenerationConfig fields), from the model's generation config.
@@ -86,7 +86,9 @@ class Manifest:
                 f"manifest format version {version!r} is newer than this edgeinfer reads ({FORMAT_VERSION}): "
                 "upgrade edgeinfer, or re-export the model with this version"
             )
-        nested = {"prefill": GraphSpec, "decode": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
+        if version == 1:  # its decode graph does both phases; its prefill graph is not needed
+            data = {**{k: v for k, v in data.items() if k not in ("prefill", "decode")}, "graph": data.get("decode")}
+        nested = {"graph": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
         try:
             values = {k: (nested[k](**v) if k in nested else v) for k, v in data.items()}
             return cls(**values)

@@ -51,7 +51,7 @@ def test_family_matches_transformers(name, tokenizer, tmp_path):
     assert manifest.architecture == model_type(name)
     for field, value in LAYOUT.get(name, {}).items():
         assert getattr(manifest.kv, field) == value, field
-    assert ("position_ids" in manifest.prefill.inputs) == (name not in WITHOUT_POSITION_IDS)
+    assert ("position_ids" in manifest.graph.inputs) == (name not in WITHOUT_POSITION_IDS)
 
     result = check_export(tmp_path / "export", model, PROMPT, NEW_TOKENS)
     assert result.tokens == result.expected_tokens and len(result.tokens) == NEW_TOKENS

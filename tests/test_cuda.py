@@ -2,7 +2,6 @@
 import pytest
 
 from edgeinfer import Engine
-from edgeinfer.sdk.kv_cache import KVCache
 from edgeinfer.sdk.runtime import cuda_unusable_reason
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_unusable_reason() is not None, reason=f"no CUDA: {cuda_unusable_reason()}")]
@@ -16,7 +15,7 @@ def engines(tiny_llama):
 def test_cuda_gives_the_cpu_tokens_and_keeps_the_cache_and_logits_on_the_gpu(engines):
     gpu, cpu = engines
     assert gpu.generate("The capital", max_new_tokens=16).token_ids == cpu.generate("The capital", max_new_tokens=16).token_ids
-    cache = KVCache(gpu.manifest.kv)
+    cache = gpu.new_cache()
     gpu.prefill([[5, 6, 7]], cache)
     logits = gpu.decode([8], cache)
     assert all(v.device_name().lower() == "cuda" for v in cache.past.values())
@@ -25,7 +24,7 @@ def test_cuda_gives_the_cpu_tokens_and_keeps_the_cache_and_logits_on_the_gpu(eng
 
 
 def _prefilled(engine, ids):
-    cache = KVCache(engine.manifest.kv)
+    cache = engine.new_cache()
     engine.prefill([ids], cache)
     return cache
 

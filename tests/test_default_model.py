@@ -25,7 +25,7 @@ def test_first_run_exports_the_default_model_and_answers(first_run):
     cache, done = first_run
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout
-    for stage in ("[1/6] load", "[2/6] export prefill", "[3/6] export decode", "[4/6] tokenizer", "[5/6] validate", "[6/6] write"):
+    for stage in ("[1/5] load", "[2/5] export graph", "[3/5] tokenizer", "[4/5] validate", "[5/5] write"):
         assert stage in done.stderr
     assert "finish: eos" in done.stderr
     assert (cache / "exports" / NAME / "edgeinfer.json").is_file()

@@ -11,8 +11,7 @@ def sample(files=None) -> Manifest:
     past = ["past_key_values.0.key", "past_key_values.0.value"]
     return Manifest(
         source="test", architecture="llama", dtype="float32", vocab_size=10, max_context=32, bos_token_id=1,
-        eos_token_ids=[2], prefill=GraphSpec("prefill.onnx", ["input_ids"], ["logits"]),
-        decode=GraphSpec("decode.onnx", ["input_ids", *past], ["logits"]),
+        eos_token_ids=[2], graph=GraphSpec("model.onnx", ["input_ids", *past], ["logits"]),
         kv=KVSpec(1, 2, 4, "float32", 2, past, ["present.0.key", "present.0.value"]),
         tokenizer=TokenizerSpec(chat_template=None), files=files or {},
     )
@@ -30,6 +29,16 @@ def test_a_newer_format_version_is_refused(tmp_path):
         load_manifest(tmp_path)
 
 
+def test_a_version_1_manifest_is_read_with_its_decode_graph_for_both_phases(tmp_path):
+    data = sample().to_dict() | {"format_version": 1}
+    graph = data.pop("graph")
+    data |= {"prefill": {"file": "prefill.onnx", "inputs": ["input_ids"], "outputs": ["logits"]},
+             "decode": graph | {"file": "decode.onnx"}}
+    (tmp_path / "edgeinfer.json").write_text(json.dumps(data))
+    manifest = load_manifest(tmp_path)
+    assert manifest.graph == GraphSpec("decode.onnx", graph["inputs"], graph["outputs"]) and manifest.format_version == 1
+
+
 def test_a_malformed_manifest_names_the_way_out(tmp_path):
     (tmp_path / "edgeinfer.json").write_text(json.dumps({"format_version": 1, "source": "x"}))
     with pytest.raises(ManifestError, match="malformed.*edgeinfer export"):
@@ -40,14 +49,14 @@ def test_a_malformed_manifest_names_the_way_out(tmp_path):
 
 
 def test_truncated_and_missing_files_are_named(tmp_path):
-    (tmp_path / "prefill.onnx").write_bytes(b"x" * 100)
+    (tmp_path / "model.onnx").write_bytes(b"x" * 100)
     sample(files=describe_files(tmp_path)).save(tmp_path)
-    assert load_manifest(tmp_path).files["prefill.onnx"]["size"] == 100
-    (tmp_path / "prefill.onnx").write_bytes(b"x" * 60)
-    with pytest.raises(NotAnExportError, match="prefill.onnx has 60 bytes but the manifest says 100"):
+    assert load_manifest(tmp_path).files["model.onnx"]["size"] == 100
+    (tmp_path / "model.onnx").write_bytes(b"x" * 60)
+    with pytest.raises(NotAnExportError, match="model.onnx has 60 bytes but the manifest says 100"):
         load_manifest(tmp_path)
-    (tmp_path / "prefill.onnx").unlink()
-    with pytest.raises(NotAnExportError, match="prefill.onnx is missing"):
+    (tmp_path / "model.onnx").unlink()
+    with pytest.raises(NotAnExportError, match="model.onnx is missing"):
         load_manifest(tmp_path)
 
 

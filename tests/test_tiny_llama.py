@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from edgeinfer import Engine
 from edgeinfer.export import export_model
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.kv_cache import KVCache
 
 PROMPT = "The capital of France is"
 
@@ -35,21 +34,20 @@ def hf_greedy(model, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def test_export_writes_both_graphs_and_manifest(tiny_llama):
+def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     folder = tiny_llama[1]
     manifest = json.loads((folder / "edgeinfer.json").read_text())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == ("llama", 2, 2, 8)
     assert (manifest["vocab_size"], manifest["max_context"], manifest["bos_token_id"], manifest["eos_token_ids"]) == (320, 256, 1, [])
     assert manifest["validation"]["passed"] and manifest["validation"]["max_abs_diff_decode"] < 1e-4
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-            "prefill.onnx", "prefill.onnx.data", "decode.onnx", "decode.onnx.data"} <= set(manifest["files"])
-    prefill = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
-    decode = onnx.load(str(folder / "decode.onnx"), load_external_data=False).graph
-    assert [i.name for i in prefill.input] == ["input_ids", "attention_mask", "position_ids"]
-    assert [o.name for o in prefill.output][:3] == ["logits", "present.0.key", "present.0.value"]
+    assert set(manifest["files"]) == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                                      "generation_config.json", "model.onnx", "model.onnx.data"}
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     past = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
-    assert [i.name for i in decode.input] == ["input_ids", "attention_mask", "position_ids", *past]
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids", *past]
+    assert [o.name for o in graph.output] == ["logits", *(p.replace("past_key_values", "present") for p in past)]
+    assert [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim][1:] == [1, 320]  # the last position only
     assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
 
 
@@ -71,11 +69,12 @@ def test_token_id_prompt_gives_the_same_tokens(engine, hf):
 def test_logits_match_pytorch_at_every_step(engine, hf):
     model = hf[0]
     ids = hf[1](PROMPT).input_ids
-    cache = KVCache(engine.manifest.kv)
+    cache = engine.new_cache()
     logits = engine.prefill([ids], cache).numpy()
     with torch.no_grad():
         ref = model(torch.tensor([ids]), use_cache=True)
-    np.testing.assert_allclose(logits[0], ref.logits[0].numpy(), atol=1e-4)
+    assert logits.shape == (1, 1, 320)
+    np.testing.assert_allclose(logits[0, -1], ref.logits[0, -1].numpy(), atol=1e-4)
     past = ref.past_key_values
     for _ in range(8):
         token = int(np.argmax(logits[0, -1]))
@@ -88,7 +87,7 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
 
 
 def test_kv_cache_stays_as_ort_values_on_the_device(engine):
-    cache = KVCache(engine.manifest.kv)
+    cache = engine.new_cache()
     engine.prefill([[5, 6, 7]], cache)
     engine.decode([8], cache)
     assert list(cache.past) == engine.manifest.kv.past
