@@ -14,10 +14,11 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 
 from .graphs import export_graph, kv_layout
+from .quantize import Quantization, quality, quantize_graph
 from .source import resolve_source, load_model
 from .validate import validate
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "quantize", "write")
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -25,6 +26,7 @@ _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx
 class ExportOptions:
     force: bool = False  # replace an existing output folder
     max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
+    quantization: Quantization | None = None  # None: fp32 weights
 
     def __post_init__(self):
         if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
@@ -53,7 +55,7 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
-    stage = _Stages(say)
+    stage = _Stages(say, [s for s in STAGES if s != "quantize" or options.quantization])
     with stage("load"):
         source = resolve_source(model, say)
         torch_model, tokenizer = load_model(source)
@@ -68,8 +70,16 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
         validation = validate(torch_model, work)
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
+    quantization = {}
+    if options.quantization:
+        with stage("quantize"):
+            quantize_graph(work, options.quantization)
+            quantization = {**dataclasses.asdict(options.quantization), **quality(torch_model, work)}
+            say(f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
+                f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
+                f"(fp32 {quantization['perplexity_fp32']:.2f})")
     with stage("write"):
-        manifest = dataclasses.replace(manifest, validation=validation, files=describe_files(work))
+        manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
         manifest.save(work)
     return manifest
 
@@ -149,13 +159,13 @@ def _replace(work: Path, out: Path) -> None:
 
 
 class _Stages:
-    def __init__(self, say):
-        self.say, self.index = say, 0
+    def __init__(self, say, names: list[str]):
+        self.say, self.names, self.index = say, names, 0
 
     @contextmanager
     def __call__(self, name: str):
         self.index += 1
-        self.say(f"[{self.index}/{len(STAGES)}] {name}")
+        self.say(f"[{self.index}/{len(self.names)}] {name}")
         start = time.perf_counter()
         yield
         self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")

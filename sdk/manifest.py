@@ -72,6 +72,8 @@ class Manifest:
     generation: dict = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)
     validation: dict = field(default_factory=dict)
+    # Weight quantization and its measured cost in quality; empty for fp32 weights.
+    quantization: dict = field(default_factory=dict)
     files: dict[str, dict] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 

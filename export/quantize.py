@@ -1,0 +1,87 @@
+"""Weight quantization at export, with ONNX Runtime's MatMulNBits quantizer, and an honest
+measure of what it costs: top-1 next-token agreement with the fp32 model and perplexity, both
+over a fixed text of about 1,200 tokens (quality_text.txt)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from edgeinfer.sdk.engine import Engine
+from edgeinfer.sdk.errors import ExportError
+
+from .graphs import GRAPH_FILE
+
+BITS = {"int4": 4, "int8": 8}
+QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """`method` "int4" or "int8": every MatMul's weights (the lm_head too) in blocks of
+    `block_size`, each with its own scale and zero point. `accuracy_level` 4 lets ONNX Runtime
+    multiply in int8 on the CPU, its fastest kernel; 0 computes in the activations' type.
+
+    Asymmetric blocks measured better than symmetric ones on SmolLM2-135M int4 (top-1 agreement
+    66% against 62%, perplexity 25.4 against 26.4; fp32 20.0), and decode was no slower."""
+
+    method: str
+    block_size: int = 32
+    accuracy_level: int = 4
+
+    def __post_init__(self):
+        if self.method not in BITS:
+            raise ExportError(f"unknown quantization {self.method!r}: use 'int4' or 'int8'")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ExportError(f"block size must be a power of two of at least 16, got {self.block_size}")
+
+
+def quantize_graph(folder: Path, quantization: Quantization) -> None:
+    """Replace model.onnx and its weights in `folder` by the quantized graph."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    bits = BITS[quantization.method]
+    config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=False,
+                                          accuracy_level=quantization.accuracy_level, bits=bits)
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(folder / GRAPH_FILE)), bits=bits, block_size=quantization.block_size,
+                                     is_symmetric=False, accuracy_level=quantization.accuracy_level, algo_config=config)
+    quantizer.process()
+    (folder / f"{GRAPH_FILE}.data").unlink()
+    onnx.save(quantizer.model.model, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{GRAPH_FILE}.data", size_threshold=1024)
+
+
+def quality(model, folder: Path) -> dict:
+    """Next-token quality of the export in `folder` against `model` (PyTorch fp32) over the fixed
+    text: the share of positions where both pick the same top token, and both perplexities."""
+    import torch
+
+    engine = Engine.load(folder, provider="cpu")
+    ids = engine.prompt_ids(QUALITY_TEXT.read_text())[: engine.manifest.max_context]
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, :-1].float().numpy()
+    ours = _teacher_forced_logits(engine, ids)
+    targets = np.array(ids[1:])
+    return {
+        "text_tokens": len(ids),
+        "top1_agreement": float(np.mean(ours.argmax(-1) == reference.argmax(-1))),
+        "perplexity": _perplexity(ours, targets),
+        "perplexity_fp32": _perplexity(reference, targets),
+    }
+
+
+def _teacher_forced_logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """The export's logits after each prefix of `ids` (one decode step per token)."""
+    cache = engine.new_cache()
+    rows = [engine.prefill([ids[:1]], cache).numpy()[0, -1]]
+    for token in ids[1:-1]:
+        rows.append(engine.decode([token], cache).numpy()[0, -1])
+    return np.stack(rows).astype(np.float64)
+
+
+def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
+    logits = logits - logits.max(-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return float(np.exp(-log_probs[np.arange(len(targets)), targets].mean()))
