@@ -9,6 +9,7 @@ import click
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
+from .bench import bench
 from .chat import chat
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
 from .resolve import _exporter, load_engine, say, say_timings
@@ -116,6 +117,7 @@ def check(folder, source, prompt, new_tokens):
 
 
 cli.add_command(chat)
+cli.add_command(bench)
 
 
 def main() -> None:

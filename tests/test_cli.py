@@ -214,3 +214,20 @@ def test_export_with_a_smaller_context(tiny_llama, tmp_path):
     assert len(Engine.load(tmp_path / "out", provider="cpu").generate([5] * 60, max_new_tokens=10).token_ids) == 4
     assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "big"), "--max-context", "1000"),
                           "--max-context 1000 is more than this model's context of 256 tokens")
+
+
+def test_bench_prints_a_table_and_writes_json_and_a_plot(tiny_llama, tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": {"short": [5, 6, 7], "long": list(range(3, 103))}}))
+    done = edgeinfer("bench", str(tiny_llama[1]), "--prompts", str(prompts), "--new-tokens", "8", "--repeats", "2",
+                     "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
+    assert done.returncode == 0, done.stderr
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    assert list(figures["prompts"]) == ["short", "long"] and figures["new_tokens"] == 8 and figures["repeats"] == 2
+    assert [figures["prompts"][n]["prompt_tokens"] for n in ("short", "long")] == [3, 100]
+    for row in figures["prompts"].values():
+        assert len(row["runs_ttft_ms"]) == 2 and row["ttft_ms"] > 0 and row["decode_tokens_per_s"] > 0
+    assert figures["load_s"] > 0 and figures["peak_rss_mib"] >= figures["rss_after_load_mib"] > 0
+    table = done.stdout.splitlines()
+    assert table[2].split() == ["prompt", "tokens", "TTFT", "ms", "decode", "tok/s"] and table[3].split()[:2] == ["short", "3"]
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
