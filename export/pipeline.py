@@ -13,12 +13,13 @@ from pathlib import Path
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 
+from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quantize_graph
 from .source import resolve_source, load_model
 from .validate import validate
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "quantize", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "quantize", "write")
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -27,6 +28,7 @@ class ExportOptions:
     force: bool = False  # replace an existing output folder
     max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
     quantization: Quantization | None = None  # None: fp32 weights
+    fuse: bool = True  # ONNX Runtime's transformer optimizer, kept only where it checks out
 
     def __post_init__(self):
         if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
@@ -55,7 +57,7 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
-    stage = _Stages(say, [s for s in STAGES if s != "quantize" or options.quantization])
+    stage = _Stages(say, [s for s in STAGES if (s != "quantize" or options.quantization) and (s != "fuse" or options.fuse)])
     with stage("load"):
         source = resolve_source(model, say)
         torch_model, tokenizer = load_model(source)
@@ -70,6 +72,12 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
         validation = validate(torch_model, work)
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
+    if options.fuse:
+        with stage("fuse"):
+            validation["fusion"] = fuse_graph(work, torch_model, manifest.max_context)
+            fusion = validation["fusion"]
+            say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
+                + (f" (kept the unfused graph: {fusion['skipped']})" if "skipped" in fusion else ""))
     quantization = {}
     if options.quantization:
         with stage("quantize"):

