@@ -25,7 +25,7 @@ def test_first_run_exports_the_default_model_and_answers(first_run):
     cache, done = first_run
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout
-    for stage in ("[1/5] load", "[2/5] export graph", "[3/5] tokenizer", "[4/5] validate", "[5/5] write"):
+    for stage in ("[1/6] load", "[2/6] export graph", "[3/6] tokenizer", "[4/6] validate", "[5/6] fuse", "[6/6] write"):
         assert stage in done.stderr
     assert "finish: eos" in done.stderr
     assert (cache / "exports" / NAME / "edgeinfer.json").is_file()
@@ -63,6 +63,8 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(engine, referen
     result = engine.generate(PROMPT, max_new_tokens=32)
     assert len(expected) == 32 and result.token_ids == expected
     assert engine.manifest.validation["passed"] and engine.manifest.validation["max_abs_diff_decode"] < 1e-3
+    # the fused graph (2 rotary embeddings and 2 skip norms per layer) is the one that was checked
+    assert engine.manifest.validation["fusion"] == {"fused": {"RotaryEmbedding": 60, "SkipSimplifiedLayerNormalization": 60}}
 
 
 @pytest.mark.parametrize("messages", [
