@@ -2,6 +2,8 @@
 of its slots hold real tokens (the attention mask) for every row of a batch."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from .manifest import KVSpec
@@ -35,17 +37,22 @@ class KVCache:
     def present_names(self) -> list[str]:
         return self.spec.present
 
-    def prefill_inputs(self, prompts: list[list[int]]) -> dict[str, np.ndarray]:
-        """Inputs of the prefill graph for `prompts`, left-padded to the longest."""
+    def prefill_steps(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+        """Inputs of the graph for `prompts`, left-padded to the longest, `chunk` positions at a
+        time: the first chunk on an empty past, each later one on the cache the previous ones
+        filled (the same logits as one pass, with a smaller peak of activations)."""
         width = max(len(p) for p in prompts)
         ids = np.full((len(prompts), width), PAD_ID, np.int64)
-        self.mask = np.zeros((len(prompts), width), np.int64)
+        mask = np.zeros((len(prompts), width), np.int64)
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt):] = prompt
-            self.mask[row, width - len(prompt):] = 1
-        positions = np.maximum(self.mask.cumsum(axis=1) - 1, 0)
+            mask[row, width - len(prompt):] = 1
+        positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
         self.past = {name: self._empty(name, len(prompts)) for name in self.spec.past}
-        return {"input_ids": ids, "attention_mask": self.mask, "position_ids": positions}
+        for start in range(0, width, chunk):
+            end = min(start + chunk, width)
+            self.mask = mask[:, :end]
+            yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end]}
 
     def _empty(self, name: str, batch: int) -> np.ndarray:
         """A past of zero tokens, for prefill: the declared shape with the batch filled in."""

@@ -221,3 +221,19 @@ def test_chat_renders_the_template_with_a_system_message_like_transformers(engin
     assert "".join(p.text for p in engine.stream_chat(messages, max_new_tokens=8)) == engine.chat(messages, max_new_tokens=8).text
     with pytest.raises(GenerationError, match="messages must be a non-empty list of"):
         engine.chat([{"content": "no role"}])
+
+
+# Chunked prefill
+
+def test_prefill_in_chunks_gives_the_same_logits_and_tokens(engine, tiny_llama):
+    import numpy as np
+
+    chunked = Engine.load(tiny_llama[1], provider="cpu", prefill_chunk=7)
+    prompts = [list(range(3, 200)), [5, 6], list(range(40, 60))]
+    assert [r.token_ids for r in chunked.generate(prompts, max_new_tokens=12)] == \
+        [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)]
+    one, many = engine.new_cache(), chunked.new_cache()
+    np.testing.assert_allclose(chunked.prefill(prompts, many).numpy(), engine.prefill(prompts, one).numpy(), atol=1e-5)
+    assert many.length == one.length == 197 and (many.mask == one.mask).all()
+    with pytest.raises(SettingsError, match="prefill_chunk must be an integer of at least 1, got 0"):
+        Engine.load(tiny_llama[1], provider="cpu", prefill_chunk=0)
