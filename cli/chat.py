@@ -68,9 +68,9 @@ def chat(model, provider, threads, system, **params):
 
 
 def _read_line() -> str | None:
-    """The user's next line, or None at EOF or Ctrl-C."""
-    click.echo("> ", nl=False, err=True)
+    """The user's next line, or None at EOF or Ctrl-C (also when Ctrl-C comes as the prompt is shown)."""
     try:
+        click.echo("> ", nl=False, err=True)
         return input()
     except (EOFError, KeyboardInterrupt):
         click.echo(err=True)
