@@ -2,7 +2,7 @@
 (RMS) layer norms and GELUs become single contrib ops (`RotaryEmbedding`,
 `SkipSimplifiedLayerNormalization`, ...), and the graph it writes is already optimized, so it loads
 faster. A fused graph is kept only if it passes the same checks as the export (logits against
-PyTorch, and a batch against single prompts); otherwise export keeps the unfused graph and says why.
+PyTorch, greedy tokens and a batch against single prompts); otherwise export keeps the unfused graph and says why.
 """
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ from pathlib import Path
 
 import onnx
 
-from edgeinfer.sdk.engine import Engine
-from edgeinfer.sdk.settings import GenerationConfig
-
+from .check import check_export
 from .graphs import GRAPH_FILE
-from .validate import logits_differences
+from .source import first_line
 
 CHECK_PROMPT = list(range(3, 43))
 
@@ -40,7 +38,7 @@ def fuse_graph(folder: Path, model, max_context: int) -> dict:
         for name in folder.iterdir():  # the fused graph is loaded beside the export's other files
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
                 shutil.copy(name, fused_dir / name.name)
-        problem = _check(folder, fused_dir, model)
+        problem = _check(fused_dir, model)
         if problem:
             return {"fused": {}, "skipped": problem}
         for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):
@@ -62,20 +60,17 @@ def _trim_rotary_caches(graph, max_context: int) -> None:
             graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
 
 
-def _check(unfused: Path, fused: Path, model) -> str | None:
-    """Why the fused graph cannot be used, or None."""
-    greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-    prompts = [CHECK_PROMPT[:5], CHECK_PROMPT]
+def _check(fused: Path, model) -> str | None:
+    """Why the fused graph cannot be used, or None: the parity check of `edgeinfer check`."""
     try:  # any failure of the fused graph only means the unfused one is kept
-        engine = Engine.load(fused, provider="cpu")
-        differences = logits_differences(engine, model, CHECK_PROMPT)
-        rows = [r.token_ids for r in engine.generate(prompts, greedy)]
+        result = check_export(fused, model, CHECK_PROMPT, new_tokens=8)
     except Exception as e:  # noqa: BLE001
-        return f"the fused graph fails to run: {str(e).splitlines()[0][:200]}"
-    worst = max(differences["max_abs_diff_prefill"], differences["max_abs_diff_decode"])
-    if worst > differences["tolerance"]:
-        return f"the fused graph's logits differ from PyTorch by {worst:.3g} (tolerance {differences['tolerance']:.3g})"
-    reference = Engine.load(unfused, provider="cpu")
-    if rows != [reference.generate(p, greedy).token_ids for p in prompts]:
+        return f"the fused graph fails to run: {first_line(e)}"
+    worst = max(result.max_abs_diff_prefill, result.max_abs_diff_decode)
+    if worst > result.tolerance:
+        return f"the fused graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"
+    if not result.tokens_equal:
+        return "the fused graph's greedy tokens differ from PyTorch's"
+    if not result.batch_rows_equal_single:
         return "the fused graph's batch rows differ from single prompts"
     return None

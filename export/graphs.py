@@ -25,6 +25,7 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
 from .families import onnx_config_constructor
+from .source import first_line
 
 GRAPH_FILE = "model.onnx"
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
@@ -50,7 +51,7 @@ def export_graph(model, folder: Path) -> GraphSpec:
             export(model, onnx_config, scratch / GRAPH_FILE)
     except _TRACE_ERRORS as e:
         raise ExportError(f"optimum-onnx could not export this {model.config.model_type} model: "
-                          f"{type(e).__name__}: {_first_line(e)}") from e
+                          f"{type(e).__name__}: {first_line(e)}") from e
     try:
         graph = onnx.load(str(scratch / GRAPH_FILE))  # with its weights, wherever optimum put them
         last_position_logits(graph.graph)
@@ -130,7 +131,3 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
         past=[i.name for i in past],
         present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX):] for i in past],
     )
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:300]

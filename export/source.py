@@ -73,9 +73,9 @@ def load_model(source: Source, with_tokenizer: bool = True):
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs).eval()
         tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs) if with_tokenizer else None
     except OSError as e:
-        raise ModelNotFoundError(f"cannot load {source.name}: {_first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
+        raise ModelNotFoundError(f"cannot load {source.name}: {first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
     except ValueError as e:  # transformers' word for a config or GGUF it cannot read
-        raise ExportError(f"transformers cannot load {source.name}: {_first_line(e)}") from None
+        raise ExportError(f"transformers cannot load {source.name}: {first_line(e)}") from None
     if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
@@ -98,5 +98,6 @@ def _model_type(folder: Path) -> str:
         raise ExportError(f"{folder / 'config.json'} has no readable model_type: is it a Hugging Face model folder?") from None
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
+    """The first line of an error's message, for one-line errors."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
