@@ -1,17 +1,26 @@
-"""Fusing the exported graph with ONNX Runtime's transformer optimizer: rotary embeddings, skip +
-(RMS) layer norms and GELUs become single contrib ops (`RotaryEmbedding`,
-`SkipSimplifiedLayerNormalization`, ...), and the graph it writes is already optimized, so it loads
-faster. A fused graph is kept only if it passes the same checks as the export (logits against
-PyTorch, greedy tokens and a batch against single prompts); otherwise export keeps the unfused graph and says why.
+"""Fusing the exported graph: ONNX Runtime's transformer optimizer (rotary embeddings, skip +
+(RMS) layer norms and GELUs become single contrib ops: `RotaryEmbedding`,
+`SkipSimplifiedLayerNormalization`, ...), then each layer's attention rewritten to
+`GroupQueryAttention` with the KV cache written in place (attention.py). The graph written is
+already optimized, so it loads faster.
+
+A fused graph is kept only if it passes the same checks as the export (logits against PyTorch,
+greedy tokens, and a batch against single prompts). Where the attention rewrite does not apply or
+does not pass, the optimizer's graph alone is tried; where that fails too, export keeps the
+unfused graph. The manifest says what was kept and why.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import shutil
 from pathlib import Path
 
 import onnx
 
+from edgeinfer.sdk.manifest import GraphSpec, Manifest
+
+from .attention import PatternError, layer_windows, rewrite_attention
 from .check import check_export
 from .graphs import GRAPH_FILE
 from .source import first_line
@@ -19,33 +28,68 @@ from .source import first_line
 CHECK_PROMPT = list(range(3, 43))
 
 
-def fuse_graph(folder: Path, model, max_context: int) -> dict:
-    """Replace the graph in `folder` by its fused form if that checks out; returns what was fused,
-    or why nothing was."""
+def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]:
+    """Replace the graph in `folder` by its fused form where that checks out; returns what was
+    fused (or why not) and the manifest of the graph kept."""
     from onnxruntime.transformers import optimizer
 
-    fused_dir = folder / ".fused"
-    fused_dir.mkdir()
+    config = model.config
+    optimized = optimizer.optimize_model(str(folder / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False,
+                                         num_heads=getattr(config, "num_attention_heads", 0) or 0,
+                                         hidden_size=getattr(config, "hidden_size", 0) or 0).model
+    _trim_rotary_caches(optimized.graph, manifest.max_context)
+    rewritten, why_not = _rewrite(optimized, config, manifest)
+    if rewritten is not None:
+        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True),
+                                       graph=_graph_spec(rewritten))
+        problem = _try(folder, rewritten, model, in_place)
+        if problem is None:
+            return {"fused": _contrib_ops(rewritten)}, in_place
+        why_not = f"attention kept as exported: with GroupQueryAttention {problem.removeprefix('the fused graph')}"
+    problem = _try(folder, optimized, model, manifest)
+    if problem:
+        return {"fused": {}, "skipped": problem, "attention": why_not}, manifest
+    return {"fused": _contrib_ops(optimized), "attention": why_not}, manifest
+
+
+def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest) -> tuple[onnx.ModelProto | None, str | None]:
+    """A copy of the optimizer's graph with GroupQueryAttention, or None and why not."""
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(optimized)
     try:
-        config = model.config
-        optimized = optimizer.optimize_model(str(folder / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False,
-                                             num_heads=getattr(config, "num_attention_heads", 0) or 0,
-                                             hidden_size=getattr(config, "hidden_size", 0) or 0)
-        _trim_rotary_caches(optimized.model.graph, max_context)
-        onnx.save(optimized.model, str(fused_dir / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+        rewrite_attention(rewritten, config.num_attention_heads, layer_windows(config, manifest.kv.num_layers))
+    except (PatternError, AttributeError) as e:
+        return None, f"attention kept as exported: {first_line(e)}"
+    return rewritten, None
+
+
+def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str | None:
+    """Put `graph` in place of the export's graph if it passes the checks; else why not."""
+    trial = folder / ".fused"
+    trial.mkdir()
+    try:
+        onnx.save(graph, str(trial / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=f"{GRAPH_FILE}.data", size_threshold=1024)
-        counts = collections.Counter(n.op_type for n in optimized.model.graph.node if n.domain == "com.microsoft")
         for name in folder.iterdir():  # the fused graph is loaded beside the export's other files
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
-                shutil.copy(name, fused_dir / name.name)
-        problem = _check(fused_dir, model)
-        if problem:
-            return {"fused": {}, "skipped": problem}
-        for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):
-            (fused_dir / name).replace(folder / name)
-        return {"fused": dict(sorted(counts.items()))}
+                shutil.copy(name, trial / name.name)
+        manifest.save(trial)
+        problem = _check(trial, model)
+        if problem is None:
+            for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):
+                (trial / name).replace(folder / name)
+        return problem
     finally:
-        shutil.rmtree(fused_dir, ignore_errors=True)
+        shutil.rmtree(trial, ignore_errors=True)
+
+
+def _graph_spec(graph: onnx.ModelProto) -> GraphSpec:
+    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
+
+
+def _contrib_ops(graph: onnx.ModelProto) -> dict[str, int]:
+    counts = collections.Counter(n.op_type for n in graph.graph.node if n.domain == "com.microsoft")
+    return dict(sorted(counts.items()))
 
 
 def _trim_rotary_caches(graph, max_context: int) -> None:

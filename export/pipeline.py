@@ -74,10 +74,12 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
             f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
     if options.fuse:
         with stage("fuse"):
-            validation["fusion"] = fuse_graph(work, torch_model, manifest.max_context)
-            fusion = validation["fusion"]
+            fusion, manifest = fuse_graph(work, torch_model, manifest)
+            manifest.save(work)  # the graph kept may take other inputs and another KV layout
+            validation["fusion"] = fusion
             say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
-                + (f" (kept the unfused graph: {fusion['skipped']})" if "skipped" in fusion else ""))
+                + (f" (kept the unfused graph: {fusion['skipped']})" if "skipped" in fusion else "")
+                + (f" ({fusion['attention']})" if fusion.get("attention") else ""))
     quantization = {}
     if options.quantization:
         with stage("quantize"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from .errors import GenerationError, ManifestError, SettingsError
-from .kv_cache import PAD_ID, KVCache
+from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
 from .manifest import Manifest, load_manifest
 from .runtime import Graph, LogitsHeads, RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
@@ -126,11 +126,11 @@ class Engine:
         ids = [self.prompt_ids(p) for p in prompts]
         budget = self._token_budget(ids, config.max_new_tokens)
         rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start) for row in ids]
-        return self._loop(rows, config.is_greedy)
+        return self._loop(rows, config.is_greedy, capacity=max(len(row) for row in ids) + budget)
 
-    def _loop(self, rows: list[Sequence], is_greedy: bool) -> Iterator[tuple[int, Piece]]:
+    def _loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
         """Prefill once, then choose → yield → decode until every row has ended."""
-        cache = self.new_cache()
+        cache = self.new_cache(capacity)
         logits = self.prefill([row.prompt_ids for row in rows], cache)
         while True:
             tokens = self._choose(logits, rows, is_greedy)
@@ -150,9 +150,14 @@ class Engine:
         last = self.heads.last(logits)
         return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for one generation."""
-        return KVCache(self.manifest.kv, {name: self.graph.inputs[name].shape for name in self.manifest.kv.past})
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty KV cache for one generation of at most `capacity` tokens per row, prompt
+        included (default: the model's context). Only a graph that writes its cache in place
+        (`kv.in_place`) allocates it, once, at the first prefill."""
+        shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
+        if self.manifest.kv.in_place:
+            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.manifest.max_context, self.graph.allocate)
+        return KVCache(self.manifest.kv, shapes)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
         """Run the graph over the prompts (one batch), `prefill_chunk` positions at a time, the
@@ -171,7 +176,7 @@ class Engine:
         """One pass of the graph: the step's inputs it takes plus the cache's past; the presents
         and the logits stay on the device."""
         inputs = {name: value for name, value in step.items() if name in self.graph.inputs}
-        kept, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.present_names, "logits"], fetch=[])
+        kept, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.keep, "logits"], fetch=[], into=cache.into)
         cache.update(kept)
         return kept["logits"]
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .errors import GenerationError
 from .manifest import KVSpec
 
 PAD_ID = 0  # fed where a row has no token: left padding, and rows that have already ended
@@ -32,10 +33,6 @@ class KVCache:
     def length(self) -> int:
         """Slots in the cache (padding included)."""
         return self.mask.shape[1]
-
-    @property
-    def present_names(self) -> list[str]:
-        return self.spec.present
 
     def prefill_steps(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """Inputs of the graph for `prompts`, left-padded to the longest, `chunk` positions at a
@@ -66,6 +63,85 @@ class KVCache:
         self.mask = np.concatenate([self.mask, np.ones((len(tokens), 1), np.int64)], axis=1)
         return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions}
 
+    @property
+    def keep(self) -> list[str]:
+        """Outputs of a step the runtime keeps on the device for the next one."""
+        return self.spec.present
+
+    @property
+    def into(self) -> dict:
+        """Outputs of a step written into buffers the cache already holds (none here)."""
+        return {}
+
     def update(self, present: dict) -> None:
         """Take a step's present outputs as the past of the next step."""
         self.past = {past: present[name] for past, name in zip(self.spec.past, self.spec.present)}
+
+
+class InPlaceKVCache(KVCache):
+    """The KV cache of a graph whose attention writes into its past (`kv.in_place`, export's
+    GroupQueryAttention): one buffer per past input, [batch, kv_heads, capacity, head_size],
+    allocated once on the engine's device and bound as both past and present at every step, so
+    nothing is copied or reallocated as the context grows.
+
+    Rows are right-padded: each row's tokens fill its slots from 0, and the attention mask says
+    how many each row has (the graph derives its lengths from it). A single prompt is prefilled
+    in chunks; a batch's prompts in one pass, as GroupQueryAttention takes ragged rows only in a
+    first pass.
+    """
+
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate):
+        """`capacity`: slots per row (prompt plus new tokens); `allocate(shape, dtype)` makes an
+        uninitialised buffer on the engine's device."""
+        super().__init__(spec, past_shapes)
+        self.capacity = capacity
+        self._allocate = allocate
+        self.lengths = np.zeros(0, np.int64)
+
+    def prefill_steps(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+        width = max(len(p) for p in prompts)
+        if width > self.capacity:
+            raise GenerationError(f"a prompt of {width} tokens does not fit a cache of {self.capacity} slots: "
+                                  "make the cache with a larger capacity")
+        self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
+        if len(prompts) > 1:
+            chunk = width
+        ids = np.full((len(prompts), width), PAD_ID, np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, :len(prompt)] = prompt
+        final = np.array([len(p) for p in prompts], np.int64)
+        for start in range(0, width, chunk):
+            end = min(start + chunk, width)
+            self.lengths = np.minimum(final, end)
+            positions = np.tile(np.arange(start, end), (len(prompts), 1))
+            yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions}
+
+    def _buffer_shape(self, name: str, batch: int) -> list[int]:
+        return [self.capacity if axis == self.spec.sequence_axis else (dim if isinstance(dim, int) else batch)
+                for axis, dim in enumerate(self.past_shapes[name])]
+
+    def _mask(self, width: int) -> np.ndarray:
+        return (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
+
+    @property
+    def length(self) -> int:
+        return int(self.lengths.max(initial=0))
+
+    def decode_inputs(self, tokens: list[int]) -> dict[str, np.ndarray]:
+        positions = self.lengths[:, None].copy()
+        self.lengths = self.lengths + 1
+        if self.length > self.capacity:
+            raise GenerationError(f"the cache's {self.capacity} slots are full: make the cache with a larger capacity")
+        self.mask = self._mask(self.length)
+        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions}
+
+    @property
+    def keep(self) -> list[str]:
+        return []
+
+    @property
+    def into(self) -> dict:
+        return {present: self.past[past] for past, present in zip(self.spec.past, self.spec.present)}
+
+    def update(self, present: dict) -> None:
+        """Nothing to do: the step wrote into the buffers."""

@@ -30,7 +30,7 @@ class GraphSpec:
 @dataclass(frozen=True)
 class KVSpec:
     """Layout of the KV cache: `past[i]` of the graph is fed from `present[i]` of the
-    previous step, and grows along `sequence_axis`. Keys have `head_size`; values have
+    previous step, and grows along `sequence_axis` (or, `in_place`, is written into the past). Keys have `head_size`; values have
     `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention)."""
 
     num_layers: int
@@ -41,6 +41,9 @@ class KVSpec:
     past: list[str]
     present: list[str]
     value_head_size: int | None = None
+    # True where the graph's attention writes each step's keys and values into its past inputs
+    # (one buffer of fixed capacity per input, right-padded rows): export's GroupQueryAttention.
+    in_place: bool = False
 
     def __post_init__(self):
         if len(self.past) != len(self.present):

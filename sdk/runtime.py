@@ -95,25 +95,33 @@ class Graph:
                 f"{inputs} and {outputs}: the graph and manifest come from different exports, export the model again"
             )
 
-    def run(self, inputs: dict, keep: list[str], fetch: list[str]) -> tuple[dict, dict]:
+    def run(self, inputs: dict, keep: list[str], fetch: list[str], into: dict | None = None) -> tuple[dict, dict]:
         """Run once. `inputs` maps names to numpy arrays (copied to the device) or OrtValues
-        (bound where they are). Outputs named in `keep` stay on the device as OrtValues;
-        those in `fetch` come back to the host as numpy arrays."""
+        (bound where they are). Outputs named in `into` are written into the OrtValues given
+        there (which may also be inputs: a KV cache updated in place); those in `keep` stay on
+        the device as new OrtValues; those in `fetch` come back to the host as numpy arrays."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
             else:
                 binding.bind_cpu_input(name, value)
+        for name, value in (into or {}).items():
+            binding.bind_ortvalue_output(name, value)
         for name in keep:
             binding.bind_output(name, self.device)
         for name in fetch:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        values = binding.get_outputs()
+        values = binding.get_outputs()[len(into or {}):]
         kept = dict(zip(keep, values[: len(keep)]))
         fetched = {name: value.numpy() for name, value in zip(fetch, values[len(keep):])}
         return kept, fetched
+
+
+    def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
+        """An uninitialised buffer on this graph's device."""
+        return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
 
 
 def sequence_length(value: ort.OrtValue, axis: int) -> int:

@@ -1,54 +1,54 @@
 """Tiny random-weight configs for every decoder family optimum-onnx 0.1.0 exports for
-text-generation-with-past: a few layers, hidden size in the tens, so the whole suite runs on 2 cores.
+text-generation-with-past: a few layers, hidden size 64 (heads of 16, the smallest GroupQueryAttention takes on CPU), so the whole suite runs on 2 cores.
 
 Each entry sets what its family needs on top of COMMON (attribute names are transformers'; the
 configs map the standard names onto their own). Where a family has a shape that breaks naive code,
 the entry picks it on purpose: grouped-query or multi-query attention, a sliding window shorter
 than the test prompts, ALiBi instead of positions, keys and values of different head sizes.
 """
-COMMON = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 WINDOW = 16  # sliding windows are shorter than the longer test prompt
 
 TINY = {
     "arcee": {},
-    "bloom": {"n_embed": 32},
-    "codegen": {"n_inner": 64, "rotary_dim": 4, "n_ctx": 256},
+    "bloom": {"n_embed": 64},
+    "codegen": {"n_inner": 128, "rotary_dim": 4, "n_ctx": 256},
     "cohere": {},
-    "deepseek_v3": {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 6,
+    "deepseek_v3": {"hidden_size": 32, "intermediate_size": 64, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 6,
                     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
                     "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_key_value_heads": 4},
     "falcon": {"multi_query": True, "new_decoder_architecture": False, "alibi": False},  # multi-query attention
     "falcon@alibi": {"multi_query": False, "new_decoder_architecture": False, "alibi": True},
     "falcon@gqa": {"new_decoder_architecture": True, "num_kv_heads": 2},
     "phi@gqa": {"num_key_value_heads": 2},
-    "gemma": {"head_dim": 8},
-    "gemma2": {"head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 8},
-    "gemma3_text": {"head_dim": 8, "sliding_window": WINDOW, "query_pre_attn_scalar": 8},
-    "glm": {"head_dim": 8},
-    "gpt2": {"n_inner": 64},
-    "gpt_bigcode": {"n_inner": 64, "multi_query": True},
+    "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 8},
+    "gemma3_text": {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 8},
+    "glm": {"head_dim": 16},
+    "gpt2": {"n_inner": 128},
+    "gpt_bigcode": {"n_inner": 128, "multi_query": True},
     "gpt_neo": {"num_layers": 2, "attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     "gpt_neox": {},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": WINDOW,
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": WINDOW,
                 "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                  "original_max_position_embeddings": 128}},
-    "gptj": {"n_inner": 64, "rotary_dim": 4},
+    "gptj": {"n_inner": 128, "rotary_dim": 4},
     "granite": {},
-    "helium": {"head_dim": 8},
+    "helium": {"head_dim": 16},
     "internlm2": {},
     "llama": {},
-    "mistral": {"head_dim": 8, "sliding_window": WINDOW},
+    "mistral": {"head_dim": 16, "sliding_window": WINDOW},
     "mpt": {"expansion_ratio": 2, "max_seq_len": 256},
-    "nemotron": {"head_dim": 8},
+    "nemotron": {"head_dim": 16},
     "olmo": {},
     "olmo2": {},
-    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
     "phi": {"num_key_value_heads": 4},
     "phi3": {},
     "qwen2": {},
-    "qwen3": {"head_dim": 8},
-    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16},
     "smollm3": {},
     "stablelm": {},
 }

@@ -32,7 +32,7 @@ def build_llama(folder, eos_token_id=None, seed=0, **overrides):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          initializer_range=0.2, bos_token_id=1, eos_token_id=eos_token_id, **overrides)
     torch.manual_seed(seed)
@@ -80,7 +80,7 @@ def build_chain_llama(folder):
 
     tokenizer = build_tokenizer()
     ids = chain_ids(tokenizer)
-    config = LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          bos_token_id=1, eos_token_id=EOS_ID)
     model = LlamaForCausalLM(config).eval()

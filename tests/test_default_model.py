@@ -63,8 +63,10 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(engine, referen
     result = engine.generate(PROMPT, max_new_tokens=32)
     assert len(expected) == 32 and result.token_ids == expected
     assert engine.manifest.validation["passed"] and engine.manifest.validation["max_abs_diff_decode"] < 1e-3
-    # the fused graph (2 rotary embeddings and 2 skip norms per layer) is the one that was checked
-    assert engine.manifest.validation["fusion"] == {"fused": {"RotaryEmbedding": 60, "SkipSimplifiedLayerNormalization": 60}}
+    # the fused graph (one GroupQueryAttention, with the rotation in it, and 2 skip norms per layer)
+    # is the one that was checked, and its cache is written in place
+    assert engine.manifest.validation["fusion"] == {"fused": {"GroupQueryAttention": 30, "SkipSimplifiedLayerNormalization": 60}}
+    assert engine.manifest.kv.in_place
 
 
 @pytest.mark.parametrize("messages", [

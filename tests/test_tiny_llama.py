@@ -1,4 +1,5 @@
 """Export and generation on a tiny random-weight llama, pinned against transformers."""
+import collections
 import json
 import shutil
 
@@ -38,14 +39,15 @@ def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     folder = tiny_llama[1]
     manifest = json.loads((folder / "edgeinfer.json").read_text())
     assert manifest["format_version"] == 2
-    assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == ("llama", 2, 2, 8)
+    assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == ("llama", 2, 2, 16)
     assert (manifest["vocab_size"], manifest["max_context"], manifest["bos_token_id"], manifest["eos_token_ids"]) == (320, 256, 1, [])
     assert manifest["validation"]["passed"] and manifest["validation"]["max_abs_diff_decode"] < 1e-4
     assert set(manifest["files"]) == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                                       "generation_config.json", "model.onnx", "model.onnx.data"}
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     past = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
-    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids", *past]
+    assert manifest["kv"]["in_place"]  # GroupQueryAttention rotates by each row's slots: no position ids
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *past]
     assert [o.name for o in graph.output] == ["logits", *(p.replace("past_key_values", "present") for p in past)]
     assert [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim][1:] == [1, 320]  # the last position only
     assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
@@ -55,13 +57,15 @@ def test_export_fuses_the_graph_and_no_fuse_keeps_optimums(tiny_llama, tmp_path)
     from edgeinfer.export import ExportOptions
 
     manifest = json.loads((tiny_llama[1] / "edgeinfer.json").read_text())
-    assert manifest["validation"]["fusion"] == {"fused": {"RotaryEmbedding": 4, "SkipSimplifiedLayerNormalization": 4}}
-    ops = {n.op_type for n in onnx.load(str(tiny_llama[1] / "model.onnx"), load_external_data=False).graph.node}
-    assert {"RotaryEmbedding", "SkipSimplifiedLayerNormalization"} <= ops
+    assert manifest["validation"]["fusion"] == {"fused": {"GroupQueryAttention": 2, "SkipSimplifiedLayerNormalization": 4}}
+    ops = collections.Counter(n.op_type for n in onnx.load(str(tiny_llama[1] / "model.onnx"), load_external_data=False).graph.node)
+    assert ops["GroupQueryAttention"] == 2 and ops["MatMul"] == 2 * 5 + 1  # q, k and v packed into one MatMul per layer
+    assert "Concat" not in ops and "Softmax" not in ops  # no cache concatenation, no attention chain left
     export_model(str(tiny_llama[0]), tmp_path / "plain", ExportOptions(fuse=False))
     plain = onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph
     assert not any(n.domain == "com.microsoft" for n in plain.node)
-    assert "fusion" not in json.loads((tmp_path / "plain" / "edgeinfer.json").read_text())["validation"]
+    plain_manifest = json.loads((tmp_path / "plain" / "edgeinfer.json").read_text())
+    assert "fusion" not in plain_manifest["validation"] and not plain_manifest["kv"]["in_place"]
     prompt = "The capital of France is"
     assert Engine.load(tmp_path / "plain", provider="cpu").generate(prompt, max_new_tokens=16).token_ids == \
         Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=16).token_ids
@@ -102,13 +106,18 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
     assert cache.length == len(ids) + 8
 
 
-def test_kv_cache_stays_as_ort_values_on_the_device(engine):
-    cache = engine.new_cache()
+def test_kv_cache_is_written_in_place_on_the_device(engine):
+    cache = engine.new_cache(capacity=12)
     engine.prefill([[5, 6, 7]], cache)
+    buffers = dict(cache.past)
     engine.decode([8], cache)
     assert list(cache.past) == engine.manifest.kv.past
+    assert all(cache.past[name] is buffers[name] for name in buffers)  # the same buffers, not new outputs
     assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in cache.past.values())
-    assert [v.shape() for v in cache.past.values()] == [[1, 2, 4, 8]] * 4
+    assert [v.shape() for v in cache.past.values()] == [[1, 2, 12, 16]] * 4
+    assert cache.length == 4
+    keys = cache.past["past_key_values.0.key"].numpy()
+    assert np.abs(keys[0, :, :4]).min() > 0 and np.all(np.abs(keys[0, :, :4]).sum(axis=-1) > 0)  # slots 0..3 written
 
 
 def test_streamed_pieces_join_to_the_generated_text(engine):
