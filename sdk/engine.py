@@ -131,22 +131,22 @@ class Engine:
     def _loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
         """Prefill once, then choose → yield → decode until every row has ended."""
         cache = self.new_cache(capacity)
-        logits = self.prefill([row.prompt_ids for row in rows], cache)
+        logits = self.prefill([row.prompt_ids for row in rows], cache, reuse_logits=True)
         while True:
-            tokens = self._choose(logits, rows, is_greedy)
+            tokens = self._choose(logits, rows, is_greedy, cache)
             for index, (row, token) in enumerate(zip(rows, tokens)):
                 piece = None if row.is_done else row.add(token)
                 if piece is not None:
                     yield index, piece
             if all(row.is_done for row in rows):
                 return
-            logits = self.decode([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)], cache)
+            logits = self.decode([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)], cache, reuse_logits=True)
 
-    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool) -> list[int]:
+    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool, cache: KVCache) -> list[int]:
         """The next token of every row. Greedy needs only the ids, so ArgMax runs on the device
         that holds the logits; sampling brings each row's last-position logits to the host."""
         if is_greedy:
-            return self.heads.argmax(logits)
+            return self.heads.argmax(logits, cache.bindings)
         last = self.heads.last(logits)
         return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
 
@@ -159,25 +159,32 @@ class Engine:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.manifest.max_context, self.graph.allocate)
         return KVCache(self.manifest.kv, shapes)
 
-    def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
+    def prefill(self, prompts: list[list[int]], cache: KVCache, reuse_logits: bool = False) -> ort.OrtValue:
         """Run the graph over the prompts (one batch), `prefill_chunk` positions at a time, the
         first chunk on an empty past; fills `cache` and returns the last position's logits
-        [batch, 1, vocab], left on the device."""
+        [batch, 1, vocab], left on the device. `reuse_logits`: see `decode`."""
         for step in cache.prefill_steps(prompts, self.prefill_chunk):
-            logits = self._run(step, cache)
+            logits = self._run(step, cache, reuse_logits)
         return logits
 
-    def decode(self, tokens: list[int], cache: KVCache) -> ort.OrtValue:
+    def decode(self, tokens: list[int], cache: KVCache, reuse_logits: bool = False) -> ort.OrtValue:
         """Run the graph for one new token per row on top of `cache`; returns the logits
-        [batch, 1, vocab], left on the device."""
-        return self._run(cache.decode_inputs(tokens), cache)
+        [batch, 1, vocab], left on the device. With `reuse_logits` (the generation loop), a cache
+        written in place keeps its buffers and one logits value bound from step to step, so each
+        step overwrites the logits the previous one returned; by default every call returns new logits."""
+        return self._run(cache.decode_inputs(tokens), cache, reuse_logits)
 
-    def _run(self, step: dict, cache: KVCache) -> ort.OrtValue:
+    def _run(self, step: dict, cache: KVCache, reuse_logits: bool) -> ort.OrtValue:
         """One pass of the graph: the step's inputs it takes plus the cache's past; the presents
         and the logits stay on the device."""
         inputs = {name: value for name, value in step.items() if name in self.graph.inputs}
+        if reuse_logits and "graph" in cache.bindings:  # two binds and a run
+            cache.bindings["graph"].run(inputs)
+            return cache.bindings["logits"]
         kept, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.keep, "logits"], fetch=[], into=cache.into)
         cache.update(kept)
+        if reuse_logits and cache.into:
+            cache.bindings.update(logits=kept["logits"], graph=self.graph.step(cache.past, {**cache.into, "logits": kept["logits"]}))
         return kept["logits"]
 
     def _check_stop_ids(self, ids: tuple[int, ...]) -> None:

@@ -28,6 +28,7 @@ class KVCache:
         self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
+        self.bindings: dict = {}  # the runtime's bindings kept for this generation (engine._run)
 
     @property
     def length(self) -> int:

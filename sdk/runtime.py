@@ -119,9 +119,32 @@ class Graph:
         return kept, fetched
 
 
+    def step(self, inputs: dict, outputs: dict) -> Step:
+        """A binding kept across runs, with `inputs` and `outputs` (OrtValues) bound once."""
+        return Step(self, inputs, outputs)
+
     def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
+
+
+class Step:
+    """An IO binding kept for a whole generation. What is bound once (the KV cache's buffers, the
+    logits) stays bound; each run rebinds only the host inputs it is given. A decode step then
+    costs two binds and a run from Python, instead of binding every past and present again."""
+
+    def __init__(self, graph: Graph, inputs: dict, outputs: dict):
+        self._session = graph.session
+        self._binding = graph.session.io_binding()
+        for name, value in inputs.items():
+            self._binding.bind_ortvalue_input(name, value)
+        for name, value in outputs.items():
+            self._binding.bind_ortvalue_output(name, value)
+
+    def run(self, inputs: dict[str, np.ndarray]) -> None:
+        for name, value in inputs.items():
+            self._binding.bind_cpu_input(name, value)
+        self._session.run_with_iobinding(self._binding)
 
 
 def sequence_length(value: ort.OrtValue, axis: int) -> int:
@@ -140,9 +163,17 @@ class LogitsHeads:
         self._argmax = Graph(head_model("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._last = Graph(head_model("last", _ONNX_TYPES[logits_type]), provider, threads=1)
 
-    def argmax(self, logits: ort.OrtValue) -> list[int]:
-        """Each row's greedy token: the largest logit of its last position."""
-        return self._argmax.run({"logits": logits}, keep=[], fetch=["argmax"])[1]["argmax"].tolist()
+    def argmax(self, logits: ort.OrtValue, kept: dict | None = None) -> list[int]:
+        """Each row's greedy token: the largest logit of its last position. Given `kept` (a
+        generation's bindings), the head stays bound to `logits` and to a host array for the ids."""
+        if kept is None:
+            return self._argmax.run({"logits": logits}, keep=[], fetch=["argmax"])[1]["argmax"].tolist()
+        if kept.get("argmax_logits") is not logits:
+            ids = np.zeros(logits.shape()[0], np.int64)
+            kept.update(argmax_logits=logits, argmax_ids=ids,
+                        argmax=self._argmax.step({"logits": logits}, {"argmax": ort.OrtValue.ortvalue_from_numpy(ids)}))
+        kept["argmax"].run({})
+        return kept["argmax_ids"].tolist()
 
     def last(self, logits: ort.OrtValue) -> np.ndarray:
         """Each row's last-position logits on the host, [batch, vocab] float32."""

@@ -97,7 +97,7 @@ def test_closing_a_stream_early_stops_the_work_and_the_engine_goes_on(tiny_llama
     engine = Engine.load(tiny_llama[1], provider="cpu")
     steps = []
     decode = engine.decode
-    engine.decode = lambda tokens, cache: steps.append(1) or decode(tokens, cache)
+    engine.decode = lambda tokens, cache, **options: steps.append(1) or decode(tokens, cache, **options)
     stream = engine.stream(PROMPT, max_new_tokens=100, ignore_eos=True)
     taken = [next(stream) for _ in range(3)]
     stream.close()

@@ -220,3 +220,14 @@ def test_tied_embedding_is_stored_once(tmp_path):
     ids = AutoTokenizer.from_pretrained(tmp_path / "hf")(PROMPT).input_ids
     engine = Engine.load(tmp_path / "export", provider="cpu")
     assert engine.generate(PROMPT, max_new_tokens=16).token_ids == hf_greedy(model, ids, 16)
+
+
+def test_public_steps_return_logits_that_later_steps_do_not_overwrite(engine):
+    """Only the generation loop keeps one logits value bound from step to step; prefill and
+    decode called by an app return new logits every time."""
+    cache = engine.new_cache(16)
+    first = engine.prefill([[5, 6, 7]], cache).numpy()
+    kept = first.copy()
+    second = engine.decode([8], cache).numpy()
+    engine.decode([9], cache)
+    assert np.array_equal(first, kept) and not np.array_equal(first, second)
