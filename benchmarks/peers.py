@@ -76,7 +76,8 @@ def setup(root: Path, reexport: bool = False) -> None:
         ours = root / f"edgeinfer-{precision}"
         if reexport or not (ours / "edgeinfer.json").exists():
             step(f"exporting edgeinfer's {precision} model")
-            quantize = ["--quantize", "int4"] if precision == "int4" else []
+            # genai's int4 blocks are symmetric (no zero points): the same scheme, the same work
+            quantize = ["--quantize", "int4", "--symmetric"] if precision == "int4" else []
             subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), "--force", *quantize],
                            check=True, env=env)
 

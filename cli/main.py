@@ -29,11 +29,14 @@ def cli(debug):
 @click.option("--max-context", type=int, default=None, help="Tokens the runtime may hold [default: the model's limit].")
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None, help="Quantize the weights [default: fp32].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Weights per quantization scale.")
+@click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
 @click.option("--no-fuse", is_flag=True, help="Skip ONNX Runtime's transformer optimizer (fusion) at export.")
-def export(model, output, force, max_context, quantize, block_size, no_fuse):
+def export(model, output, force, max_context, quantize, block_size, symmetric, no_fuse):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to an ONNX graph for prefill and decode."""
     exporter = _exporter()
-    quantization = exporter.Quantization(quantize, block_size) if quantize else None
+    if symmetric and not quantize:
+        raise click.UsageError("--symmetric applies to quantized weights: add --quantize int4 or int8")
+    quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
     options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse)
     manifest = exporter.export_model(model, output, options, say)
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")

@@ -53,6 +53,12 @@ def test_export_into_an_existing_folder_needs_force(tiny_llama, tmp_path):
     assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path)), "already exists", "--force")
 
 
+def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--symmetric")
+    assert done.returncode == 2 and "--symmetric applies to quantized weights: add --quantize int4 or int8" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_debug_shows_the_traceback(tmp_path):
     done = edgeinfer("--debug", "run", "--model", str(tmp_path / "nope"), "hi")
     assert done.returncode != 0 and "Traceback" in done.stderr and "ModelNotFoundError" in done.stderr

@@ -59,21 +59,24 @@ def test_bad_quantization_settings(settings, message):
         Quantization(**settings)
 
 
-def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path):
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zero-points", "symmetric"])
+def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmetric):
     """int4 with tied weights: no fp32 table is left, and the embedding rows GatherBlockQuantized
-    gives are exactly the lm_head's dequantized columns."""
+    gives are exactly the lm_head's dequantized columns (with zero points, or the default one)."""
     import numpy as np
     import onnxruntime as ort
     from conftest import build_llama
     from onnx import TensorProto, helper
 
     build_llama(tmp_path / "hf", tie_word_embeddings=True)
-    export_model(str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4")))
+    manifest = export_model(str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4", symmetric=symmetric)))
+    assert manifest.quantization["symmetric"] == symmetric
     graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
     assert not [t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT and sorted(t.dims) == [64, 320]]
     (gather,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
     (lm_head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[2] == gather.input[2]]
-    assert gather.input[3] == lm_head.input[3]  # scales and zero points shared
+    assert list(gather.input[2:]) == list(lm_head.input[2:4])  # scales (and zero points) shared
+    assert len(gather.input) == (3 if symmetric else 4)
     tensors = [t for t in graph.initializer if t.name in {*gather.input, *lm_head.input}]
 
     def run(node, inputs, outputs):
