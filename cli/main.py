@@ -30,14 +30,17 @@ def cli(debug):
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None, help="Quantize the weights [default: fp32].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Weights per quantization scale.")
 @click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+              help="Weights, activations and KV cache type (fp16 is for GPUs).")
 @click.option("--no-fuse", is_flag=True, help="Skip ONNX Runtime's transformer optimizer (fusion) at export.")
-def export(model, output, force, max_context, quantize, block_size, symmetric, no_fuse):
+def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to an ONNX graph for prefill and decode."""
     exporter = _exporter()
     if symmetric and not quantize:
         raise click.UsageError("--symmetric applies to quantized weights: add --quantize int4 or int8")
     quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
-    options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse)
+    options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse,
+                                     dtype=dtype)
     manifest = exporter.export_model(model, output, options, say)
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
 

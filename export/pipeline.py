@@ -13,13 +13,15 @@ from pathlib import Path
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 
+from .fp16 import convert_to_fp16
 from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quantize_graph
 from .source import resolve_source, load_model
 from .validate import validate
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "quantize", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
+DTYPES = {"fp32": "float32", "fp16": "float16"}
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -29,8 +31,13 @@ class ExportOptions:
     max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
     quantization: Quantization | None = None  # None: fp32 weights
     fuse: bool = True  # ONNX Runtime's transformer optimizer, kept only where it checks out
+    dtype: str = "fp32"  # or "fp16": weights, activations and KV cache in float16, for GPUs
 
     def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ExportError(f"unknown dtype {self.dtype!r}: use 'fp32' or 'fp16'")
+        if self.dtype == "fp16" and self.quantization:
+            raise ExportError("--dtype fp16 with --quantize is not supported yet: choose one of them")
         if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
                                              or self.max_context < 2):
             raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")
@@ -57,7 +64,8 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
-    stage = _Stages(say, [s for s in STAGES if (s != "quantize" or options.quantization) and (s != "fuse" or options.fuse)])
+    wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16"}
+    stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)])
     with stage("load"):
         source = resolve_source(model, say)
         torch_model, tokenizer = load_model(source)
@@ -80,6 +88,13 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
             say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
                 + (f" (kept the unfused graph: {fusion['skipped']})" if "skipped" in fusion else "")
                 + (f" ({fusion['attention']})" if fusion.get("attention") else ""))
+    if options.dtype == "fp16":
+        with stage("fp16"):
+            manifest, validation["float16"] = convert_to_fp16(work, torch_model, manifest)
+            half = validation["float16"]
+            say(f"float16: largest logits difference prefill {half['max_abs_diff_prefill']:.2e}, decode "
+                f"{half['max_abs_diff_decode']:.2e} (tolerance {half['tolerance']:.2e}); greedy tokens "
+                + ("equal PyTorch fp32's" if half["greedy_tokens_equal"] else "differ from PyTorch fp32's"))
     quantization = {}
     if options.quantization:
         with stage("quantize"):

@@ -181,7 +181,7 @@ def test_failed_export_leaves_nothing(tmp_path):
 def test_export_above_tolerance_fails_with_the_figure_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     import edgeinfer.export.validate as validate
 
-    monkeypatch.setattr(validate, "RELATIVE_TOLERANCE", 0.0)
+    monkeypatch.setattr(validate, "RELATIVE_TOLERANCE", {"float32": 0.0})
     with pytest.raises(ExportError, match=r"differ from PyTorch by \d.*e-0\d in the logits \(tolerance 0\)"):
         export_model(str(tiny_llama[0]), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
