@@ -56,7 +56,6 @@ def export_graph(model, folder: Path) -> GraphSpec:
     try:
         graph = onnx.load(str(scratch / GRAPH_FILE))  # with its weights, wherever optimum put them
         last_position_logits(graph.graph)
-        share_tied_embedding(graph.graph)
         onnx.save(graph, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
                   location=f"{GRAPH_FILE}.data", size_threshold=1024)
     finally:
@@ -97,35 +96,23 @@ def last_position_logits(graph: onnx.GraphProto) -> None:
             output.type.tensor_type.shape.dim[1].dim_value = 1
 
 
-def share_tied_embedding(graph: onnx.GraphProto) -> bool:
-    """Where the embedding table is the lm_head's weight transposed (tied weights), store it once.
-
-    The exporter writes the lm_head as a [hidden, vocab] MatMul weight next to the [vocab, hidden]
-    embedding table: two copies of the largest tensor (113 MB for SmolLM2), on disk and in memory.
-    The embedding becomes a gather of the lm_head weight's columns, transposed back to
-    [batch, seq, hidden]; that copies only the prompt's columns. Returns whether it applied."""
+def tied_embedding(graph: onnx.GraphProto):
+    """The embedding's Gather node where its table is the lm_head's weight transposed (tied
+    weights), with the lm_head weight's name; else None."""
     from onnx import numpy_helper
 
     initializers = {t.name: t for t in graph.initializer}
     weight = initializers.get(_lm_head(graph).input[1])
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids" and n.input[0] in initializers]
     if weight is None or len(gathers) != 1 or len(weight.dims) != 2:
-        return False
+        return None
     (gather,) = gathers
     table = initializers[gather.input[0]]
     if list(table.dims) != list(weight.dims)[::-1] or any(a.name == "axis" and a.i != 0 for a in gather.attribute):
-        return False
+        return None
     if not np.array_equal(numpy_helper.to_array(table), numpy_helper.to_array(weight).T):
-        return False
-    columns, embedded = "edgeinfer_embedding_columns", gather.output[0]
-    position = list(graph.node).index(gather)
-    graph.node.remove(gather)
-    graph.node.insert(position, helper.make_node("Gather", [weight.name, "input_ids"], [columns], axis=1,
-                                                 name="edgeinfer_tied_embedding"))
-    graph.node.insert(position + 1, helper.make_node("Transpose", [columns], [embedded], perm=[1, 2, 0],
-                                                     name="edgeinfer_tied_embedding_transpose"))
-    graph.initializer.remove(table)
-    return True
+        return None
+    return gather, weight.name
 
 
 @contextmanager

@@ -12,7 +12,7 @@ import onnx
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
 
-from .graphs import GRAPH_FILE
+from .graphs import GRAPH_FILE, tied_embedding
 
 BITS = {"int4": 4, "int8": 8}
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -47,50 +47,53 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     bits = BITS[quantization.method]
     config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=quantization.symmetric,
                                           accuracy_level=quantization.accuracy_level, bits=bits)
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(folder / GRAPH_FILE)), bits=bits, block_size=quantization.block_size,
+    graph = onnx.load(str(folder / GRAPH_FILE))
+    tied = tied_embedding(graph.graph)
+    quantizer = MatMulNBitsQuantizer(graph, bits=bits, block_size=quantization.block_size,
                                      is_symmetric=quantization.symmetric, accuracy_level=quantization.accuracy_level,
                                      algo_config=config)
     quantizer.process()
-    quantized_embedding(quantizer.model.model.graph, bits, quantization.block_size)
+    if tied:
+        quantized_embedding(quantizer.model.model.graph, *tied, bits, quantization.block_size)
     (folder / f"{GRAPH_FILE}.data").unlink()
     onnx.save(quantizer.model.model, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
               location=f"{GRAPH_FILE}.data", size_threshold=1024)
 
 
-def quantized_embedding(graph, bits: int, block_size: int) -> bool:
-    """Where the embedding is a gather of the lm_head weight (tied, graphs.share_tied_embedding),
-    gather from the lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes,
-    scales and zero points, so the fp32 table (113 MB for SmolLM2) is gone. MatMulNBits lays its
-    weight out as [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized
-    along hidden; GatherBlockQuantized wants it as [vocab, bytes per row], a reshaped copy of the
-    bytes alone (the scales and zero points are shared; without zero points both ops take the same
-    default, 2^(bits-1)). Returns whether it applied."""
+def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) -> bool:
+    """Where the embedding table is the lm_head's weight transposed (tied weights), gather from the
+    lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes, scales and zero
+    points, so no fp32 table is left (113 MB for SmolLM2). MatMulNBits lays its weight out as
+    [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized along hidden;
+    GatherBlockQuantized wants it as [vocab, bytes per row], a reshaped copy of the bytes alone (the
+    scales and zero points are shared; without zero points both ops take the same default,
+    2^(bits-1)). Returns whether it applied.
+
+    fp32 exports keep both tables: the lm_head's MatMul weight is pre-packed at load, and ONNX
+    Runtime keeps an initializer that another node reads resident after packing it, while the
+    embedding table is memory-mapped and only the rows of the tokens seen are ever read. Sharing
+    one fp32 tensor saved 113 MB of disk but cost 96 MB of resident memory after load (SmolLM2)."""
     from onnx import helper, numpy_helper
 
-    gather = next((n for n in graph.node if n.name == "edgeinfer_tied_embedding"), None)
-    if gather is None:
-        return False
-    weight = gather.input[0]
     lm_head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{weight}_Q{bits}"), None)
-    (transpose,) = [n for n in graph.node if gather.output[0] in n.input]
     initializers = {t.name: t for t in graph.initializer}
-    if lm_head is None or weight not in initializers:
+    table = gather.input[0]
+    if lm_head is None or table not in initializers or gather not in graph.node:
         return False
-    hidden = initializers[weight].dims[0]
+    hidden = initializers[table].dims[1]
     blocks = numpy_helper.to_array(initializers[lm_head.input[1]])
     if hidden % block_size or blocks.shape[1] * blocks.shape[2] * 8 // bits != hidden:
         return False
     data = f"{weight}_embedding_Q{bits}"
     graph.initializer.append(numpy_helper.from_array(blocks.reshape(blocks.shape[0], -1), data))
     position = list(graph.node).index(gather)
-    for node in (gather, transpose):
-        graph.node.remove(node)
+    graph.node.remove(gather)
     graph.node.insert(position, helper.make_node(
-        "GatherBlockQuantized", [data, "input_ids", *lm_head.input[2:4]], [transpose.output[0]],
+        "GatherBlockQuantized", [data, "input_ids", *lm_head.input[2:4]], [gather.output[0]],
         name="edgeinfer_quantized_embedding", domain="com.microsoft",
         gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits))
-    if not any(weight in n.input for n in graph.node):
-        graph.initializer.remove(initializers[weight])
+    if not any(table in n.input for n in graph.node):
+        graph.initializer.remove(initializers[table])
     return True
 
 

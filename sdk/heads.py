@@ -4,10 +4,18 @@ full [batch, sequence, vocab] logits never have to come to the host:
 - `last`: the last position's logits, [batch, vocab], for sampling on the host;
 - `argmax`: the id of the largest logit at the last position, [batch], for greedy decoding.
 
-The prompt is left-padded in a batch, so the last position is the last token of every row.
+The graphs give logits for each row's last token only, so `last` is position -1 of every row.
+
+The serialized heads ship with the package (head_graphs/), so loading an engine does not import
+the onnx package (0.1 s); `python -m edgeinfer.sdk.heads` writes them again from `head_model`,
+and a test checks that the files are what it builds.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+FOLDER = Path(__file__).with_name("head_graphs")
+TYPES = {1: "float", 10: "float16", 16: "bfloat16"}  # ONNX element types of logits
 OPSET = 17
 IR_VERSION = 8  # old enough for every onnxruntime edgeinfer supports
 
@@ -28,3 +36,19 @@ def head_model(kind: str, logits_type: int) -> bytes:
     graph = helper.make_graph(nodes, f"edgeinfer_{kind}", [logits], [output], initializer=[last_index])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
     return model.SerializeToString()
+
+
+def head_file(kind: str, logits_type: int) -> Path:
+    return FOLDER / f"{kind}_{TYPES[logits_type]}.onnx"
+
+
+def load_head(kind: str, logits_type: int) -> bytes:
+    """The serialized head, as shipped with the package."""
+    return head_file(kind, logits_type).read_bytes()
+
+
+if __name__ == "__main__":
+    FOLDER.mkdir(exist_ok=True)
+    for element_type in TYPES:
+        for head in ("argmax", "last"):
+            head_file(head, element_type).write_bytes(head_model(head, element_type))

@@ -9,7 +9,7 @@ import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from .errors import ManifestError, NotAnExportError, ProviderError
-from .heads import head_model
+from .heads import load_head
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
@@ -160,8 +160,8 @@ class LogitsHeads:
     def __init__(self, logits_type: str, provider: str):
         if logits_type not in _ONNX_TYPES:
             raise ManifestError(f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again")
-        self._argmax = Graph(head_model("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
-        self._last = Graph(head_model("last", _ONNX_TYPES[logits_type]), provider, threads=1)
+        self._argmax = Graph(load_head("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
+        self._last = Graph(load_head("last", _ONNX_TYPES[logits_type]), provider, threads=1)
 
     def argmax(self, logits: ort.OrtValue, kept: dict | None = None) -> list[int]:
         """Each row's greedy token: the largest logit of its last position. Given `kept` (a

@@ -6,6 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models; from edgeinfer import Engine; "
+         "from edgeinfer.sdk.heads import load_head; assert all(load_head(k, 10) for k in ('argmax', 'last')); "
          "from edgeinfer.models import entries; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(entries()))")
 
 
