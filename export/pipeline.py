@@ -31,13 +31,11 @@ class ExportOptions:
     max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
     quantization: Quantization | None = None  # None: fp32 weights
     fuse: bool = True  # ONNX Runtime's transformer optimizer, kept only where it checks out
-    dtype: str = "fp32"  # or "fp16": weights, activations and KV cache in float16, for GPUs
+    dtype: str = "fp32"  # or "fp16": weights, activations and KV cache in float16, for GPUs (with --quantize: the activations)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ExportError(f"unknown dtype {self.dtype!r}: use 'fp32' or 'fp16'")
-        if self.dtype == "fp16" and self.quantization:
-            raise ExportError("--dtype fp16 with --quantize is not supported yet: choose one of them")
         if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
                                              or self.max_context < 2):
             raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")

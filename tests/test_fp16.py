@@ -42,8 +42,19 @@ def test_float16_generates_transformers_greedy_tokens(half, tiny_llama):
     assert sampled.token_ids == engine.generate(PROMPT, max_new_tokens=8, temperature=0.8, seed=5).token_ids
 
 
+def test_float16_with_int4_weights(tiny_llama, tmp_path):
+    """fp16 activations and cache with int4 weights (the GPU combination): MatMulNBits takes float16
+    scales, the quality against PyTorch fp32 is measured, and generation runs."""
+    manifest = export_model(str(tiny_llama[0]), tmp_path / "export", ExportOptions(dtype="fp16", quantization=Quantization("int4")))
+    assert (manifest.dtype, manifest.kv.dtype, manifest.quantization["method"]) == ("float16", "float16", "int4")
+    graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
+    initializers = {t.name: t for t in graph.initializer}
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 * 5 + 1 and all(initializers[n.input[2]].data_type == TensorProto.FLOAT16 for n in nbits)
+    assert 0.3 < manifest.quantization["top1_agreement"] <= 1.0  # the tiny llama's random weights: see test_quantization
+    assert len(Engine.load(tmp_path / "export", provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids) == 8
+
+
 def test_bad_dtype_settings():
     with pytest.raises(ExportError, match="unknown dtype 'bf16': use 'fp32' or 'fp16'"):
         ExportOptions(dtype="bf16")
-    with pytest.raises(ExportError, match="--dtype fp16 with --quantize is not supported yet: choose one of them"):
-        ExportOptions(dtype="fp16", quantization=Quantization("int4"))
