@@ -31,6 +31,8 @@ LAST_POSITION_NODE = "edgeinfer_last_position"
 # Ops a key or value passes through between the cache and the attention MatMuls: head repeats,
 # the key's transpose, the scale.
 _CACHE_TO_MATMUL = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Mul", "Div", "Cast", "Identity"}
+_SHAPE_ARITHMETIC = {"Shape", "Gather", "Slice", "Cast", "Sqrt", "Div", "Mul", "Reciprocal", "Pow", "Unsqueeze", "Squeeze",
+                     "Constant", "Identity"}
 
 
 class PatternError(ValueError):
@@ -93,14 +95,31 @@ class _View:
         array = numpy_helper.to_array(tensor)
         return float(array.reshape(-1)[0]) if array.size == 1 else None
 
-    def scale_factor(self, node) -> float:
-        """The constant factor a Mul or Div by a scalar applies, else raise."""
+    def scale_factor(self, node) -> float | None:
+        """The constant factor a Mul or Div by a scalar applies; None for a factor computed from
+        tensor shapes at run time (the traced `1 / sqrt(head_size)` of scaled dot-product
+        attention); else raise."""
         values = [self.scalar(name) for name in node.input]
         if node.op_type == "Mul" and any(v is not None for v in values):
             return next(v for v in values if v is not None)
         if node.op_type == "Div" and values[1] is not None:
             return 1.0 / values[1]
+        if self.from_shapes(node.input[1]) or (node.op_type == "Mul" and self.from_shapes(node.input[0])):
+            return None
         raise PatternError(f"{node.name} is a {node.op_type} that is not a scaling by a constant")
+
+    def from_shapes(self, tensor: str, depth: int = 8) -> bool:
+        """`tensor` is computed from constants and tensor shapes only."""
+        if tensor in self.constants:
+            return True
+        node = self.producer.get(tensor)
+        if node is None or depth == 0 or node.op_type not in _SHAPE_ARITHMETIC:
+            return False
+        return node.op_type == "Shape" or all(self.from_shapes(name, depth - 1) for name in node.input if name)
+
+    def data_input(self, node) -> str:
+        """The input of a scaling Mul or Div that is the scaled tensor."""
+        return next(name for name in node.input if self.scalar(name) is None and not self.from_shapes(name))
 
 
 def _rewrite_layer(graph, view: _View, index: int, past_key: str, past_value: str, num_heads: int,
@@ -123,7 +142,7 @@ def _rewrite_layer(graph, view: _View, index: int, past_key: str, past_value: st
     graph.node.append(helper.make_node(
         "GroupQueryAttention", [*inputs, past_key, past_value, *lengths, *rotary.get("caches", [])],
         [output.output[0], present_key, present_value], name=prefix, domain="com.microsoft",
-        num_heads=num_heads, kv_num_heads=kv_heads, scale=query_scale * key_scale * softmax_scale,
+        num_heads=num_heads, kv_num_heads=kv_heads, scale=_scale(head_size, query_scale, key_scale, softmax_scale),
         local_window_size=window, do_rotary=int(bool(rotary)), rotary_interleaved=rotary.get("interleaved", 0)))
     for node in (key_concat, value_concat, output):
         graph.node.remove(node)
@@ -208,6 +227,13 @@ def _pack_projections(graph, view: _View, prefix: str, projections: list[str]) -
     return f"{prefix}_qkv"
 
 
+def _scale(head_size: int, *factors: float | None) -> float:
+    """The product of the constant factors; factors computed at run time (None) are taken as the
+    pair scaled dot-product attention traces, 1 / sqrt(head_size) in all (the check confirms it)."""
+    constant = float(np.prod([f for f in factors if f is not None]))
+    return constant * (head_size ** -0.5 if None in factors else 1.0)
+
+
 def _cache_concat(view: _View, past: str, present: str):
     node = view.producer.get(present)
     if node is None or node.op_type != "Concat" or node.input[0] != past or len(node.input) != 2:
@@ -226,18 +252,23 @@ def _matmul_fed_by(view: _View, cache: str):
                 found.append((node, scale))
             elif node.op_type in _CACHE_TO_MATMUL and node.input[0] == tensor:
                 factor = view.scale_factor(node) if node.op_type in ("Mul", "Div") else 1.0
-                frontier.append((node.output[0], scale * factor))
+                frontier.append((node.output[0], _times(scale, factor)))
     if len(found) != 1:
         raise PatternError(f"{cache} feeds {len(found)} attention MatMuls, not one")
     return found[0]
+
+
+def _times(scale: float | None, factor: float | None) -> float | None:
+    """A product of scale factors, None once any is computed at run time."""
+    return None if scale is None or factor is None else scale * factor
 
 
 def _query_of(view: _View, scores) -> tuple[str, float]:
     """The query going into the scores MatMul, before any scaling, and that scaling."""
     tensor, scale = scores.input[0], 1.0
     while (node := view.producer.get(tensor)) is not None and node.op_type in ("Mul", "Div"):
-        scale *= view.scale_factor(node)
-        tensor = next(name for name in node.input if view.scalar(name) is None)
+        scale = _times(scale, view.scale_factor(node))
+        tensor = view.data_input(node)
     return tensor, scale
 
 
@@ -257,8 +288,8 @@ def _scores_to_weights(view: _View, scores, weighted) -> float:
             if tensor is None:
                 raise PatternError(f"{node.name} adds two tensors neither of which holds the scores")
         elif node.op_type in ("Mul", "Div"):
-            scale *= view.scale_factor(node)
-            tensor = next(name for name in node.input if view.scalar(name) is None)
+            scale = _times(scale, view.scale_factor(node))
+            tensor = view.data_input(node)
         else:
             raise PatternError(f"the attention scores pass through a {node.op_type} ({node.name}) the rewrite does not know")
     if not softmax:

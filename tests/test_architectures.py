@@ -32,11 +32,10 @@ LAYOUT = {
 # cache length give it one row, so a batch fails and export keeps the unfused graph.
 FUSION_SKIPPED = {"nemotron"}
 # Families whose attention export rewrites to GroupQueryAttention with the cache written in place
-# (export/attention.py). The others keep optimum-onnx's attention, and the manifest says why:
-# ALiBi or a scale computed at run time (bloom, falcon, gpt2, mpt, stablelm), a window the pattern
-# does not take (gpt_neo, gpt_oss), keys and values of different head sizes (deepseek_v3), and
-# gemma3_text, whose rewritten graph fails the logits check.
-IN_PLACE = {"arcee", "codegen", "cohere", "phi@gqa", "gemma", "gemma2", "glm", "gpt_bigcode", "gpt_neox", "gptj", "granite", "helium",
+# (export/attention.py). The others keep optimum-onnx's attention, and the manifest says why: ALiBi
+# (bloom, falcon@alibi, mpt), windows the pattern does not take (gpt_neo, gpt_oss), keys and values of
+# different head sizes (deepseek_v3), and gemma3_text, whose rewritten graph fails the logits check.
+IN_PLACE = {"arcee", "codegen", "cohere", "falcon", "falcon@gqa", "gpt2", "stablelm", "phi@gqa", "gemma", "gemma2", "glm", "gpt_bigcode", "gpt_neox", "gptj", "granite", "helium",
             "llama", "mistral", "olmo", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3"}
 ROTARY_IN_ATTENTION = {"arcee", "gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "smollm3"}
 WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gemma", "gemma2", "gemma3_text", "gpt_oss", "nemotron"}
