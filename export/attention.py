@@ -14,8 +14,11 @@ computed from it inside the graph, and the last-position slice before the lm_hea
 of each row's last real position. The graph keeps its inputs and outputs; the manifest's
 `kv.in_place` tells the runtime which layout it serves.
 
-Everything else (rotary embeddings, norms, projections) is left as it was. A rewritten graph is kept
-only if it passes the export's checks; any layer that does not match the pattern stops the rewrite.
+Where the query and key are rotated by one `RotaryEmbedding` right after their projections, the
+rotation moves into GroupQueryAttention (its positions are each row's slots, which is this layout's
+positions) and the q, k and v projections become one MatMul; elsewhere the rotated tensors are fed
+as they are. Norms and the MLP are left as they were. A rewritten graph is kept only if it passes
+the export's checks; any layer that does not match the pattern stops the rewrite.
 """
 from __future__ import annotations
 
