@@ -14,9 +14,8 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import Manifest
 
 from .check import check_export
+from .fuse import CHECK_PROMPT
 from .graphs import GRAPH_FILE
-
-CHECK_PROMPT = list(range(3, 43))
 
 
 def convert_to_fp16(folder: Path, model, manifest: Manifest) -> tuple[Manifest, dict]:
