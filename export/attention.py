@@ -28,9 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .graphs import PAST_PREFIX, PRESENT_PREFIX
+from .graphs import LAST_POSITION_NODE, PAST_PREFIX, PRESENT_PREFIX
 
-LAST_POSITION_NODE = "edgeinfer_last_position"
 # Ops a key or value passes through between the cache and the attention MatMuls: head repeats,
 # the key's transpose, the scale.
 _CACHE_TO_MATMUL = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Mul", "Div", "Cast", "Identity"}

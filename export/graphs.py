@@ -29,6 +29,7 @@ from .families import onnx_config_constructor
 from .source import first_line
 
 GRAPH_FILE = "model.onnx"
+LAST_POSITION_NODE = "edgeinfer_last_position"  # the Slice before the lm_head (attention.py replaces it)
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 # What tracing a model can raise (torch.onnx's own errors derive from RuntimeError).
 _TRACE_ERRORS = (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError, NotImplementedError)
@@ -87,7 +88,7 @@ def last_position_logits(graph: onnx.GraphProto) -> None:
                               helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1])])
     node.input[0] = names["out"]
     slice_node = helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]],
-                                  name="edgeinfer_last_position")
+                                  name=LAST_POSITION_NODE)
     position = list(graph.node).index(node)
     graph.node.insert(position, slice_node)
     for output in graph.output:  # the logits' sequence axis is now 1

@@ -21,7 +21,7 @@ from .source import resolve_source, load_model
 from .validate import validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
-DTYPES = {"fp32": "float32", "fp16": "float16"}
+DTYPES = ("fp32", "fp16")
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 

@@ -118,7 +118,6 @@ class Graph:
         fetched = {name: value.numpy() for name, value in zip(fetch, values[len(keep):])}
         return kept, fetched
 
-
     def step(self, inputs: dict, outputs: dict) -> Step:
         """A binding kept across runs, with `inputs` and `outputs` (OrtValues) bound once."""
         return Step(self, inputs, outputs)
@@ -145,10 +144,6 @@ class Step:
         for name, value in inputs.items():
             self._binding.bind_cpu_input(name, value)
         self._session.run_with_iobinding(self._binding)
-
-
-def sequence_length(value: ort.OrtValue, axis: int) -> int:
-    return value.shape()[axis]
 
 
 class LogitsHeads:
