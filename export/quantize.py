@@ -72,7 +72,8 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     fp32 exports keep both tables: the lm_head's MatMul weight is pre-packed at load, and ONNX
     Runtime keeps an initializer that another node reads resident after packing it, while the
     embedding table is memory-mapped and only the rows of the tokens seen are ever read. Sharing
-    one fp32 tensor saved 113 MB of disk but cost 96 MB of resident memory after load (SmolLM2)."""
+    one fp32 tensor saved 113 MB of disk but cost 108 MiB of resident memory after load (SmolLM2:
+    677 against 569 MiB once the session was built)."""
     from onnx import helper, numpy_helper
 
     lm_head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{weight}_Q{bits}"), None)
