@@ -28,7 +28,7 @@ class Conversation:
         """Add a user message; the token ids of the conversation, ready for the reply."""
         self.turns.append({"role": "user", "content": text})
         ids = self.engine.chat_prompt(self.system + self.turns)
-        while len(ids) + self.reply_room > self.engine.manifest.max_context and len(self.turns) > 1:
+        while len(ids) + self.reply_room > self.engine.max_context and len(self.turns) > 1:
             del self.turns[:2]  # the oldest user message and its reply
             say("(the conversation is longer than the model's context: the oldest exchange was dropped)")
             ids = self.engine.chat_prompt(self.system + self.turns)
@@ -49,12 +49,12 @@ class Conversation:
 @with_options(MODEL_OPTIONS)
 @with_options(GENERATION_OPTIONS)
 @click.option("--system", default=None, help="A system message that starts the conversation.")
-def chat(model, provider, threads, system, **params):
+def chat(model, provider, threads, max_context, memory_limit, system, **params):
     """Chat with the model in the terminal. Replies stream as they are made; Ctrl-C during a
     reply stops that reply."""
-    engine = load_engine(model, provider, threads)
+    engine = load_engine(model, provider, threads, max_context, memory_limit)
     config = resolve_settings(engine.default_config, None, generation_settings(params))
-    conversation = Conversation(engine, system, reply_room=min(config.max_new_tokens, engine.manifest.max_context // 4))
+    conversation = Conversation(engine, system, reply_room=min(config.max_new_tokens, engine.max_context // 4))
     say(f"chatting with {engine.manifest.source}: {HELP}")
     while (text := _read_line()) is not None:
         command = text.strip()

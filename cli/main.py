@@ -51,11 +51,11 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
 @with_options(GENERATION_OPTIONS)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming.")
-def run(prompt, model, provider, threads, chat, as_json, **params):
+def run(prompt, model, provider, threads, max_context, memory_limit, chat, as_json, **params):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
     settings = generation_settings(params)
     prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
-    engine = load_engine(model, provider, threads)
+    engine = load_engine(model, provider, threads, max_context, memory_limit)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
     if as_json:
         result = engine.generate(ids, **settings)
@@ -93,6 +93,20 @@ def info(folder, architectures):
     click.echo(json.dumps(manifest.to_dict(), indent=2))
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
+
+
+@cli.command()
+@click.argument("folder", type=click.Path())
+def verify(folder):
+    """Check every file of the export in FOLDER against the size and SHA-256 its manifest records.
+    Exits 1, naming the file, where one differs."""
+    from pathlib import Path
+
+    from edgeinfer.sdk.manifest import load_manifest, verify_files
+
+    manifest = load_manifest(folder)
+    checked = verify_files(Path(folder), manifest.files)
+    click.echo(f"verified {len(manifest.files)} files ({checked / 2**20:.1f} MiB) of {folder}: all match the manifest")
 
 
 @cli.command()

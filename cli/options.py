@@ -9,6 +9,8 @@ MODEL_OPTIONS = [
     click.option("--model", "model", default=None, help="Export folder or catalog name [default: smollm2-135m-instruct]."),
     click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core]."),
+    click.option("--max-context", default=None, type=int, help="Tokens (prompt and reply) to serve [default: the export's context]."),
+    click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV cache may use [default: what is free]."),
 ]
 # Each defaults to None: the model's own default (its generation config) applies.
 GENERATION_OPTIONS = [
@@ -22,6 +24,8 @@ GENERATION_OPTIONS = [
     click.option("--stop", multiple=True, help="Stop before this text; repeatable."),
     click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop at this token id; repeatable."),
     click.option("--ignore-eos", is_flag=True, default=None, help="Keep generating past the model's EOS."),
+    click.option("--truncate", type=click.Choice(["left"]), default=None,
+                 help="Drop the oldest prompt tokens where the prompt and --max-new-tokens do not fit the context [default: refuse]."),
 ]
 
 

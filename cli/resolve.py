@@ -20,11 +20,14 @@ def say_timings(piece) -> None:
         f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}")
 
 
-def load_engine(model: str | None, provider: str, threads: int | None):
-    """The engine for `--model`, saying which provider runs it and why."""
+def load_engine(model: str | None, provider: str, threads: int | None, max_context: int | None = None,
+                memory_limit: int | None = None):
+    """The engine for `--model`, saying which provider runs it and why. `memory_limit` is in MiB."""
     from edgeinfer.sdk import Engine
 
-    engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads)
+    limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
+    engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
+                         memory_limit=limit)
     say(f"provider: {engine.provider} ({engine.provider_reason})")
     return engine
 

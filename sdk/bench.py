@@ -67,7 +67,7 @@ def run_benchmark(path, provider: str = "cpu", threads: int | None = None, promp
 
 def random_prompts(engine: Engine, new_tokens: int) -> dict[str, list[int]]:
     rng = np.random.default_rng(0)
-    fits = [n for n in PROMPT_LENGTHS if n + new_tokens <= engine.manifest.max_context]
+    fits = [n for n in PROMPT_LENGTHS if n + new_tokens <= engine.max_context]
     return {f"p{n}": rng.integers(0, engine.manifest.vocab_size, n).tolist() for n in fits}
 
 

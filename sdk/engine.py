@@ -10,7 +10,8 @@ import onnxruntime as ort
 
 from .errors import GenerationError, ManifestError, SettingsError
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
-from .manifest import Manifest, load_manifest
+from .manifest import Manifest, load_manifest, verify_files
+from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
 from .runtime import Graph, LogitsHeads, RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig, resolve_settings
@@ -31,26 +32,42 @@ class Engine:
     An engine keeps no state between calls (each generation has its own KV cache), so one
     engine can serve several threads at once."""
 
-    def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 limits: LoadLimits = LoadLimits()):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SettingsError(f"prefill_chunk must be an integer of at least 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self.folder = Path(folder)
         self.manifest = manifest
+        self.max_context = _serving_context(manifest, limits.max_context)
         self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
+        self.memory = MemoryPlan.of(manifest, self.max_context, limits.max_batch)
+        self._memory_limit = limits.memory_limit
+        self.memory.check(*available_bytes(self.provider, limits.memory_limit))  # before the weights are read
         self.graph = self._open_graph(manifest.graph, options)
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
 
     @classmethod
     def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> Engine:
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None, max_batch: int = 1,
+             memory_limit: int | None = None, verify: bool = False) -> Engine:
         """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
-        Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak)."""
+        Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
+
+        The engine serves prompts and replies of up to `max_context` tokens (default: the
+        export's) in batches of `max_batch`; loading refuses, before reading the weights, where
+        they and that much KV cache do not fit in `memory_limit` bytes (default: the memory the
+        device has free). File sizes are always checked against the manifest; `verify` checks
+        their SHA-256 too (it reads every byte)."""
         options = RuntimeOptions(provider=provider, threads=threads)
-        return cls(Path(path), load_manifest(path), options, prefill_chunk)
+        limits = LoadLimits(max_context, max_batch, memory_limit)
+        manifest = load_manifest(path)
+        if verify:
+            verify_files(Path(path), manifest.files)
+        return cls(Path(path), manifest, options, prefill_chunk, limits)
 
     def _open_graph(self, spec, options: RuntimeOptions) -> Graph:
         graph = Graph(self.folder / spec.file, self.provider, options.threads)
@@ -123,10 +140,21 @@ class Engine:
         start = time.perf_counter()
         config = resolve_settings(self.default_config, config, settings)
         self._check_stop_ids(config.stop_token_ids)
-        ids = [self.prompt_ids(p) for p in prompts]
+        given = [self.prompt_ids(p) for p in prompts]
+        ids = [self._truncate(row, config) for row in given]
         budget = self._token_budget(ids, config.max_new_tokens)
-        rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start) for row in ids]
-        return self._loop(rows, config.is_greedy, capacity=max(len(row) for row in ids) + budget)
+        capacity = max(len(row) for row in ids) + budget
+        check_generation(self.memory, len(ids), capacity, available_bytes(self.provider, self._memory_limit))
+        rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start, len(full) - len(row))
+                for row, full in zip(ids, given)]
+        return self._loop(rows, config.is_greedy, capacity)
+
+    def _truncate(self, ids: list[int], config: GenerationConfig) -> list[int]:
+        """With `truncate="left"`, the end of a prompt that leaves too little room for
+        `max_new_tokens` (at least one prompt token is kept)."""
+        if config.truncate != "left":
+            return ids
+        return ids[-max(1, self.max_context - config.max_new_tokens):]
 
     def _loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
         """Prefill once, then choose → yield → decode until every row has ended."""
@@ -152,11 +180,11 @@ class Engine:
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         """An empty KV cache for one generation of at most `capacity` tokens per row, prompt
-        included (default: the model's context). Only a graph that writes its cache in place
+        included (default: the engine's context). Only a graph that writes its cache in place
         (`kv.in_place`) allocates it, once, at the first prefill."""
         shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
         if self.manifest.kv.in_place:
-            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.manifest.max_context, self.graph.allocate)
+            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate)
         return KVCache(self.manifest.kv, shapes)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache, reuse_logits: bool = False) -> ort.OrtValue:
@@ -196,11 +224,20 @@ class Engine:
         """New tokens each row may make: `max_new_tokens`, or less where the context ends. In a
         batch the longest prompt sets the room left for every row."""
         longest = max(len(p) for p in prompts)
-        room = self.manifest.max_context - longest
+        room = self.max_context - longest
         if room < 1:
             which = "the prompt has" if len(prompts) == 1 else "the longest prompt of the batch has"
-            raise GenerationError(f"{which} {longest} tokens but the model's context is {self.manifest.max_context}: shorten the prompt")
+            context = "model's" if self.max_context == self.manifest.max_context else "engine's (max_context)"
+            raise GenerationError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the prompt, "
+                                  "or pass truncate='left' (--truncate left) to keep its end")
         return min(max_new_tokens, room)
+
+
+def _serving_context(manifest: Manifest, requested: int | None) -> int:
+    if requested is not None and requested > manifest.max_context:
+        raise SettingsError(f"max_context {requested} is more than the export's context of {manifest.max_context} tokens: "
+                            f"pass at most {manifest.max_context}")
+    return requested or manifest.max_context
 
 
 def _model_defaults(manifest: Manifest) -> GenerationConfig:

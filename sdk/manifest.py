@@ -113,6 +113,9 @@ def load_manifest(folder: str | Path) -> Manifest:
         raise NotAnExportError(f"model path {folder} is a file, not an export folder: run `edgeinfer export {folder} -o OUT` first")
     path = folder / MANIFEST_NAME
     if not path.exists():
+        if any(folder.glob("*.onnx")):
+            raise NotAnExportError(f"{folder} holds ONNX graphs but no edgeinfer.json (an optimum or other export): "
+                                   "run `edgeinfer export` on the Hugging Face model it came from, and load that")
         hint = "it looks like a Hugging Face model folder" if (folder / "config.json").exists() else "it has no edgeinfer.json"
         raise NotAnExportError(f"{folder} is not an edgeinfer export ({hint}): run `edgeinfer export {folder} -o OUT` and load OUT")
     try:
@@ -148,3 +151,15 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def verify_files(folder: Path, files: dict[str, dict]) -> int:
+    """Check every listed file's SHA-256 (after its size); returns the bytes read."""
+    if not files:
+        raise ManifestError(f"the manifest in {folder} lists no files to verify (an older export): export the model again")
+    check_file_sizes(folder, files)
+    for name, info in files.items():
+        if sha256_of(folder / name) != info["sha256"]:
+            raise NotAnExportError(f"export file {folder / name} does not match the SHA-256 in the manifest: "
+                                   "it was changed or damaged, export the model again")
+    return sum(info["size"] for info in files.values())

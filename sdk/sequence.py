@@ -25,13 +25,15 @@ class Piece:
     ttft_s: float | None = None
     decode_tokens_per_s: float | None = None
     prompt_tokens: int | None = None
+    truncated_tokens: int = 0
 
 
 @dataclass
 class GenerationResult:
     """`token_ids` are the new tokens, without the EOS or stop token id that ended generation
     (tokens that spelled a stop string are kept; the text ends before the stop string).
-    `finish_reason` is "eos", "stop" or "length"."""
+    `finish_reason` is "eos", "stop" or "length". `prompt_tokens` were read; `truncated_tokens`
+    were dropped from the prompt's start (`truncate="left"`)."""
 
     text: str
     token_ids: list[int]
@@ -39,19 +41,21 @@ class GenerationResult:
     finish_reason: str
     ttft_s: float
     decode_tokens_per_s: float
+    truncated_tokens: int = 0
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
         last = pieces[-1]
         return cls(text="".join(p.text for p in pieces), token_ids=[t for p in pieces for t in p.token_ids],
                    prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
-                   decode_tokens_per_s=last.decode_tokens_per_s)
+                   decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens)
 
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Iterable[int],
-                 tokenizer: Tokenizer, start: float):
+                 tokenizer: Tokenizer, start: float, truncated: int = 0):
         self.prompt_ids = prompt_ids
+        self.truncated = truncated
         self.history = list(prompt_ids)  # what the repetition penalty looks at
         self.budget = budget
         self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
@@ -94,7 +98,7 @@ class Sequence:
             text += tail if stopped else tail + self.stops.flush()
         self.finish_reason = "stop" if stopped else reason
         return Piece(text, self.pending, self.finish_reason, self.times[0] - self.start, _rate(self.times),
-                     len(self.prompt_ids))
+                     len(self.prompt_ids), self.truncated)
 
 
 def _rate(times: list[float]) -> float:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .errors import SettingsError
 
 DEFAULT_MAX_NEW_TOKENS = 256
+TRUNCATE = (None, "left")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,9 @@ class GenerationConfig:
     """How to generate. `temperature=0` is greedy; `top_k=0`, `top_p=1`, `min_p=0` and
     `repetition_penalty=1` turn those filters off. `seed` makes sampling reproducible (None: a
     fresh seed each call). `stop` strings and `stop_token_ids` end generation with finish reason
-    "stop"; `ignore_eos` keeps going past the model's EOS (benchmarks that need exactly N tokens)."""
+    "stop"; `ignore_eos` keeps going past the model's EOS (benchmarks that need exactly N tokens).
+    `truncate="left"` drops a prompt's oldest tokens where it and `max_new_tokens` would not fit the
+    context (None: such a prompt is refused, and generation stops where the context ends)."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -30,6 +33,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    truncate: str | None = None
 
     def __post_init__(self):
         checked = {
@@ -44,6 +48,8 @@ class GenerationConfig:
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _token_ids(self.stop_token_ids),
         }
+        if self.truncate not in TRUNCATE:
+            raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         for name, value in checked.items():

@@ -237,3 +237,28 @@ def test_bench_prints_a_table_and_writes_json_and_a_plot(tiny_llama, tmp_path):
     table = done.stdout.splitlines()
     assert table[2].split() == ["prompt", "tokens", "TTFT", "ms", "decode", "tok/s"] and table[3].split()[:2] == ["short", "3"]
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_verify_reads_every_file_against_the_manifest(tiny_llama, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_llama[1], tmp_path / "export")
+    done = edgeinfer("verify", str(copy))
+    files = json.loads((copy / "edgeinfer.json").read_text())["files"]
+    assert done.returncode == 0 and f"verified {len(files)} files" in done.stdout and "all match the manifest" in done.stdout
+    data = bytearray((copy / "tokenizer.json").read_bytes())
+    data[10] = ord("X") if data[10] != ord("X") else ord("Y")
+    (copy / "tokenizer.json").write_bytes(bytes(data))
+    assert_one_line_error(edgeinfer("verify", str(copy)), "tokenizer.json does not match the SHA-256", "export the model again")
+
+
+def test_run_with_a_smaller_context_and_truncation(tiny_llama):
+    prompt = "Edge boxes run small language models. " * 40
+    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", prompt),
+                          "but the engine's (max_context) context is 64", "--truncate left")
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", "--truncate", "left", "--max-new-tokens", "8",
+                     "--json", prompt)
+    result = json.loads(done.stdout)
+    assert (result["prompt_tokens"], len(result["token_ids"])) == (56, 8) and result["truncated_tokens"] > 0
+    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--memory-limit", "0", "hi"),
+                          "memory_limit must be an integer of at least 1")

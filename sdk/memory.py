@@ -1,0 +1,144 @@
+"""What an engine will need in memory, worked out before anything is allocated, and what the
+device has. Loading refuses a context or batch that cannot fit, with the figures and the
+setting that would fit, instead of failing halfway through an allocation."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import GenerationError, SettingsError
+from .manifest import Manifest
+
+_GRAPH_FILES = (".onnx", ".data")
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes an engine holds: its weights (the graph files), and its KV cache for `context`
+    tokens in each of `batch` rows."""
+
+    weights: int
+    kv_per_token: int
+    context: int
+    batch: int
+
+    @classmethod
+    def of(cls, manifest: Manifest, context: int, batch: int) -> MemoryPlan:
+        weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
+        return cls(weights, kv_bytes_per_token(manifest), context, batch)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_per_token * self.context * self.batch
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+    def check(self, available: int | None, where: str) -> None:
+        """Refuse, with the figures and what would fit, where the plan needs more than `available`."""
+        if available is None or self.total <= available:
+            return
+        need = f"{gib(self.weights)} of weights and {gib(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
+        room = available - self.weights
+        if room < self.kv_per_token * self.batch:
+            raise SettingsError(f"the model needs {need}, but {where} has {gib(available)}: the weights alone do not fit; "
+                                "use a quantized export (edgeinfer export --quantize int4) or free memory")
+        fits = room // (self.kv_per_token * self.batch)
+        rows = room // (self.kv_per_token * self.context)
+        batch_hint = f", or max_batch={rows}" if self.batch > 1 and rows >= 1 else ""
+        raise SettingsError(f"the model needs {need}, but {where} has {gib(available)}: load it with "
+                            f"max_context={fits} (--max-context {fits}){batch_hint}, or free memory")
+
+
+def kv_bytes_per_token(manifest: Manifest) -> int:
+    """Bytes of keys and values one token adds to one row of the cache."""
+    kv = manifest.kv
+    value_size = kv.value_head_size or kv.head_size
+    per_layer = kv.num_kv_heads * (kv.head_size + value_size) * np.dtype(kv.dtype).itemsize
+    return kv.num_layers * per_layer
+
+
+def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:
+    """Memory this engine may use on `device` and how to name it in a message: `limit` where the
+    caller set one, else what the device has free now; None where that cannot be told."""
+    if limit is not None:
+        return limit, "the memory limit"
+    if device == "cuda":
+        return _cuda_free(), "the GPU"
+    return _host_free(), "this machine"
+
+
+def _host_free() -> int | None:
+    """MemAvailable, or less where a cgroup (a container) limits this process."""
+    try:
+        free = int(next(line for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("MemAvailable:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((_CGROUP / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def _cuda_free() -> int | None:
+    """Free GPU memory from the CUDA runtime that onnxruntime-gpu loads; None where it is not found."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "cudart64_13.dll", "cudart64_12.dll"):
+        try:
+            cudart = ctypes.CDLL(name)
+        except OSError:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) == 0:
+            return free.value
+        return None
+    return None
+
+
+def check_generation(plan: MemoryPlan, batch: int, capacity: int, available: tuple[int | None, str]) -> None:
+    """Before a generation allocates its KV cache (`batch` rows of `capacity` tokens): it must fit
+    in what the device has free now, or beside the weights within the memory limit."""
+    need = plan.kv_per_token * batch * capacity
+    free, where = available
+    if free is None:
+        return
+    if where == "the memory limit":
+        free -= plan.weights
+    if need > free:
+        rows = free // (plan.kv_per_token * capacity)
+        way = f"run at most {rows} prompts at a time, or ask for fewer new tokens" if rows >= 1 else "ask for fewer new tokens, or free memory"
+        raise GenerationError(f"{batch} rows of {capacity} tokens need {gib(need)} of KV cache, but {where} has "
+                              f"{gib(max(free, 0))} left: {way}")
+
+
+def gib(n: int) -> str:
+    """A size in words: GiB, MiB or KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+@dataclass(frozen=True)
+class LoadLimits:
+    """What an engine is loaded to serve: prompts and replies of up to `max_context` tokens (None:
+    the export's context), in batches of `max_batch` rows, within `memory_limit` bytes (None:
+    whatever the device has free). Loading checks that the weights and that much KV cache fit."""
+
+    max_context: int | None = None
+    max_batch: int = 1
+    memory_limit: int | None = None
+
+    def __post_init__(self):
+        for name, low in (("max_context", 2), ("max_batch", 1), ("memory_limit", 1)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise SettingsError(f"{name} must be an integer of at least {low}, got {value!r}")
