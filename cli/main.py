@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 
 import click
@@ -143,6 +144,9 @@ cli.add_command(bench)
 
 def main() -> None:
     debug = "--debug" in sys.argv[1:]
+    # A service manager stops a process with SIGTERM: exit through the same clean-up as Ctrl-C
+    # (an export removes its temporary folder).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         cli.main(standalone_mode=False)
     except EdgeInferError as e:
@@ -156,3 +160,8 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
+    except OSError as e:  # the file system: permissions, a full disk, a vanished folder
+        if debug:
+            raise
+        say(f"error: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}")
+        sys.exit(1)

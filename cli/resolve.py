@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from edgeinfer.models import DEFAULT_MODEL, entries, exported_model_dir, is_catalog_name
+from edgeinfer.models import DEFAULT_MODEL, cache_lock, entries, exported_model_dir, is_catalog_name
 from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
@@ -48,10 +48,13 @@ def resolve_export(model: str | None, say) -> Path:
 
 def _cached_export(name: str, say) -> Path:
     out = exported_model_dir(name)
-    if not (out / MANIFEST_NAME).exists():
-        say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
-        export = _exporter()
-        export.export_model(name, out, export.ExportOptions(force=True), say)
+    if (out / MANIFEST_NAME).exists():
+        return out
+    with cache_lock(f"export-{name}", say):  # another process may be exporting it: wait, then use its export
+        if not (out / MANIFEST_NAME).exists():
+            say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
+            export = _exporter()
+            export.export_model(name, out, export.ExportOptions(force=True), say)
     return out
 
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
+import os
 import shutil
 import time
 import uuid
@@ -11,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.memory import size_text
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 
 from .fp16 import convert_to_fp16
@@ -22,6 +26,7 @@ from .validate import validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
 DTYPES = ("fp32", "fp16")
+_PARTIAL = ".partial-"
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -45,20 +50,76 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
     """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`.
 
     Everything is written to a temporary folder beside `out`, which becomes `out` only once
-    complete and validated; on any failure nothing is left behind.
+    complete and validated; on any failure nothing is left behind. A temporary folder left by
+    an export that was killed is recognised by its dead owner and removed by the next export.
     """
     out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(out)
     if out.exists() and not options.force:
         raise ExportError(f"{out} already exists: pass --force to replace it, or choose another folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    work = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
         manifest = _export_into(model, work, options, say)
         _replace(work, out)
+    except OSError as e:
+        raise ExportError(_disk_error(e, out)) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def clean_leftovers(out: Path) -> None:
+    """Remove what exports of `out` killed halfway left beside it: temporary folders whose
+    process is gone. A complete export set aside by --force is put back where `out` is missing."""
+    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*")):
+        kind, _, rest = path.name[len(out.name) + 2:].partition("-")
+        pid = rest.split("-")[0]
+        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == "old" and not out.exists():
+            path.rename(out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process, or a platform that cannot tell: leave it
+    return True
+
+
+def _disk_error(error: OSError, out: Path) -> str:
+    where = error.filename or out.parent
+    if error.errno == errno.ENOSPC:
+        return (f"no space left on the device while writing {where}: nothing was kept; free some space "
+                f"({_free(out.parent)} free now) or export to another folder")
+    return f"cannot write {where} ({error.strerror or error}): nothing was kept; check the folder's permissions, or export elsewhere"
+
+
+def check_free_space(folder: Path, model) -> None:
+    """Refuse before the first graph is written where the disk cannot hold the export: the fp32
+    graph, and a second copy while fusion and quantization rewrite it."""
+    need = 2 * 4 * sum(p.numel() for p in model.parameters())
+    free = free_bytes(folder)
+    if free < need:
+        raise ExportError(f"exporting needs about {size_text(need)} free in {folder}, which has {size_text(free)}: "
+                          "free some space, or export to another folder")
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _free(folder: Path) -> str:
+    return size_text(free_bytes(folder))
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
@@ -67,6 +128,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     with stage("load"):
         source = resolve_source(model, say)
         torch_model, tokenizer = load_model(source)
+    check_free_space(work.parent, torch_model)
     with stage("export graph"):
         graph = export_graph(torch_model, work)
     with stage("tokenizer"):
@@ -174,7 +236,7 @@ def _tool_versions() -> dict[str, str]:
 
 def _replace(work: Path, out: Path) -> None:
     """Move the finished export to `out`; an old `out` (with --force) goes only after that."""
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if out.exists():
         out.rename(old)
     work.rename(out)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from edgeinfer.sdk.errors import ModelNotFoundError
 
-from .cache import cache_root
+from .cache import cache_lock, cache_root
 from .catalog import CatalogEntry
 
 _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "special_tokens_map.json",
@@ -18,7 +18,13 @@ _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "tokeniz
 
 
 def fetch_source(entry: CatalogEntry, say=lambda message: None) -> str:
-    """A local path the exporter can load: a hub snapshot folder, or a `.gguf` file."""
+    """A local path the exporter can load: a hub snapshot folder, or a `.gguf` file. One process
+    at a time fetches an entry; another waits and then finds the files there."""
+    with cache_lock(f"source-{entry.name}", say):
+        return _fetch(entry, say)
+
+
+def _fetch(entry: CatalogEntry, say) -> str:
     if entry.hub_id:
         folder = download_from_hub(entry.hub_id)
         if folder:

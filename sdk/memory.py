@@ -43,15 +43,15 @@ class MemoryPlan:
         """Refuse, with the figures and what would fit, where the plan needs more than `available`."""
         if available is None or self.total <= available:
             return
-        need = f"{gib(self.weights)} of weights and {gib(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
+        need = f"{size_text(self.weights)} of weights and {size_text(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
         room = available - self.weights
         if room < self.kv_per_token * self.batch:
-            raise SettingsError(f"the model needs {need}, but {where} has {gib(available)}: the weights alone do not fit; "
+            raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
                                 "use a quantized export (edgeinfer export --quantize int4) or free memory")
         fits = room // (self.kv_per_token * self.batch)
         rows = room // (self.kv_per_token * self.context)
         batch_hint = f", or max_batch={rows}" if self.batch > 1 and rows >= 1 else ""
-        raise SettingsError(f"the model needs {need}, but {where} has {gib(available)}: load it with "
+        raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: load it with "
                             f"max_context={fits} (--max-context {fits}){batch_hint}, or free memory")
 
 
@@ -115,11 +115,11 @@ def check_generation(plan: MemoryPlan, batch: int, capacity: int, available: tup
     if need > free:
         rows = free // (plan.kv_per_token * capacity)
         way = f"run at most {rows} prompts at a time, or ask for fewer new tokens" if rows >= 1 else "ask for fewer new tokens, or free memory"
-        raise GenerationError(f"{batch} rows of {capacity} tokens need {gib(need)} of KV cache, but {where} has "
-                              f"{gib(max(free, 0))} left: {way}")
+        raise GenerationError(f"{batch} rows of {capacity} tokens need {size_text(need)} of KV cache, but {where} has "
+                              f"{size_text(max(free, 0))} left: {way}")
 
 
-def gib(n: int) -> str:
+def size_text(n: int) -> str:
     """A size in words: GiB, MiB or KiB."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
         if n >= size:

@@ -1,0 +1,124 @@
+"""An export killed at any stage, or out of disk, leaves nothing that looks whole; the next
+export cleans what a killed one left and succeeds."""
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from edgeinfer import Engine
+from edgeinfer.export import export_model, pipeline
+from edgeinfer.sdk.errors import ExportError
+
+
+def dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def export_until(hf, out, stage, signum):
+    """Start a real `edgeinfer export`, send `signum` once it announces `stage`, and return its exit code."""
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(out)],
+                               stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if f"] {stage}" in line:
+            process.send_signal(signum)
+            break
+    else:
+        pytest.fail(f"the export never reached {stage}: {''.join(seen)}")
+    process.stderr.read()
+    return process.wait(timeout=300)
+
+
+def test_an_export_killed_at_any_stage_leaves_nothing_that_looks_whole(tiny_llama, tmp_path):
+    hf, out = tiny_llama[0], tmp_path / "out"
+    for stage in ("export graph", "fuse"):
+        assert export_until(hf, out, stage, signal.SIGKILL) == -signal.SIGKILL
+        assert not out.exists()
+        names = leftovers(tmp_path)
+        assert len(names) == 1 and names[0].startswith(".out.partial-"), names  # the next export removes it
+    for stage, signum, code in (("validate", signal.SIGINT, 130), ("tokenizer", signal.SIGTERM, 128 + signal.SIGTERM)):
+        assert export_until(hf, out, stage, signum) == code
+        assert not out.exists()
+    assert leftovers(tmp_path) == []  # Ctrl-C and SIGTERM clean up themselves; the killed ones were cleaned
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert leftovers(tmp_path) == ["out"]
+    prompt = [5, 6, 7, 8]
+    assert Engine.load(out, provider="cpu").generate(prompt, max_new_tokens=8).token_ids == \
+        Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=8).token_ids
+
+
+def test_leftovers_of_dead_exports_are_cleaned_and_a_set_aside_export_is_put_back(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    dead = dead_pid()
+    shutil.copytree(tiny_llama[1], tmp_path / f".out.old-{dead}-0a1b2c3d")
+    (tmp_path / f".out.partial-{dead}-0a1b2c3d").mkdir()
+    (tmp_path / f".out.partial-{os.getpid()}-0a1b2c3d").mkdir()  # a live export's: left alone
+    (tmp_path / ".other.partial-1-0a1b2c3d").mkdir()  # another output's
+    pipeline.clean_leftovers(out)
+    assert leftovers(tmp_path) == [".other.partial-1-0a1b2c3d", f".out.partial-{os.getpid()}-0a1b2c3d", "out"]
+    assert Engine.load(out, provider="cpu").generate([5, 6], max_new_tokens=4).token_ids == \
+        Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+
+
+def test_a_disk_without_room_is_refused_before_writing(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "free_bytes", lambda folder: 100 * 2**10)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
+    need = f"{8 * params / 2**10:.1f} KiB"  # fp32 weights, twice
+    with pytest.raises(ExportError, match=rf"exporting needs about {need} free in .*, which has 100.0 KiB: free some space"):
+        export_model(str(tiny_llama[0]), tmp_path / "out")
+    assert leftovers(tmp_path) == []
+
+
+def test_a_disk_that_fills_up_during_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    def full(folder):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
+
+    monkeypatch.setattr(pipeline, "describe_files", full)
+    with pytest.raises(ExportError, match=r"no space left on the device while writing .*model.onnx.data: nothing was kept; "
+                                          r"free some space \(.* free now\) or export to another folder"):
+        export_model(str(tiny_llama[0]), tmp_path / "out")
+    assert leftovers(tmp_path) == []
+
+
+# A process filling the cache with an export, as `edgeinfer run` does for a catalog model on
+# first use; the tiny model stands in for the catalog's source.
+FILL_CACHE = """
+import sys
+import edgeinfer.cli.resolve as resolve
+import edgeinfer.export as export
+
+class TinyExporter:
+    ExportOptions = export.ExportOptions
+
+    @staticmethod
+    def export_model(name, out, options, say):
+        return export.export_model(sys.argv[1], out, options, say)
+
+resolve._exporter = lambda: TinyExporter
+print(resolve._cached_export("tiny", lambda message: print(message, file=sys.stderr, flush=True)))
+"""
+
+
+def test_two_processes_filling_the_cache_at_once_export_once(tiny_llama, tmp_path):
+    env = {**os.environ, "EDGEINFER_CACHE": str(tmp_path / "cache")}
+    processes = [subprocess.Popen([sys.executable, "-c", FILL_CACHE, str(tiny_llama[0])], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    assert len({out.strip() for out, _ in outputs}) == 1
+    assert sum("exporting it once" in err for _, err in outputs) == 1, outputs
+    assert leftovers(tmp_path / "cache" / "exports") == ["tiny"]
+    assert Engine.load(tmp_path / "cache" / "exports" / "tiny", provider="cpu").generate([5, 6], max_new_tokens=4).token_ids == \
+        Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
