@@ -23,7 +23,9 @@ def make_sampler(config: GenerationConfig) -> Sampler:
     rng = np.random.default_rng(config.seed)
 
     def sample(logits: np.ndarray, history: Sequence[int]) -> int:
-        scores = penalize(logits, history, penalty).astype(np.float64) / config.temperature
+        scores = penalize(logits, history, penalty).astype(np.float64)
+        with np.errstate(over="ignore"):  # at most 0: a tiny temperature gives -inf, never inf - inf = nan
+            scores = (scores - scores.max()) / config.temperature
         ids = top_k(scores, config.top_k)
         probs = softmax(scores[ids])
         keep = top_p(probs, config.top_p) & min_p(probs, config.min_p)

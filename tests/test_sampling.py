@@ -24,6 +24,15 @@ def test_greedy_and_top_k_1_pick_the_largest_logit_whatever_the_seed():
     assert draws(GenerationConfig(temperature=1.5, top_k=1, seed=9), 5) == [best] * 5
 
 
+def test_a_tiny_temperature_is_greedy_without_overflow():
+    """Scaling by 5e-324 (the smallest float) would overflow the logits to inf, and inf - inf makes the probabilities
+    nan, which draws any token: the sampler scales after subtracting the largest logit."""
+    best = int(np.argmax(LOGITS))
+    with np.errstate(invalid="raise"):
+        assert draws(GenerationConfig(temperature=5e-324, seed=3), 20) == [best] * 20
+        assert draws(GenerationConfig(temperature=5e-324, top_p=0.5, min_p=0.1, seed=3), 5) == [best] * 5
+
+
 def test_the_same_seed_gives_the_same_draws_and_another_seed_does_not():
     config = GenerationConfig(temperature=1.0, seed=1234)
     assert draws(config) == draws(config)
