@@ -54,12 +54,15 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
     an export that was killed is recognised by its dead owner and removed by the next export.
     """
     out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(out)
-    if out.exists() and not options.force:
-        raise ExportError(f"{out} already exists: pass --force to replace it, or choose another folder")
     work = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    work.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        clean_leftovers(out)  # may put back an export that a kill during --force left set aside
+        if out.exists() and not options.force:
+            raise ExportError(f"{out} already exists: pass --force to replace it, or choose another folder")
+        work.mkdir()
+    except OSError as e:
+        raise ExportError(_disk_error(e, out)) from None
     try:
         manifest = _export_into(model, work, options, say)
         _replace(work, out)

@@ -262,3 +262,8 @@ def test_run_with_a_smaller_context_and_truncation(tiny_llama):
     assert (result["prompt_tokens"], len(result["token_ids"])) == (56, 8) and result["truncated_tokens"] > 0
     assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--memory-limit", "0", "hi"),
                           "memory_limit must be an integer of at least 1")
+
+
+def test_export_into_a_folder_that_cannot_be_made(tiny_llama):
+    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", "/proc/edgeinfer-test/out"),
+                          "cannot write /proc/edgeinfer-test (No such file or directory)", "export elsewhere")
