@@ -37,3 +37,13 @@ def test_cuda_batches_and_sampling(engines):
     sampled = gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3)
     assert sampled.token_ids == gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3).token_ids
     assert len(sampled.token_ids) == 12
+
+
+def test_the_memory_plan_reads_the_gpus_free_memory(engines, tiny_llama):
+    from edgeinfer.sdk.errors import SettingsError
+    from edgeinfer.sdk.memory import available_bytes
+
+    free, where = available_bytes("cuda", None)
+    assert where == "the GPU" and free is not None and 0 < free < 2**40
+    with pytest.raises(SettingsError, match="the memory limit has .*max_context="):
+        Engine.load(tiny_llama[1], provider="cuda", memory_limit=engines[0].memory.weights + 1000)

@@ -26,8 +26,11 @@ def leftovers(folder):
 
 def export_until(hf, out, stage, signum):
     """Start a real `edgeinfer export`, send `signum` once it announces `stage`, and return its exit code."""
+    # A shell's background job starts with SIGINT ignored, and Python keeps it so: the export
+    # gets the default disposition, as in a terminal.
     process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(out)],
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in process.stderr:
         seen.append(line)
