@@ -14,8 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.memory import size_text
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
+from edgeinfer.sdk.memory import size_text
 
 from .fp16 import convert_to_fp16
 from .fuse import fuse_graph
@@ -104,7 +104,8 @@ def _disk_error(error: OSError, out: Path) -> str:
     if error.errno == errno.ENOSPC:
         return (f"no space left on the device while writing {where}: nothing was kept; free some space "
                 f"({_free(out.parent)} free now) or export to another folder")
-    return f"cannot write {where} ({error.strerror or error}): nothing was kept; check the folder's permissions, or export elsewhere"
+    return (f"the file system refused {where} ({error.strerror or error}): nothing was kept; check the path and its "
+            "permissions, or export elsewhere")
 
 
 def check_free_space(folder: Path, model) -> None:

@@ -266,4 +266,4 @@ def test_run_with_a_smaller_context_and_truncation(tiny_llama):
 
 def test_export_into_a_folder_that_cannot_be_made(tiny_llama):
     assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", "/proc/edgeinfer-test/out"),
-                          "cannot write /proc/edgeinfer-test (No such file or directory)", "export elsewhere")
+                          "the file system refused /proc/edgeinfer-test (No such file or directory)", "export elsewhere")
