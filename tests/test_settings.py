@@ -22,6 +22,8 @@ BAD = [
     ({"stop": 5}, r"stop must be a string or a list of non-empty strings, got 5"),
     ({"stop_token_ids": [3, -1]}, r"stop_token_ids must be a list of token ids .*, got \[3, -1\]"),
     ({"ignore_eos": "yes"}, r"ignore_eos must be True or False, got 'yes'"),
+    ({"truncate": "right"}, r"truncate must be 'left' \(keep the end of a long prompt\) or None, got 'right'"),
+    ({"truncate": ["left"]}, r"truncate must be 'left' .* or None, got \['left'\]"),
 ]
 
 
