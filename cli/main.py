@@ -88,10 +88,14 @@ def info(folder, architectures):
     if folder is None:
         raise click.UsageError("pass an export FOLDER, or --architectures")
     from edgeinfer.sdk.manifest import load_manifest
+    from edgeinfer.sdk.memory import MemoryPlan, size_text
     from edgeinfer.sdk.runtime import cuda_unusable_reason
 
     manifest = load_manifest(folder)
     click.echo(json.dumps(manifest.to_dict(), indent=2))
+    plan = MemoryPlan.of(manifest, manifest.max_context, 1)
+    click.echo(f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
+               f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens")
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

@@ -84,9 +84,13 @@ def test_run_chat_wraps_the_prompt_in_the_template(tiny_llama):
 def test_info_prints_the_manifest_and_providers(tiny_llama):
     done = edgeinfer("info", str(tiny_llama[1]))
     assert done.returncode == 0, done.stderr
-    manifest_text, providers = done.stdout.rsplit("\n}\n", 1)
+    manifest_text, rest = done.stdout.rsplit("\n}\n", 1)
     manifest = json.loads(manifest_text + "\n}")
     assert manifest["architecture"] == "llama" and manifest["kv"]["num_layers"] == 2
+    memory, providers = rest.splitlines()
+    weights = (manifest["files"]["model.onnx"]["size"] + manifest["files"]["model.onnx.data"]["size"]) / 1024
+    # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
+    assert memory == f"memory: weights {weights:.1f} KiB, KV cache 0.5 KiB per token and row, 128.0 KiB for the whole context of 256 tokens"
     assert providers.startswith("providers: cpu: usable; cuda: ")
 
 
