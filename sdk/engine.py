@@ -144,7 +144,7 @@ class Engine:
         ids = [self._truncate(row, config) for row in given]
         budget = self._token_budget(ids, config.max_new_tokens)
         capacity = max(len(row) for row in ids) + budget
-        check_generation(self.memory, len(ids), capacity, available_bytes(self.provider, self._memory_limit))
+        check_generation(self.memory, len(ids), capacity, self.provider, self._memory_limit)
         rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start, len(full) - len(row))
                 for row, full in zip(ids, given)]
         return self._loop(rows, config.is_greedy, capacity)

@@ -45,7 +45,7 @@ class MemoryPlan:
             return
         need = f"{size_text(self.weights)} of weights and {size_text(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
         room = available - self.weights
-        if room < self.kv_per_token * self.batch:
+        if room < 2 * self.kv_per_token * self.batch:  # not even a context of 2 tokens
             raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
                                 "use a quantized export (edgeinfer export --quantize int4) or free memory")
         fits = room // (self.kv_per_token * self.batch)
@@ -103,14 +103,14 @@ def _cuda_free() -> int | None:
     return None
 
 
-def check_generation(plan: MemoryPlan, batch: int, capacity: int, available: tuple[int | None, str]) -> None:
+def check_generation(plan: MemoryPlan, batch: int, capacity: int, device: str, limit: int | None) -> None:
     """Before a generation allocates its KV cache (`batch` rows of `capacity` tokens): it must fit
-    in what the device has free now, or beside the weights within the memory limit."""
+    beside the weights within the memory limit, or else in what the device has free now."""
     need = plan.kv_per_token * batch * capacity
-    free, where = available
+    free, where = available_bytes(device, limit)
     if free is None:
         return
-    if where == "the memory limit":
+    if limit is not None:
         free -= plan.weights
     if need > free:
         rows = free // (plan.kv_per_token * capacity)
