@@ -108,10 +108,11 @@ def verify(folder):
     from pathlib import Path
 
     from edgeinfer.sdk.manifest import load_manifest, verify_files
+    from edgeinfer.sdk.memory import size_text
 
     manifest = load_manifest(folder)
     checked = verify_files(Path(folder), manifest.files)
-    click.echo(f"verified {len(manifest.files)} files ({checked / 2**20:.1f} MiB) of {folder}: all match the manifest")
+    click.echo(f"verified {len(manifest.files)} files ({size_text(checked)}) of {folder}: all match the manifest")
 
 
 @cli.command()
