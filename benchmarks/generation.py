@@ -34,7 +34,7 @@ def main(export_dir: str, prompts_path: str) -> None:
             rates[name].append(engine.generate(ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, **settings).decode_tokens_per_s)
         for size in BATCHES:
             start = time.perf_counter()
-            engine.generate([ids] * size, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            engine.generate_batch([ids] * size, max_new_tokens=NEW_TOKENS, ignore_eos=True)
             throughput[size].append(size * NEW_TOKENS / (time.perf_counter() - start))
     greedy = statistics.median(rates["greedy"])
     for name, values in rates.items():

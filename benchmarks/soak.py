@@ -44,7 +44,7 @@ def one_run(engine: Engine, i: int, lengths: tuple[int, ...], new_tokens: int) -
     if kind == 1:
         return sum(len(p.token_ids) for p in engine.stream(text, max_new_tokens=new_tokens, **sampling))
     if kind == 2:
-        rows = engine.generate([text, prompt(i + 1, 3), prompt(i + 2, lengths[0])], max_new_tokens=new_tokens, **sampling)
+        rows = engine.generate_batch([text, prompt(i + 1, 3), prompt(i + 2, lengths[0])], max_new_tokens=new_tokens, **sampling)
         return sum(len(r.token_ids) for r in rows)
     stream = engine.stream(text, max_new_tokens=new_tokens, **sampling)  # an app that stops reading early
     made = len(next(stream).token_ids)

@@ -41,7 +41,7 @@ def check_export(folder: str | Path, model, prompt: str | list[int] = DEFAULT_PR
     greedy = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     tokens = engine.generate(ids, greedy).token_ids
     short = ids[: max(1, len(ids) // 4)]
-    rows = engine.generate([short, ids], greedy)
+    rows = engine.generate_batch([short, ids], greedy)
     return CheckResult(
         prompt_tokens=len(ids), expected_tokens=transformers_greedy(model, ids, new_tokens), tokens=tokens,
         **logits_differences(engine, model, ids),
@@ -54,10 +54,10 @@ def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     with its own KV cache, the largest logit each step (`generate` would stop at, or suppress, EOS)."""
     import torch
 
-    tokens, past, step = [], None, torch.tensor([ids])
+    tokens, past, new_ids = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(new_tokens):
-            out = model(step, past_key_values=past, use_cache=True)
+            out = model(new_ids, past_key_values=past, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
-            past, step = out.past_key_values, torch.tensor([[tokens[-1]]])
+            past, new_ids = out.past_key_values, torch.tensor([[tokens[-1]]])
     return tokens

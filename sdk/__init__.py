@@ -1,11 +1,11 @@
 """edgeinfer's runtime: load an export and generate with ONNX Runtime (no torch needed)."""
 from .engine import Engine
-from .errors import (EdgeInferError, ExportError, GenerationError, ManifestError, ModelNotFoundError,
+from .errors import (EdgeInferError, ExportError, GenerationError, GraphError, ManifestError, ModelNotFoundError,
                      NotAnExportError, ProviderError, SettingsError)
 from .manifest import FORMAT_VERSION, Manifest, load_manifest
 from .sequence import GenerationResult, Piece
 from .settings import GenerationConfig
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "Piece", "EdgeInferError", "ExportError",
-           "GenerationError", "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError",
+           "GenerationError", "GraphError", "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError",
            "SettingsError", "FORMAT_VERSION", "Manifest", "load_manifest"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from .errors import GenerationError, ManifestError, SettingsError
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
-from .runtime import Graph, LogitsHeads, RuntimeOptions, choose_provider
+from .runtime import Graph, GenerationBindings, LogitsHeads, RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig, resolve_settings
 from .tokenizer import Tokenizer
@@ -80,21 +81,26 @@ class Engine:
     # The public calls. Settings: `config=` (a GenerationConfig; default: the model's own) and/or
     # any of its fields as keywords, e.g. `generate(prompt, temperature=0.7, seed=1)`.
 
-    def generate(self, prompt: Prompt | list[Prompt], config: GenerationConfig | None = None,
-                 **settings) -> GenerationResult | list[GenerationResult]:
-        """Generate after `prompt` (text, or token ids) and return the whole result. Given a list
-        of prompts, run them as one batch and return one result per prompt."""
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, **settings) -> GenerationResult:
+        """Generate after `prompt` (text, or token ids) and return the whole result."""
         if _is_batch(prompt):
-            rows = [[] for _ in prompt]
-            for row, piece in self.stream_batch(prompt, config, **settings):
-                rows[row].append(piece)
-            return [GenerationResult.from_pieces(pieces) for pieces in rows]
+            warnings.warn("generate() with a list of prompts is deprecated and will take one prompt only in the next "
+                          "release: call generate_batch(prompts) for a batch", DeprecationWarning, stacklevel=2)
+            return self.generate_batch(prompt, config, **settings)
         return GenerationResult.from_pieces(list(self.stream(prompt, config, **settings)))
+
+    def generate_batch(self, prompts: list[Prompt], config: GenerationConfig | None = None,
+                       **settings) -> list[GenerationResult]:
+        """Run `prompts` as one batch and return one result per prompt, in their order."""
+        rows = [[] for _ in range(len(prompts) if isinstance(prompts, (list, tuple)) else 0)]
+        for row, piece in self.stream_batch(prompts, config, **settings):
+            rows[row].append(piece)
+        return [GenerationResult.from_pieces(pieces) for pieces in rows]
 
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
         """Yield the output piece by piece as it is generated. Closing the iterator stops the work."""
         if _is_batch(prompt):
-            raise GenerationError("stream takes one prompt: use stream_batch (or generate) for a list of prompts")
+            raise GenerationError("stream takes one prompt: use stream_batch (or generate_batch) for a list of prompts")
         return _only_pieces(self._start([prompt], config, settings))
 
     def stream_batch(self, prompts: list[Prompt], config: GenerationConfig | None = None,
@@ -158,23 +164,23 @@ class Engine:
 
     def _loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
         """Prefill once, then choose → yield → decode until every row has ended."""
-        cache = self.new_cache(capacity)
-        logits = self.prefill([row.prompt_ids for row in rows], cache, reuse_logits=True)
+        cache, kept = self.new_cache(capacity), GenerationBindings()
+        logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
         while True:
-            tokens = self._choose(logits, rows, is_greedy, cache)
+            tokens = self._choose(logits, rows, is_greedy, kept)
             for index, (row, token) in enumerate(zip(rows, tokens)):
                 piece = None if row.is_done else row.add(token)
                 if piece is not None:
                     yield index, piece
             if all(row.is_done for row in rows):
                 return
-            logits = self.decode([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)], cache, reuse_logits=True)
+            logits = self._run(cache.decode_inputs([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)]), cache, kept)
 
-    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool, cache: KVCache) -> list[int]:
+    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool, kept: GenerationBindings) -> list[int]:
         """The next token of every row. Greedy needs only the ids, so ArgMax runs on the device
         that holds the logits; sampling brings each row's last-position logits to the host."""
         if is_greedy:
-            return self.heads.argmax(logits, cache.bindings)
+            return self.heads.argmax(logits, kept)
         last = self.heads.last(logits)
         return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
 
@@ -187,33 +193,36 @@ class Engine:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate)
         return KVCache(self.manifest.kv, shapes)
 
-    def prefill(self, prompts: list[list[int]], cache: KVCache, reuse_logits: bool = False) -> ort.OrtValue:
+    def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
         """Run the graph over the prompts (one batch), `prefill_chunk` positions at a time, the
         first chunk on an empty past; fills `cache` and returns the last position's logits
-        [batch, 1, vocab], left on the device. `reuse_logits`: see `decode`."""
-        for step in cache.prefill_steps(prompts, self.prefill_chunk):
-            logits = self._run(step, cache, reuse_logits)
+        [batch, 1, vocab], left on the device. Each call returns a new logits value."""
+        return self._prefill(prompts, cache, None)
+
+    def decode(self, tokens: list[int], cache: KVCache) -> ort.OrtValue:
+        """Run the graph for one new token per row on top of `cache`; returns the logits
+        [batch, 1, vocab], left on the device. Each call returns a new logits value."""
+        return self._run(cache.decode_inputs(tokens), cache, None)
+
+    def _prefill(self, prompts: list[list[int]], cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
+        for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):
+            logits = self._run(chunk, cache, kept)
         return logits
 
-    def decode(self, tokens: list[int], cache: KVCache, reuse_logits: bool = False) -> ort.OrtValue:
-        """Run the graph for one new token per row on top of `cache`; returns the logits
-        [batch, 1, vocab], left on the device. With `reuse_logits` (the generation loop), a cache
-        written in place keeps its buffers and one logits value bound from step to step, so each
-        step overwrites the logits the previous one returned; by default every call returns new logits."""
-        return self._run(cache.decode_inputs(tokens), cache, reuse_logits)
-
-    def _run(self, step: dict, cache: KVCache, reuse_logits: bool) -> ort.OrtValue:
-        """One pass of the graph: the step's inputs it takes plus the cache's past; the presents
-        and the logits stay on the device."""
-        inputs = {name: value for name, value in step.items() if name in self.graph.inputs}
-        if reuse_logits and "graph" in cache.bindings:  # two binds and a run
-            cache.bindings["graph"].run(inputs)
-            return cache.bindings["logits"]
-        kept, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.keep, "logits"], fetch=[], into=cache.into)
-        cache.update(kept)
-        if reuse_logits and cache.into:
-            cache.bindings.update(logits=kept["logits"], graph=self.graph.step(cache.past, {**cache.into, "logits": kept["logits"]}))
-        return kept["logits"]
+    def _run(self, inputs: dict, cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
+        """One pass of the graph: the inputs it takes plus the cache's past; the presents and the
+        logits stay on the device. With `kept` (the generation loop's), a cache written in place
+        stays bound with one logits value from pass to pass, which each pass overwrites."""
+        inputs = {name: value for name, value in inputs.items() if name in self.graph.inputs}
+        if kept is not None and kept.graph is not None:  # two binds and a run
+            kept.graph.run(inputs)
+            return kept.logits
+        outputs, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.keep, "logits"], fetch=[], into=cache.into)
+        cache.update(outputs)
+        if kept is not None and cache.into:
+            kept.logits = outputs["logits"]
+            kept.graph = self.graph.bind(cache.past, {**cache.into, "logits": kept.logits})
+        return outputs["logits"]
 
     def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
         bad = [t for t in ids if t >= self.manifest.vocab_size]

@@ -22,6 +22,11 @@ class ProviderError(EdgeInferError):
     """An execution provider that is unknown or cannot run here."""
 
 
+class GraphError(EdgeInferError):
+    """ONNX Runtime failed while running an export's graph (out of device memory, or a graph the
+    provider cannot execute)."""
+
+
 class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 

@@ -28,14 +28,13 @@ class KVCache:
         self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
-        self.bindings: dict = {}  # the runtime's bindings kept for this generation (engine._run)
 
     @property
     def length(self) -> int:
         """Slots in the cache (padding included)."""
         return self.mask.shape[1]
 
-    def prefill_steps(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+    def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """Inputs of the graph for `prompts`, left-padded to the longest, `chunk` positions at a
         time: the first chunk on an empty past, each later one on the cache the previous ones
         filled (the same logits as one pass, with a smaller peak of activations)."""
@@ -66,16 +65,16 @@ class KVCache:
 
     @property
     def keep(self) -> list[str]:
-        """Outputs of a step the runtime keeps on the device for the next one."""
+        """Outputs of a pass the runtime keeps on the device for the next one."""
         return self.spec.present
 
     @property
     def into(self) -> dict:
-        """Outputs of a step written into buffers the cache already holds (none here)."""
+        """Outputs of a pass written into buffers the cache already holds (none here)."""
         return {}
 
     def update(self, present: dict) -> None:
-        """Take a step's present outputs as the past of the next step."""
+        """Take a pass's present outputs as the past of the next pass."""
         self.past = {past: present[name] for past, name in zip(self.spec.past, self.spec.present)}
 
 
@@ -99,7 +98,7 @@ class InPlaceKVCache(KVCache):
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
 
-    def prefill_steps(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+    def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         width = max(len(p) for p in prompts)
         if width > self.capacity:
             raise GenerationError(f"a prompt of {width} tokens does not fit a cache of {self.capacity} slots: "
@@ -145,4 +144,4 @@ class InPlaceKVCache(KVCache):
         return {present: self.past[past] for past, present in zip(self.spec.past, self.spec.present)}
 
     def update(self, present: dict) -> None:
-        """Nothing to do: the step wrote into the buffers."""
+        """Nothing to do: the pass wrote into the buffers."""

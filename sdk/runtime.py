@@ -1,6 +1,10 @@
 """The one module that talks to ONNX Runtime: providers, sessions, IO binding, OrtValues."""
 from __future__ import annotations
 
+import functools
+import os
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,13 +12,16 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from .errors import ManifestError, NotAnExportError, ProviderError
+from .errors import GraphError, ManifestError, NotAnExportError, ProviderError
 from .heads import load_head
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
                 ort_state.InvalidArgument, ort_state.RuntimeException)
-_QUIET, _DEFAULT_SEVERITY = 4, 2
+# What ONNX Runtime raises when a run fails: run_with_iobinding raises RuntimeError("Error in
+# execution: ..."), and its status classes (none of which derives from RuntimeError) elsewhere.
+_RUN_ERRORS = (RuntimeError, ort_state.Fail, ort_state.InvalidArgument, ort_state.RuntimeException, ort_state.EPFail,
+               ort_state.NotImplemented, ort_state.EngineError, ort_state.InvalidGraph, ort_state.NotFound)
 _ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}  # ONNX TensorProto codes
 
 
@@ -33,20 +40,42 @@ class RuntimeOptions:
             raise ProviderError(f"threads must be at least 1, got {self.threads}")
 
 
+@functools.cache
 def cuda_unusable_reason() -> str | None:
-    """None where CUDA can run; otherwise why not, in words a user can act on."""
+    """None where CUDA can run; otherwise why not, in words a user can act on. Probed once per
+    process (allocating one value on the GPU loads the CUDA provider)."""
     if PROVIDERS["cuda"] not in ort.get_available_providers():
         return f"this onnxruntime build ({ort.__version__}) has no CUDA provider: install onnxruntime-gpu"
-    # Allocating one value on the GPU loads the CUDA provider; its failure is logged as an
-    # error by ONNX Runtime, which is noise here, so logging is quieted for the probe.
-    ort.set_default_logger_severity(_QUIET)
-    try:
-        ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", 0)
-    except RuntimeError:
-        return "the CUDA provider could not start (no GPU, or CUDA 13 / cuDNN 9 libraries not found)"
-    finally:
-        ort.set_default_logger_severity(_DEFAULT_SEVERITY)
-    return None
+    logged: list[str] = []
+    with _native_stderr_into(logged):
+        try:
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.float32), "cuda", 0)
+            started = True
+        except RuntimeError:
+            started = False
+    if started:
+        return None
+    missing = next((line.split("with error: ")[-1].strip() for line in logged if "with error: " in line), None)
+    return ("the CUDA provider could not start (no GPU, or CUDA 13 / cuDNN 9 libraries not found"
+            + (f": {missing}" if missing else "") + ")")
+
+
+@contextmanager
+def _native_stderr_into(lines: list[str]):
+    """ONNX Runtime logs a failed provider load as an error on the process's stderr (file
+    descriptor 2), which is noise where CPU is the answer. For the probe alone, fd 2 goes to a
+    temporary file, whose lines are added to `lines`, and then back to exactly what it was; ONNX
+    Runtime's logger and its severity are left as the app set them."""
+    with tempfile.TemporaryFile() as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines.extend(sink.read().decode(errors="replace").splitlines())
 
 
 def choose_provider(requested: str) -> tuple[str, str]:
@@ -112,28 +141,28 @@ class Graph:
             binding.bind_output(name, self.device)
         for name in fetch:
             binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
+        _run(self.session, binding, self.name)
         values = binding.get_outputs()[len(into or {}):]
         kept = dict(zip(keep, values[: len(keep)]))
         fetched = {name: value.numpy() for name, value in zip(fetch, values[len(keep):])}
         return kept, fetched
 
-    def step(self, inputs: dict, outputs: dict) -> Step:
-        """A binding kept across runs, with `inputs` and `outputs` (OrtValues) bound once."""
-        return Step(self, inputs, outputs)
+    def bind(self, inputs: dict, outputs: dict) -> Binding:
+        """An IO binding kept across runs, with `inputs` and `outputs` (OrtValues) bound once."""
+        return Binding(self, inputs, outputs)
 
     def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
 
 
-class Step:
+class Binding:
     """An IO binding kept for a whole generation. What is bound once (the KV cache's buffers, the
     logits) stays bound; each run rebinds only the host inputs it is given. A decode step then
     costs two binds and a run from Python, instead of binding every past and present again."""
 
     def __init__(self, graph: Graph, inputs: dict, outputs: dict):
-        self._session = graph.session
+        self._session, self._name = graph.session, graph.name
         self._binding = graph.session.io_binding()
         for name, value in inputs.items():
             self._binding.bind_ortvalue_input(name, value)
@@ -143,7 +172,31 @@ class Step:
     def run(self, inputs: dict[str, np.ndarray]) -> None:
         for name, value in inputs.items():
             self._binding.bind_cpu_input(name, value)
-        self._session.run_with_iobinding(self._binding)
+        _run(self._session, self._binding, self._name)
+
+
+def _run(session: ort.InferenceSession, binding, name: str) -> None:
+    try:
+        session.run_with_iobinding(binding)
+    except _RUN_ERRORS as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GraphError(f"ONNX Runtime failed running {Path(name).name} ({first}): on a GPU, serve a smaller "
+                         "max_context or batch; otherwise check the export with `edgeinfer check`, or export it again") from e
+
+
+@dataclass
+class GenerationBindings:
+    """What one generation keeps bound from one step to the next, made by the generation loop and
+    dropped with it: the model graph bound to the KV cache's buffers and to one `logits` value
+    that every step overwrites, and the argmax head bound to that value (`argmax_logits`) and to a
+    host array, `token_ids`, that receives each step's greedy tokens. Empty until the first step
+    fills it; a step on a cache that is not written in place binds anew every time instead."""
+
+    graph: Binding | None = None
+    logits: ort.OrtValue | None = None
+    argmax: Binding | None = None
+    argmax_logits: ort.OrtValue | None = None
+    token_ids: np.ndarray | None = None
 
 
 class LogitsHeads:
@@ -158,17 +211,17 @@ class LogitsHeads:
         self._argmax = Graph(load_head("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._last = Graph(load_head("last", _ONNX_TYPES[logits_type]), provider, threads=1)
 
-    def argmax(self, logits: ort.OrtValue, kept: dict | None = None) -> list[int]:
-        """Each row's greedy token: the largest logit of its last position. Given `kept` (a
-        generation's bindings), the head stays bound to `logits` and to a host array for the ids."""
+    def argmax(self, logits: ort.OrtValue, kept: GenerationBindings | None = None) -> list[int]:
+        """Each row's greedy token: the largest logit of its last position. Given a generation's
+        bindings, the head stays bound to `logits` and to a host array for the ids."""
         if kept is None:
             return self._argmax.run({"logits": logits}, keep=[], fetch=["argmax"])[1]["argmax"].tolist()
-        if kept.get("argmax_logits") is not logits:
-            ids = np.zeros(logits.shape()[0], np.int64)
-            kept.update(argmax_logits=logits, argmax_ids=ids,
-                        argmax=self._argmax.step({"logits": logits}, {"argmax": ort.OrtValue.ortvalue_from_numpy(ids)}))
-        kept["argmax"].run({})
-        return kept["argmax_ids"].tolist()
+        if kept.argmax_logits is not logits:
+            kept.token_ids = np.zeros(logits.shape()[0], np.int64)
+            kept.argmax_logits = logits
+            kept.argmax = self._argmax.bind({"logits": logits}, {"argmax": ort.OrtValue.ortvalue_from_numpy(kept.token_ids)})
+        kept.argmax.run({})
+        return kept.token_ids.tolist()
 
     def last(self, logits: ort.OrtValue) -> np.ndarray:
         """Each row's last-position logits on the host, [batch, vocab] float32."""

@@ -43,6 +43,21 @@ def build_llama(folder, eos_token_id=None, seed=0, **overrides):
     return model
 
 
+def count_graph_runs(engine) -> list[int]:
+    """Count every run of the engine's model graph from now on: a pass that binds anew and one that
+    reuses the generation's binding both end in the session's run_with_iobinding, which this wraps.
+    Returns a list that grows by one (the run's number) per run."""
+    session = engine.graph.session
+    runs, run = [], session.run_with_iobinding
+
+    def counted(binding, *args, **kwargs):
+        runs.append(len(runs) + 1)
+        return run(binding, *args, **kwargs)
+
+    session.run_with_iobinding = counted
+    return runs
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """(HF folder, export folder) of a tiny llama without EOS, so greedy runs to the length limit."""

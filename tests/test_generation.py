@@ -7,7 +7,7 @@ import sys
 import threading
 
 import pytest
-from conftest import CHAIN_TEXT, EOS_ID
+from conftest import CHAIN_TEXT, EOS_ID, count_graph_runs
 
 from edgeinfer import Engine, GenerationConfig
 from edgeinfer.sdk.errors import GenerationError, ManifestError, SettingsError
@@ -95,19 +95,17 @@ def test_pieces_are_whole_characters_where_a_character_spans_several_tokens(chai
 
 def test_closing_a_stream_early_stops_the_work_and_the_engine_goes_on(tiny_llama):
     engine = Engine.load(tiny_llama[1], provider="cpu")
-    steps = []
-    decode = engine.decode
-    engine.decode = lambda tokens, cache, **options: steps.append(1) or decode(tokens, cache, **options)
+    runs = count_graph_runs(engine)
     stream = engine.stream(PROMPT, max_new_tokens=100, ignore_eos=True)
     taken = [next(stream) for _ in range(3)]
     stream.close()
-    done = len(steps)
+    done = len(runs)
     assert done < 10 and taken[-1].finish_reason is None
     with pytest.raises(StopIteration):
         next(stream)
     expected = Engine.load(tiny_llama[1], provider="cpu").generate(PROMPT, max_new_tokens=10)
     assert engine.generate(PROMPT, max_new_tokens=10).token_ids == expected.token_ids
-    assert len(steps) == done + 9  # the closed stream made no step after it was closed
+    assert len(runs) == done + 10  # a prefill and 9 decodes: the closed stream ran nothing after it was closed
 
 
 # Stop conditions
