@@ -15,7 +15,7 @@ from edgeinfer.sdk.manifest import Manifest
 
 from .check import check_export
 from .fuse import CHECK_PROMPT
-from .graphs import GRAPH_FILE
+from .graphs import GRAPH_FILE, save_graph
 
 
 def convert_to_fp16(folder: Path, model, manifest: Manifest) -> tuple[Manifest, dict]:
@@ -24,9 +24,7 @@ def convert_to_fp16(folder: Path, model, manifest: Manifest) -> tuple[Manifest, 
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     half = convert_float_to_float16(onnx.load(str(folder / GRAPH_FILE)), keep_io_types=False, disable_shape_infer=True)
-    (folder / f"{GRAPH_FILE}.data").unlink()
-    onnx.save(half, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{GRAPH_FILE}.data", size_threshold=1024)
+    save_graph(half, folder)
     manifest = dataclasses.replace(manifest, dtype="float16", kv=dataclasses.replace(manifest.kv, dtype="float16"))
     manifest.save(folder)
     result = check_export(folder, model, CHECK_PROMPT, new_tokens=8)

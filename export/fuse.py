@@ -7,7 +7,9 @@ already optimized, so it loads faster.
 A fused graph is kept only if it passes the same checks as the export (logits against PyTorch,
 greedy tokens, and a batch against single prompts). Where the attention rewrite does not apply or
 does not pass, the optimizer's graph alone is tried; where that fails too, export keeps the
-unfused graph. The manifest says what was kept and why.
+unfused graph. The manifest says what was kept and why. Only the errors that mean "does not apply"
+(PatternError) or "does not load or run" (the runtime's own errors) lead to a fallback; any other
+error is a bug, and fails the export (pipeline.py says so in one line).
 """
 from __future__ import annotations
 
@@ -18,14 +20,18 @@ from pathlib import Path
 
 import onnx
 
+from edgeinfer.sdk.errors import GraphError, ManifestError, NotAnExportError
 from edgeinfer.sdk.manifest import GraphSpec, Manifest
 
 from .attention import PatternError, layer_windows, rewrite_attention
 from .check import check_export
-from .graphs import GRAPH_FILE
+from .graphs import GRAPH_FILE, save_graph
 from .source import first_line
 
 CHECK_PROMPT = list(range(3, 43))
+# What the runtime raises when a fused graph does not load (ONNX Runtime refuses it, or its inputs
+# are not the manifest's) or does not run.
+_DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
 
 
 def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]:
@@ -57,8 +63,11 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest) -> tuple[on
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(optimized)
     try:
-        rewrite_attention(rewritten, config.num_attention_heads, layer_windows(config, manifest.kv.num_layers))
-    except (PatternError, AttributeError) as e:
+        num_heads = getattr(config, "num_attention_heads", None)
+        if not num_heads:
+            raise PatternError(f"the {config.model_type} config names no num_attention_heads")
+        rewrite_attention(rewritten, num_heads, layer_windows(config, manifest.kv.num_layers))
+    except PatternError as e:
         return None, f"attention kept as exported: {first_line(e)}"
     return rewritten, None
 
@@ -68,8 +77,7 @@ def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str
     trial = folder / ".fused"
     trial.mkdir()
     try:
-        onnx.save(graph, str(trial / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"{GRAPH_FILE}.data", size_threshold=1024)
+        save_graph(graph, trial)
         for name in folder.iterdir():  # the fused graph is loaded beside the export's other files
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
                 shutil.copy(name, trial / name.name)
@@ -106,9 +114,9 @@ def _trim_rotary_caches(graph, max_context: int) -> None:
 
 def _check(fused: Path, model) -> str | None:
     """Why the fused graph cannot be used, or None: the parity check of `edgeinfer check`."""
-    try:  # any failure of the fused graph only means the unfused one is kept
+    try:
         result = check_export(fused, model, CHECK_PROMPT, new_tokens=8)
-    except Exception as e:  # noqa: BLE001
+    except _DOES_NOT_RUN as e:
         return f"the fused graph fails to run: {first_line(e)}"
     worst = max(result.max_abs_diff_prefill, result.max_abs_diff_decode)
     if worst > result.tolerance:

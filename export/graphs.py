@@ -13,7 +13,9 @@ SmolLM2), and decode has one position anyway.
 """
 from __future__ import annotations
 
+import inspect
 import shutil
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +48,7 @@ def export_graph(model, folder: Path) -> GraphSpec:
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
-        with warnings.catch_warnings(), _full_length_caches():
+        with warnings.catch_warnings(), _full_length_caches(model.config):
             # The tracer's warnings about Python-side shape checks are expected for these
             # models; the export's validation stage is the real check of the graph.
             warnings.simplefilter("ignore")
@@ -57,12 +59,19 @@ def export_graph(model, folder: Path) -> GraphSpec:
     try:
         graph = onnx.load(str(scratch / GRAPH_FILE))  # with its weights, wherever optimum put them
         last_position_logits(graph.graph)
-        onnx.save(graph, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"{GRAPH_FILE}.data", size_threshold=1024)
+        save_graph(graph, folder)
     finally:
         shutil.rmtree(scratch)
     return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input],
                      outputs=[o.name for o in graph.graph.output])
+
+
+def save_graph(model: onnx.ModelProto, folder: Path) -> None:
+    """Write `model` as the export's graph: model.onnx, with its weights in model.onnx.data (a
+    stale data file is removed first, since onnx appends to one that exists)."""
+    (Path(folder) / f"{GRAPH_FILE}.data").unlink(missing_ok=True)
+    onnx.save(model, str(Path(folder) / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{GRAPH_FILE}.data", size_threshold=1024)
 
 
 def _lm_head(graph: onnx.GraphProto):
@@ -116,29 +125,58 @@ def tied_embedding(graph: onnx.GraphProto):
     return gather, weight.name
 
 
+_TRACING = threading.Lock()  # the patch below is process-wide: one export traces with it at a time
+
+
 @contextmanager
-def _full_length_caches():
-    """Every layer's cache keeps all its tokens while the graphs are traced.
+def _full_length_caches(config):
+    """Every layer's cache keeps all its tokens while the graph is traced.
 
     transformers 4.57 gives sliding-window layers a cache that keeps only the last window - 1
-    tokens, so a prefill graph traced with it returns presents of different lengths per layer,
-    which optimum-onnx 0.1.0's decode graph cannot take (it sizes the attention mask from one
-    layer's past and fails, or attends to the wrong slots, once a prompt passes the window). With
+    tokens, so a prefill traced with it returns presents of different lengths per layer, which
+    optimum-onnx 0.1.0's decode graph cannot take (it sizes the attention mask from one layer's
+    past and fails, or attends to the wrong slots, once a prompt passes the window). With
     full-length caches the sliding window is still applied, by the attention mask, so the outputs
     are the same; the cost is that the cache of a sliding layer grows past its window.
+
+    `DynamicCache.__init__` is patched to ignore its config only for models that have such layers,
+    under a lock, and the class gets back exactly what it had.
     """
+    if not _has_sliding_layers(config):
+        yield
+        return
     from transformers import cache_utils
 
-    original = cache_utils.DynamicCache.__init__
+    cache = cache_utils.DynamicCache
+    signature = inspect.signature(cache.__init__)
+    if "config" not in signature.parameters:
+        raise ExportError("transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
+                          "models relies on: install the transformers version the export extra pins (4.57)")
 
-    def without_layer_types(self, ddp_cache_data=None, config=None, *args, **kwargs):
-        original(self, ddp_cache_data, None, *args, **kwargs)
+    def without_layer_types(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["config"] = None
+        original(*bound.args, **bound.kwargs)
 
-    cache_utils.DynamicCache.__init__ = without_layer_types
-    try:
-        yield
-    finally:
-        cache_utils.DynamicCache.__init__ = original
+    with _TRACING:
+        own, original = cache.__dict__.get("__init__"), cache.__init__
+        cache.__init__ = without_layer_types
+        try:
+            yield
+        finally:
+            if own is None:
+                del cache.__init__
+            else:
+                cache.__init__ = own
+
+
+def _has_sliding_layers(config) -> bool:
+    """Whether `DynamicCache(config=config)` would give some layer a sliding-window cache."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return any(kind in ("sliding_attention", "chunked_attention") for kind in types)
+    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None))
 
 
 def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:

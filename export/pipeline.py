@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.errors import EdgeInferError, ExportError
 from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 from edgeinfer.sdk.memory import size_text
 
@@ -21,12 +21,14 @@ from .fp16 import convert_to_fp16
 from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quantize_graph
-from .source import resolve_source, load_model
+from .source import first_line, load_model, resolve_source
 from .validate import validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
 DTYPES = ("fp32", "fp16")
 _PARTIAL = ".partial-"
+_OPTIONAL_STAGES = {"fuse": "--no-fuse exports without this stage", "fp16": "an fp32 export skips this stage",
+                    "quantize": "an export without --quantize skips this stage"}
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -256,5 +258,12 @@ class _Stages:
         self.index += 1
         self.say(f"[{self.index}/{len(self.names)}] {name}")
         start = time.perf_counter()
-        yield
+        try:
+            yield
+        except (EdgeInferError, OSError):  # the stages' own errors, and the file system's (export_model)
+            raise
+        except Exception as e:  # anything else is a bug: one line that says so, the traceback kept as the cause
+            around = f"; {_OPTIONAL_STAGES[name]}" if name in _OPTIONAL_STAGES else ""
+            raise ExportError(f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
+                              f"please report it with the output of --debug{around}") from e
         self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")

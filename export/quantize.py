@@ -12,7 +12,7 @@ import onnx
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
 
-from .graphs import GRAPH_FILE, tied_embedding
+from .graphs import GRAPH_FILE, save_graph, tied_embedding
 
 BITS = {"int4": 4, "int8": 8}
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -55,9 +55,7 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     quantizer.process()
     if tied:
         quantized_embedding(quantizer.model.model.graph, *tied, bits, quantization.block_size)
-    (folder / f"{GRAPH_FILE}.data").unlink()
-    onnx.save(quantizer.model.model, str(folder / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{GRAPH_FILE}.data", size_threshold=1024)
+    save_graph(quantizer.model.model, folder)
 
 
 def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) -> bool:

@@ -1,0 +1,286 @@
+"""Finding each layer's attention in optimum-onnx's graph, for the rewrite in attention.py.
+
+This module only reads the graph. For one layer it finds the nodes from the concatenation of the
+past keys and values with the new ones to the attention output (the head repeats, the mask, the
+two MatMuls and the softmax between them) and the facts GroupQueryAttention needs: the query, key
+and value going in, the scale, the head counts and sizes, and whether one rotary embedding rotates
+the query and key right after their projections. Anything that is not that pattern raises
+PatternError, which means "the rewrite does not apply"; attention.py builds the new nodes.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import numpy_helper
+
+from .graphs import PAST_PREFIX, PRESENT_PREFIX
+
+# Ops a key or value passes through between the cache and the attention MatMuls: head repeats,
+# the key's transpose, the scale.
+_CACHE_TO_MATMUL = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Mul", "Div", "Cast", "Identity"}
+_SHAPE_ARITHMETIC = {"Shape", "Gather", "Slice", "Cast", "Sqrt", "Div", "Mul", "Reciprocal", "Pow", "Unsqueeze", "Squeeze",
+                     "Constant", "Identity"}
+_TO_HEADS_FIRST = [0, 2, 1, 3]  # [batch, seq, heads, head] <-> [batch, heads, seq, head]
+
+
+class PatternError(ValueError):
+    """The graph's attention is not the pattern the rewrite knows."""
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A rotary embedding that moves into GroupQueryAttention: its cos and sin caches."""
+
+    caches: list[str]
+    interleaved: int
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention as the graph computes it, and what replaces it.
+
+    `query`, `key` and `value` are the [batch, heads, seq, head] tensors entering the attention
+    (`key` and `value` are the new tokens', before the concatenation with the past). Where they
+    are only a reshape and transpose of a projection [batch, seq, heads * head], `projections`
+    holds that tensor (None where not); with `rotary`, those are the projections before the
+    rotation, which then moves into GroupQueryAttention. `output` is the attention's result,
+    [batch, seq, hidden]; `replaced` are the nodes the new node takes the place of (the rest of
+    the old chain is left to dead-node removal)."""
+
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    query: str
+    key: str
+    value: str
+    projections: list[str | None]
+    rotary: Rotary | None
+    output: str
+    replaced: list
+    num_kv_heads: int
+    head_size: int
+    scale: float
+
+
+class GraphView:
+    """Who produces and who consumes each tensor, and the constant tensors' values."""
+
+    def __init__(self, graph):
+        self.producer = {out: node for node in graph.node for out in node.output}
+        self.consumers = collections.defaultdict(list)
+        for node in graph.node:
+            for name in node.input:
+                self.consumers[name].append(node)
+        self.constants = {t.name: t for t in graph.initializer}
+        for node in graph.node:
+            if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+                self.constants[node.output[0]] = node.attribute[0].t
+        self.inputs = {i.name: i for i in graph.input}
+
+    def scalar(self, name: str) -> float | None:
+        tensor = self.constants.get(name)
+        if tensor is None:
+            return None
+        array = numpy_helper.to_array(tensor)
+        return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+    def scale_factor(self, node) -> float | None:
+        """The constant factor a Mul or Div by a scalar applies; None for a factor computed from
+        tensor shapes at run time (the traced `1 / sqrt(head_size)` of scaled dot-product
+        attention); else raise."""
+        values = [self.scalar(name) for name in node.input]
+        if node.op_type == "Mul" and any(v is not None for v in values):
+            return next(v for v in values if v is not None)
+        if node.op_type == "Div" and values[1] is not None:
+            return 1.0 / values[1]
+        if self.from_shapes(node.input[1]) or (node.op_type == "Mul" and self.from_shapes(node.input[0])):
+            return None
+        raise PatternError(f"{node.name} is a {node.op_type} that is not a scaling by a constant")
+
+    def from_shapes(self, tensor: str, depth: int = 8) -> bool:
+        """`tensor` is computed from constants and tensor shapes only."""
+        if tensor in self.constants:
+            return True
+        node = self.producer.get(tensor)
+        if node is None or depth == 0 or node.op_type not in _SHAPE_ARITHMETIC:
+            return False
+        return node.op_type == "Shape" or all(self.from_shapes(name, depth - 1) for name in node.input if name)
+
+    def data_input(self, node) -> str:
+        """The input of a scaling Mul or Div that is the scaled tensor."""
+        return next(name for name in node.input if self.scalar(name) is None and not self.from_shapes(name))
+
+    def fixed_dim(self, name: str, axis: int, what: str) -> int:
+        """A graph input's dimension that must be a number."""
+        dims = self.inputs[name].type.tensor_type.shape.dim
+        if len(dims) <= axis or not dims[axis].dim_value:
+            raise PatternError(f"{name} has no fixed {what}")
+        return dims[axis].dim_value
+
+
+def key_value_pairs(graph) -> list[tuple[str, str]]:
+    """The (past key, past value) inputs of each layer, in order."""
+    pasts = [i.name for i in graph.input if i.name.startswith(PAST_PREFIX)]
+    if not pasts or len(pasts) % 2:
+        raise PatternError("the graph has no key/value pairs of past inputs")
+    return [(pasts[k], pasts[k + 1]) for k in range(0, len(pasts), 2)]
+
+
+def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttention:
+    """The attention fed by one layer's past key and value."""
+    present_key = PRESENT_PREFIX + past_key[len(PAST_PREFIX):]
+    present_value = PRESENT_PREFIX + past_value[len(PAST_PREFIX):]
+    key_concat, value_concat = _cache_concat(view, past_key, present_key), _cache_concat(view, past_value, present_value)
+    scores, key_scale = _matmul_fed_by(view, present_key)
+    weighted, _ = _matmul_fed_by(view, present_value)
+    query, query_scale = _query_of(view, scores)
+    softmax_scale = _scores_to_weights(view, scores, weighted)
+    output = _attention_output(view, weighted)
+    head_size = view.fixed_dim(past_key, 3, "head size")
+    if view.fixed_dim(past_value, 3, "head size") != head_size:
+        raise PatternError("keys and values have different head sizes, which GroupQueryAttention does not take")
+    key, value = key_concat.input[1], value_concat.input[1]
+    projections, rotary = _projections(view, query, key, value, head_size)
+    return LayerAttention(past_key, past_value, present_key, present_value, query, key, value, projections, rotary,
+                          output=output.output[0], replaced=[key_concat, value_concat, output],
+                          num_kv_heads=view.fixed_dim(past_key, 1, "number of KV heads"), head_size=head_size,
+                          scale=_scale(head_size, query_scale, key_scale, softmax_scale))
+
+
+def _projections(view: GraphView, query: str, key: str, value: str, head_size: int) -> tuple[list[str | None], Rotary | None]:
+    """The projections behind the query, key and value, and the rotary embedding that moves into
+    GroupQueryAttention: in the usual pattern each projection is reshaped to heads, transposed,
+    and the query and key are rotated by the same `RotaryEmbedding`."""
+    rotated = [view.producer.get(t) for t in (query, key)]
+    if all(n is not None and n.op_type == "RotaryEmbedding" for n in rotated) and _same_rotary(view, *rotated, head_size):
+        projections = [_projection(view, t) for t in (rotated[0].input[0], rotated[1].input[0], value)]
+        if all(projections):
+            interleaved = next((a.i for a in rotated[0].attribute if a.name == "interleaved"), 0)
+            return projections, Rotary(list(rotated[0].input[2:4]), interleaved)
+    return [_projection(view, t) for t in (query, key, value)], None
+
+
+def _same_rotary(view: GraphView, a, b, head_size: int) -> bool:
+    """Query and key rotated alike, over the whole head, by cos/sin caches GroupQueryAttention can take."""
+    plain = all(attr.name == "interleaved" for node in (a, b) for attr in node.attribute)
+    caches = view.constants.get(a.input[2]) if len(a.input) > 3 else None
+    return (plain and list(a.input[1:4]) == list(b.input[1:4]) and caches is not None
+            and caches.dims[-1] * 2 == head_size
+            and [x.i for x in a.attribute] == [x.i for x in b.attribute])
+
+
+def _projection(view: GraphView, heads_first: str) -> str | None:
+    """The [batch, seq, heads * head] tensor that `heads_first` is only a reshape and transpose of."""
+    transpose = view.producer.get(heads_first)
+    if transpose is None or not _is_transpose(transpose, _TO_HEADS_FIRST):
+        return None
+    reshape = view.producer.get(transpose.input[0])
+    if reshape is None or reshape.op_type != "Reshape":
+        return None
+    return reshape.input[0] if _is_linear(view, reshape.input[0]) else None
+
+
+def _is_transpose(node, perm: list[int]) -> bool:
+    return node.op_type == "Transpose" and any(a.name == "perm" and list(a.ints) == perm for a in node.attribute)
+
+
+def _is_linear(view: GraphView, tensor: str) -> bool:
+    """`tensor` is hidden states times a constant 2-D weight (plus a constant bias): it has the
+    hidden states' [batch, seq, features] shape."""
+    node = view.producer.get(tensor)
+    if node is not None and node.op_type == "Add":
+        node = next((view.producer.get(name) for name in node.input if name not in view.constants), None)
+    weight = view.constants.get(node.input[1]) if node is not None and node.op_type == "MatMul" else None
+    return weight is not None and len(weight.dims) == 2
+
+
+def _scale(head_size: int, *factors: float | None) -> float:
+    """The product of the constant factors; factors computed at run time (None) are taken as the
+    pair scaled dot-product attention traces, 1 / sqrt(head_size) in all (the check confirms it)."""
+    constant = float(np.prod([f for f in factors if f is not None]))
+    return constant * (head_size ** -0.5 if None in factors else 1.0)
+
+
+def _cache_concat(view: GraphView, past: str, present: str):
+    node = view.producer.get(present)
+    if node is None or node.op_type != "Concat" or len(node.input) != 2 or node.input[0] != past:
+        raise PatternError(f"{present} is not the concatenation of {past} with the new tokens")
+    return node
+
+
+def _matmul_fed_by(view: GraphView, cache: str):
+    """The MatMul that the cache `cache` feeds as its second operand, through head repeats and
+    transposes, and the constant scale applied on the way."""
+    found, frontier = [], [(cache, 1.0)]
+    while frontier:
+        tensor, scale = frontier.pop()
+        for node in view.consumers[tensor]:
+            if node.op_type == "MatMul" and node.input[1] == tensor:
+                found.append((node, scale))
+            elif node.op_type in _CACHE_TO_MATMUL and node.input[0] == tensor:
+                factor = view.scale_factor(node) if node.op_type in ("Mul", "Div") else 1.0
+                frontier.append((node.output[0], _times(scale, factor)))
+    if len(found) != 1:
+        raise PatternError(f"{cache} feeds {len(found)} attention MatMuls, not one")
+    return found[0]
+
+
+def _times(scale: float | None, factor: float | None) -> float | None:
+    """A product of scale factors, None once any is computed at run time."""
+    return None if scale is None or factor is None else scale * factor
+
+
+def _query_of(view: GraphView, scores) -> tuple[str, float]:
+    """The query going into the scores MatMul, before any scaling, and that scaling."""
+    tensor, scale = scores.input[0], 1.0
+    while (node := view.producer.get(tensor)) is not None and node.op_type in ("Mul", "Div"):
+        scale = _times(scale, view.scale_factor(node))
+        tensor = view.data_input(node)
+    return tensor, scale
+
+
+def _scores_to_weights(view: GraphView, scores, weighted) -> float:
+    """Check that only the mask, a scaling and a softmax lie between the two MatMuls; returns the scaling."""
+    tensor, scale, softmax = weighted.input[0], 1.0, False
+    while tensor != scores.output[0]:
+        node = view.producer.get(tensor)
+        if node is None:
+            raise PatternError("the attention weights do not come from the scores MatMul")
+        if node.op_type == "Softmax":
+            softmax, tensor = True, node.input[0]
+        elif node.op_type == "Where":  # the guard against all-masked rows: Where(IsNaN(p), 0, p)
+            tensor = node.input[2]
+        elif node.op_type == "Add":  # scores + mask
+            tensor = next((name for name in node.input if _leads_to(view, name, scores.output[0])), None)
+            if tensor is None:
+                raise PatternError(f"{node.name} adds two tensors neither of which holds the scores")
+        elif node.op_type in ("Mul", "Div"):
+            scale = _times(scale, view.scale_factor(node))
+            tensor = view.data_input(node)
+        else:
+            raise PatternError(f"the attention scores pass through a {node.op_type} ({node.name}) the rewrite does not know")
+    if not softmax:
+        raise PatternError("no Softmax between the attention MatMuls")
+    return scale
+
+
+def _leads_to(view: GraphView, tensor: str, target: str, depth: int = 4) -> bool:
+    if tensor == target:
+        return True
+    node = view.producer.get(tensor)
+    return depth > 0 and node is not None and any(_leads_to(view, name, target, depth - 1) for name in node.input)
+
+
+def _attention_output(view: GraphView, weighted):
+    """The Reshape that turns the attention output [batch, heads, seq, head] into [batch, seq, hidden]."""
+    consumers = view.consumers[weighted.output[0]]
+    transpose = consumers[0] if len(consumers) == 1 else None
+    if transpose is None or not _is_transpose(transpose, _TO_HEADS_FIRST):
+        raise PatternError(f"the output of {weighted.name} is not transposed to [batch, seq, heads, head]")
+    consumers = view.consumers[transpose.output[0]]
+    if len(consumers) != 1 or consumers[0].op_type != "Reshape":
+        raise PatternError(f"the output of {transpose.name} is not reshaped to [batch, seq, hidden]")
+    return consumers[0]
