@@ -85,9 +85,7 @@ class InPlaceKVCache(KVCache):
     nothing is copied or reallocated as the context grows.
 
     Rows are right-padded: each row's tokens fill its slots from 0, and the attention mask says
-    how many each row has (the graph derives its lengths from it). A single prompt is prefilled
-    in chunks; a batch's prompts in one pass, as GroupQueryAttention takes ragged rows only in a
-    first pass.
+    how many each row has (the graph derives its lengths from it).
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate):
@@ -99,13 +97,15 @@ class InPlaceKVCache(KVCache):
         self.lengths = np.zeros(0, np.int64)
 
     def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+        """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
+        GroupQueryAttention refuses a pass of several tokens on a cache that holds some already
+        ("batch_size must be 1 when sequence_length > 1 and past context is given")."""
         width = max(len(p) for p in prompts)
         if width > self.capacity:
             raise GenerationError(f"a prompt of {width} tokens does not fit a cache of {self.capacity} slots: "
                                   "make the cache with a larger capacity")
         self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
-        if len(prompts) > 1:
-            chunk = width
+        chunk = width if len(prompts) > 1 else chunk
         ids = np.full((len(prompts), width), PAD_ID, np.int64)
         for row, prompt in enumerate(prompts):
             ids[row, :len(prompt)] = prompt
