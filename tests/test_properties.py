@@ -1,13 +1,18 @@
-"""Property-based tests: whatever settings, prompt or batch an app passes, a call returns a
-well-formed result or raises an edgeinfer error, never anything else."""
+"""Property-based tests: whatever settings, prompt or batch an app passes, the call either succeeds
+with a well-formed result or is refused with the edgeinfer error that names the problem. Which of
+the two must happen is decided first, by `expected_refusal` (the rules of the README written out
+again, independently of the code), and the test asserts it both ways: a call the rules allow must
+succeed, and a call they forbid must raise that error."""
 import math
+import numbers
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer import Engine
-from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.errors import EdgeInferError, GenerationError, SettingsError
 
 VOCAB, CONTEXT = 320, 256
 FINISH = {"eos", "stop", "length"}
@@ -28,7 +33,7 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "truncate": st.one_of(st.just("left"), ANY),
     "unknown_setting": st.integers(),
 })
-# Settings in their ranges, and prompts that fit the context: these calls must succeed.
+# Settings in their ranges, and prompts that fit the context.
 VALID_SETTINGS = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional={
     "max_new_tokens": st.one_of(st.integers(1, 12), st.just(10**6)),
     "temperature": st.floats(0, 2),
@@ -53,6 +58,56 @@ def engine(tiny_llama):
     return Engine.load(tiny_llama[1], provider="cpu")
 
 
+# The rules, written out again: each returns None where the value is allowed, else the words the
+# refusal must contain.
+
+def _integer(value, low):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
+
+
+def _real(value, allowed):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and allowed(value)
+
+
+RULES = {
+    "max_new_tokens": lambda v: _integer(v, 1),
+    "temperature": lambda v: _real(v, lambda x: x >= 0),
+    "top_k": lambda v: _integer(v, 0),
+    "top_p": lambda v: _real(v, lambda x: 0 < x <= 1),
+    "min_p": lambda v: _real(v, lambda x: 0 <= x <= 1),
+    "repetition_penalty": lambda v: _real(v, lambda x: x > 0),
+    "seed": lambda v: v is None or _integer(v, 0),
+    "stop": lambda v: (isinstance(v, str) and v != "") or (isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)),
+    "stop_token_ids": lambda v: _integer(v, 0) or (isinstance(v, (list, tuple)) and all(_integer(t, 0) for t in v)),
+    "ignore_eos": lambda v: isinstance(v, bool),
+    "truncate": lambda v: v in (None, "left"),
+}
+
+
+def expected_refusal(engine, prompts: list, asked: dict) -> tuple[type, str] | None:
+    """The error class and a pattern its message must match, where the call must be refused;
+    None where it must succeed."""
+    if "unknown_setting" in asked:
+        return SettingsError, "unknown generation setting 'unknown_setting'"
+    bad = [name for name, value in asked.items() if not RULES[name](value)]
+    if bad:
+        return SettingsError, "(" + "|".join(f"{name} must be" for name in bad) + ")"
+    stop_ids = asked.get("stop_token_ids", ())
+    if any(t >= VOCAB for t in ([stop_ids] if isinstance(stop_ids, int) else stop_ids)):
+        return SettingsError, r"stop_token_ids .* are outside the vocabulary \(0..319\)"
+    lengths = []
+    for prompt in prompts:
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not isinstance(prompt, str) and any(not 0 <= t < VOCAB for t in prompt):
+            return GenerationError, r"token ids .* are outside the vocabulary \(0..319\)"
+        if not ids:
+            return GenerationError, "the prompt is empty"
+        lengths.append(len(ids))
+    if max(lengths) >= CONTEXT and asked.get("truncate") != "left":
+        return GenerationError, f"has {max(lengths)} tokens but the model's context is {CONTEXT}"
+    return None
+
+
 def assert_well_formed(result, asked):
     assert isinstance(result.text, str)
     assert all(isinstance(t, int) and 0 <= t < VOCAB for t in result.token_ids)
@@ -66,37 +121,53 @@ def assert_well_formed(result, asked):
     assert math.isfinite(result.ttft_s) and result.ttft_s >= 0 and result.decode_tokens_per_s >= 0
 
 
+def assert_as_expected(call, expected):
+    """Run `call`; it must raise exactly the expected refusal, or succeed where none is expected."""
+    if expected is None:
+        return call()
+    error, pattern = expected
+    with pytest.raises(EdgeInferError) as raised:
+        call()
+    assert type(raised.value) is error and re.search(pattern, str(raised.value)), (expected, raised.value)
+    return None
+
+
 @CHECKS
 @given(prompt=PROMPTS, asked=st.one_of(SETTINGS, VALID_SETTINGS))
-def test_generate_returns_a_result_or_an_edgeinfer_error(engine, prompt, asked):
-    try:
-        result = engine.generate(prompt, **asked)
-    except EdgeInferError:
-        return
-    assert_well_formed(result, asked)
+def test_a_call_succeeds_or_is_refused_exactly_as_the_rules_say(engine, prompt, asked):
+    expected = expected_refusal(engine, [prompt], asked)
+    result = assert_as_expected(lambda: engine.generate(prompt, **asked), expected)
+    if result is not None:
+        assert_well_formed(result, asked)
 
 
 @CHECKS
 @given(prompt=VALID_PROMPTS, asked=VALID_SETTINGS)
-def test_valid_calls_succeed_and_streaming_gives_the_same_text(engine, prompt, asked):
+def test_valid_calls_succeed_and_stream_the_decode_of_their_tokens(engine, prompt, asked):
+    assert expected_refusal(engine, [prompt], asked) is None  # the strategies draw only allowed calls
+    pieces = list(engine.stream(prompt, **asked))
     result = engine.generate(prompt, **asked)
     assert_well_formed(result, asked)
-    pieces = list(engine.stream(prompt, **asked))
     assert all(p.finish_reason is None for p in pieces[:-1]) and pieces[-1].finish_reason == result.finish_reason
-    assert "".join(p.text for p in pieces) == result.text
-    assert [t for p in pieces for t in p.token_ids] == result.token_ids
+    tokens, text = [t for p in pieces for t in p.token_ids], "".join(p.text for p in pieces)
+    assert tokens == result.token_ids and text == result.text  # seeded: the same draws both times
+    decoded = engine.tokenizer.decode(tokens)  # the whole decode, against the pieces made token by token
+    stops = [asked["stop"]] if isinstance(asked.get("stop"), str) else asked.get("stop", [])
+    if any(decoded[len(text):].startswith(s) for s in stops):
+        assert decoded.startswith(text)  # a stop string: the text ends where it begins
+    else:
+        assert text == decoded
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(prompts=st.lists(PROMPTS, min_size=1, max_size=3), asked=st.one_of(SETTINGS, VALID_SETTINGS))
-def test_batches_return_one_result_per_prompt_or_an_edgeinfer_error(engine, prompts, asked):
-    try:
-        results = engine.generate(prompts, **asked)
-    except EdgeInferError:
-        return
-    assert len(results) == len(prompts)
-    for result in results:
-        assert_well_formed(result, asked)
+def test_a_batch_succeeds_or_is_refused_exactly_as_the_rules_say(engine, prompts, asked):
+    expected = expected_refusal(engine, prompts, asked)
+    results = assert_as_expected(lambda: engine.generate_batch(prompts, **asked), expected)
+    if results is not None:
+        assert len(results) == len(prompts)
+        for result in results:
+            assert_well_formed(result, asked)
 
 
 @CHECKS
