@@ -43,6 +43,31 @@ def build_llama(folder, eos_token_id=None, seed=0, **overrides):
     return model
 
 
+def logits_against_transformers(engine, model, ids: list[int], new_tokens: int = 16):
+    """The export's and transformers' next-token logits after `ids` and after each of transformers'
+    own greedy tokens (teacher-forced: both see the same context at every step), as two
+    [new_tokens, vocab] float32 arrays."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+        reference = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float().numpy()
+    cache = engine.new_cache()
+    ours = [engine.prefill([ids], cache).numpy()[0, -1]]
+    ours += [engine.decode([token], cache).numpy()[0, -1] for token in tokens[:-1]]
+    return np.stack(ours).astype(np.float32), reference
+
+
+def closeness(ours, reference) -> tuple[float, float]:
+    """The worst step's cosine similarity, and the largest difference relative to the largest logit."""
+    import numpy as np
+
+    cosine = (ours * reference).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(reference, axis=-1)
+    return float(cosine.min()), float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
 def count_graph_runs(engine) -> list[int]:
     """Count every run of the engine's model graph from now on: a pass that binds anew and one that
     reuses the generation's binding both end in the session's run_with_iobinding, which this wraps.

@@ -32,7 +32,7 @@ def _prefilled(engine, ids):
 def test_cuda_batches_and_sampling(engines):
     gpu, cpu = engines
     prompts = ["Hi", "The capital of France is" * 4]
-    assert [r.token_ids for r in gpu.generate(prompts, max_new_tokens=12)] == \
+    assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=12)] == \
         [cpu.generate(p, max_new_tokens=12).token_ids for p in prompts]
     sampled = gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3)
     assert sampled.token_ids == gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3).token_ids

@@ -81,6 +81,6 @@ def test_chat_template_ids_equal_transformers(engine, reference, messages):
 def test_a_batch_answers_like_single_prompts(engine):
     questions = ["What is the capital of France?", "Name a primary color. Answer with one word only, please."]
     prompts = [engine.chat_prompt([{"role": "user", "content": q}]) for q in questions]
-    rows = engine.generate(prompts, max_new_tokens=24)
+    rows = engine.generate_batch(prompts, max_new_tokens=24)
     assert [r.token_ids for r in rows] == [engine.generate(p, max_new_tokens=24).token_ids for p in prompts]
     assert "Paris" in rows[0].text

@@ -7,6 +7,7 @@ import sys
 import threading
 
 import pytest
+import torch
 from conftest import CHAIN_TEXT, EOS_ID, count_graph_runs
 
 from edgeinfer import Engine, GenerationConfig
@@ -19,6 +20,13 @@ SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     return Engine.load(tiny_llama[1], provider="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +47,20 @@ def test_seeded_sampling_is_reproducible_in_process_and_across_processes(engine,
     assert first != engine.generate(PROMPT, max_new_tokens=24).token_ids  # it did not decode greedily
 
 
-def test_top_k_1_gives_the_greedy_tokens(engine):
-    greedy = engine.generate(PROMPT, max_new_tokens=24)
-    assert engine.generate(PROMPT, max_new_tokens=24, temperature=1.5, top_k=1, seed=3).token_ids == greedy.token_ids
-    assert engine.generate(PROMPT, config=GenerationConfig(max_new_tokens=24, temperature=0)).token_ids == greedy.token_ids
+def test_top_k_sampling_draws_only_among_transformers_top_k_at_every_step(engine, hf):
+    """At temperature 1 with top_k=3, every sampled token is among the 3 that transformers'
+    TopKLogitsWarper keeps for the same context, and sampling does not just follow the argmax."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    ids, off_argmax = engine.prompt_ids(PROMPT), 0
+    for seed in range(4):
+        tokens = engine.generate(PROMPT, max_new_tokens=12, temperature=1.0, top_k=3, seed=seed).token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
+        kept = TopKLogitsWarper(3)(None, logits)
+        assert all(torch.isfinite(kept[step, token]) for step, token in enumerate(tokens)), (seed, tokens)
+        off_argmax += sum(token != int(logits[step].argmax()) for step, token in enumerate(tokens))
+    assert off_argmax > 0
 
 
 def test_the_models_generation_defaults_apply_unless_overridden(tiny_llama, engine, tmp_path):
@@ -75,11 +93,17 @@ def test_bad_settings_are_refused_when_the_call_is_made_before_any_work(tiny_lla
 
 # Streaming
 
-def test_streamed_pieces_join_to_the_generated_result_when_sampling(engine):
+def test_each_streamed_piece_is_the_tokenizers_decode_of_its_tokens_when_sampling(engine, tiny_llama):
+    """The pieces are made token by token (the detokenizer); transformers' tokenizer decodes each
+    piece's tokens, and all of them, to the same text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama[0])
     pieces = list(engine.stream(PROMPT, max_new_tokens=30, **SAMPLED))
-    result = engine.generate(PROMPT, max_new_tokens=30, **SAMPLED)
-    assert "".join(p.text for p in pieces) == result.text
-    assert [t for p in pieces for t in p.token_ids] == result.token_ids and len(result.token_ids) == 30
+    tokens = [t for p in pieces for t in p.token_ids]
+    assert len(tokens) == 30 and pieces[-1].finish_reason == "length"
+    assert [p.text for p in pieces] == [tokenizer.decode(p.token_ids, skip_special_tokens=True) for p in pieces]
+    assert "".join(p.text for p in pieces) == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_pieces_are_whole_characters_where_a_character_spans_several_tokens(chain):
@@ -140,7 +164,7 @@ def test_ignore_eos_makes_exactly_max_new_tokens(chain):
 
 def test_batch_rows_equal_each_prompt_alone_with_very_different_lengths(engine):
     prompts = ["Hi", PROMPT * 8, list(range(3, 200)), "Edge boxes run small language models."]
-    rows = engine.generate(prompts, max_new_tokens=16)
+    rows = engine.generate_batch(prompts, max_new_tokens=16)
     alone = [engine.generate(p, max_new_tokens=16) for p in prompts]
     assert [r.token_ids for r in rows] == [a.token_ids for a in alone]
     assert [r.text for r in rows] == [a.text for a in alone]
@@ -149,16 +173,16 @@ def test_batch_rows_equal_each_prompt_alone_with_very_different_lengths(engine):
 
 def test_seeded_batch_rows_equal_each_prompt_alone(engine):
     prompts = ["Hi", PROMPT * 6]
-    rows = engine.generate(prompts, max_new_tokens=16, **SAMPLED)
+    rows = engine.generate_batch(prompts, max_new_tokens=16, **SAMPLED)
     assert [r.token_ids for r in rows] == [engine.generate(p, max_new_tokens=16, **SAMPLED).token_ids for p in prompts]
 
 
 def test_each_row_of_a_batch_stops_on_its_own(chain):
     engine, ids = chain
-    rows = engine.generate([[1], ids[:20], [5, 6, 1]], max_new_tokens=40)
+    rows = engine.generate_batch([[1], ids[:20], [5, 6, 1]], max_new_tokens=40)
     assert [r.token_ids for r in rows] == [ids[1:], ids[20:], ids[1:]]
     assert [r.finish_reason for r in rows] == ["eos"] * 3
-    stopped = engine.generate([[1], ids[:10]], stop="mode", max_new_tokens=40)
+    stopped = engine.generate_batch([[1], ids[:10]], stop="mode", max_new_tokens=40)
     assert [(r.text, r.finish_reason) for r in stopped] == [("Edge boxes東京🙂 ", "stop"), ("京🙂 ", "stop")]
 
 
@@ -172,11 +196,20 @@ def test_streaming_a_batch_tags_each_piece_with_its_row(chain):
         engine.stream([[1], [1]])
 
 
+def test_generate_with_a_list_of_prompts_still_runs_the_batch_and_warns(engine):
+    prompts = ["Hi", PROMPT]
+    with pytest.warns(DeprecationWarning, match="call generate_batch"):
+        rows = engine.generate(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in rows] == [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens=6)]
+    with pytest.raises(GenerationError, match="stream_batch takes a non-empty list of prompts"):
+        engine.generate_batch("Hi")
+
+
 def test_in_a_batch_the_longest_prompt_sets_the_room_left(engine):
-    rows = engine.generate([[5] * 240, [5] * 3], max_new_tokens=30)
+    rows = engine.generate_batch([[5] * 240, [5] * 3], max_new_tokens=30)
     assert [len(r.token_ids) for r in rows] == [16, 16] and {r.finish_reason for r in rows} == {"length"}
     with pytest.raises(GenerationError, match="the longest prompt of the batch has 256 tokens but the model's context is 256"):
-        engine.generate([[5] * 256, [5]])
+        engine.generate_batch([[5] * 256, [5]])
 
 
 # Threads
@@ -219,19 +252,3 @@ def test_chat_renders_the_template_with_a_system_message_like_transformers(engin
     assert "".join(p.text for p in engine.stream_chat(messages, max_new_tokens=8)) == engine.chat(messages, max_new_tokens=8).text
     with pytest.raises(GenerationError, match="messages must be a non-empty list of"):
         engine.chat([{"content": "no role"}])
-
-
-# Chunked prefill
-
-def test_prefill_in_chunks_gives_the_same_logits_and_tokens(engine, tiny_llama):
-    import numpy as np
-
-    chunked = Engine.load(tiny_llama[1], provider="cpu", prefill_chunk=7)
-    prompts = [list(range(3, 200)), [5, 6], list(range(40, 60))]
-    assert [r.token_ids for r in chunked.generate(prompts, max_new_tokens=12)] == \
-        [r.token_ids for r in engine.generate(prompts, max_new_tokens=12)]
-    one, many = engine.new_cache(), chunked.new_cache()
-    np.testing.assert_allclose(chunked.prefill(prompts, many).numpy(), engine.prefill(prompts, one).numpy(), atol=1e-5)
-    assert many.length == one.length == 197 and (many.mask == one.mask).all()
-    with pytest.raises(SettingsError, match="prefill_chunk must be an integer of at least 1, got 0"):
-        Engine.load(tiny_llama[1], provider="cpu", prefill_chunk=0)

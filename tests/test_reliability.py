@@ -130,8 +130,8 @@ def test_a_batch_beyond_the_memory_limit_is_refused_before_its_cache_is_allocate
     prompts = [[5] * 60, [6] * 60, [7] * 60]
     with pytest.raises(GenerationError, match=r"3 rows of 100 tokens need 150.0 KiB of KV cache, but the memory limit has "
                                               r"128.0 KiB left: run at most 2 prompts at a time"):
-        small.generate(prompts, max_new_tokens=40)
-    rows = small.generate(prompts[:2], max_new_tokens=40)
+        small.generate_batch(prompts, max_new_tokens=40)
+    rows = small.generate_batch(prompts[:2], max_new_tokens=40)
     assert [len(r.token_ids) for r in rows] == [40, 40]
 
 

@@ -1,23 +1,36 @@
 """The runtime profile: loading and generating must not import torch, transformers, optimum or onnx."""
+import json
 import subprocess
 import sys
 
 SCRIPT = """
-import sys
+import json, sys
 from edgeinfer import Engine
 engine = Engine.load(sys.argv[1], provider="cpu")
-pieces = list(engine.stream_chat([{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.8, seed=1, stop="zz"))
-result = engine.generate("The capital", max_new_tokens=8)
-assert len(result.token_ids) == 8 and len(pieces) >= 1, result
+chat = [t for p in engine.stream_chat([{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.8, seed=1) for t in p.token_ids]
+greedy = engine.generate("The capital", max_new_tokens=8).token_ids
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "optimum", "onnx"))
-print(",".join(heavy) or "none")
+print(json.dumps({"greedy": greedy, "chat": chat, "heavy": heavy}))
 """
 
 
 def test_generation_imports_no_torch_transformers_optimum_or_onnx(tiny_llama):
+    """The light process gives transformers' greedy tokens, and the sampled chat tokens of the same
+    seed in this process, while importing none of the heavy packages."""
+    from test_tiny_llama import hf_greedy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgeinfer import Engine
+
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama[1])], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "none"
+    light = json.loads(done.stdout)
+    assert light["heavy"] == []
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
+    assert light["greedy"] == hf_greedy(model, AutoTokenizer.from_pretrained(tiny_llama[0])("The capital").input_ids, 8)
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    messages = [{"role": "user", "content": "hi"}]
+    assert light["chat"] == engine.generate(engine.chat_prompt(messages), max_new_tokens=8, temperature=0.8, seed=1).token_ids
 
 
 def test_the_shipped_logits_heads_are_the_ones_heads_builds():

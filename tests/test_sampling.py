@@ -18,10 +18,23 @@ def draws(config, n=50, logits=LOGITS):
     return [sample(logits, []) for _ in range(n)]
 
 
-def test_greedy_and_top_k_1_pick_the_largest_logit_whatever_the_seed():
+def test_greedy_picks_the_largest_logit_whatever_the_seed():
     best = int(np.argmax(LOGITS))
     assert draws(GenerationConfig(), 5) == [best] * 5
-    assert draws(GenerationConfig(temperature=1.5, top_k=1, seed=9), 5) == [best] * 5
+    assert draws(GenerationConfig(seed=9), 5) == [best] * 5
+
+
+@pytest.mark.parametrize("k", [2, 5, 40])
+def test_top_k_sampling_at_temperature_1_draws_like_transformers_warper(k):
+    """The sampler built by make_sampler (not its filters one by one) against transformers'
+    TopKLogitsWarper on the same logits: it draws only the tokens transformers keeps, and each as
+    often as the softmax of transformers' warped scores says."""
+    logits = LOGITS[:60] / 3  # flat enough that the k tokens all have a real chance
+    warped = TopKLogitsWarper(k)(None, torch.tensor(logits)[None])[0]
+    expected = torch.softmax(warped.double(), -1).numpy()
+    picks = draws(GenerationConfig(temperature=1.0, top_k=k, seed=11), 20000, logits)
+    assert set(picks) == set(np.flatnonzero(expected > 0))
+    np.testing.assert_allclose(np.bincount(picks, minlength=logits.size) / 20000, expected, atol=0.015)
 
 
 def test_a_tiny_temperature_is_greedy_without_overflow():

@@ -128,11 +128,12 @@ def test_kv_cache_is_written_in_place_on_the_device(engine):
     assert not np.any(after[0, :, 3] == 7.0)
 
 
-def test_streamed_pieces_join_to_the_generated_text(engine):
+def test_streamed_tokens_are_transformers_and_the_text_is_their_decode(engine, hf):
+    model, tokenizer = hf
     pieces = list(engine.stream(PROMPT, max_new_tokens=20))
-    result = engine.generate(PROMPT, max_new_tokens=20)
-    assert "".join(p.text for p in pieces) == result.text
-    assert [t for p in pieces for t in p.token_ids] == result.token_ids
+    tokens = [t for p in pieces for t in p.token_ids]
+    assert tokens == hf_greedy(model, tokenizer(PROMPT).input_ids, 20)
+    assert "".join(p.text for p in pieces) == tokenizer.decode(tokens, skip_special_tokens=True)
     assert [p.finish_reason for p in pieces][-1] == "length" and all(p.finish_reason is None for p in pieces[:-1])
 
 
@@ -239,3 +240,27 @@ def test_public_steps_return_logits_that_later_steps_do_not_overwrite(engine):
     second = engine.decode([8], cache).numpy()
     engine.decode([9], cache)
     assert np.array_equal(first, kept) and not np.array_equal(first, second)
+
+
+def test_fusion_falls_back_where_the_rewrite_does_not_apply_and_fails_on_a_bug(tiny_llama, tmp_path, monkeypatch):
+    """'Does not apply' (PatternError) keeps the optimizer's graph and says why; any other error in
+    the rewrite is a bug, and fails the export in one line instead of silently keeping a slower graph."""
+    import edgeinfer.export.fuse as fuse
+    from edgeinfer.export.attention import PatternError
+
+    def not_this_pattern(*args):
+        raise PatternError("layer 0 is not the pattern")
+
+    monkeypatch.setattr(fuse, "rewrite_attention", not_this_pattern)
+    manifest = export_model(str(tiny_llama[0]), tmp_path / "fallback")
+    assert manifest.validation["fusion"]["attention"] == "attention kept as exported: layer 0 is not the pattern"
+    assert not manifest.kv.in_place and "GroupQueryAttention" not in manifest.validation["fusion"]["fused"]
+
+    def a_bug(*args):
+        return {}["missing"]
+
+    monkeypatch.setattr(fuse, "rewrite_attention", a_bug)
+    with pytest.raises(ExportError, match="the fuse stage failed with KeyError: 'missing': this is a bug in edgeinfer.*--no-fuse") as error:
+        export_model(str(tiny_llama[0]), tmp_path / "bug")
+    assert isinstance(error.value.__cause__, KeyError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fallback"]
