@@ -148,18 +148,18 @@ def _full_length_caches(config):
     from transformers import cache_utils
 
     cache = cache_utils.DynamicCache
-    signature = inspect.signature(cache.__init__)
-    if "config" not in signature.parameters:
-        raise ExportError("transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
-                          "models relies on: install the transformers version the export extra pins (4.57)")
-
-    def without_layer_types(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.arguments["config"] = None
-        original(*bound.args, **bound.kwargs)
-
     with _TRACING:
         own, original = cache.__dict__.get("__init__"), cache.__init__
+        signature = inspect.signature(original)
+        if "config" not in signature.parameters:
+            raise ExportError("transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
+                              "models relies on: install the transformers version the export extra pins (4.57)")
+
+        def without_layer_types(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["config"] = None
+            original(*bound.args, **bound.kwargs)
+
         cache.__init__ = without_layer_types
         try:
             yield
