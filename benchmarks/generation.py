@@ -2,7 +2,8 @@
 
     python benchmarks/generation.py EXPORT_DIR [PROMPTS_JSON]
 
-The 128-token prompt of PROMPTS_JSON (default ../shared/peers/prompts.json), CPU, 2 threads,
+The 128-token prompt of PROMPTS_JSON (default benchmarks/prompts.json: SmolLM2's token ids of the peers'
+prompt text), CPU, 2 threads,
 64 new tokens (ignore_eos), median of 3 with the variants alternating in each round.
 """
 import json
@@ -45,5 +46,4 @@ def main(export_dir: str, prompts_path: str) -> None:
 
 
 if __name__ == "__main__":
-    here = Path(__file__).resolve().parent
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else str(here.parent.parent / "shared" / "peers" / "prompts.json"))
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else str(Path(__file__).resolve().with_name("prompts.json")))

@@ -98,7 +98,7 @@ AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 
 def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
     step(f"edgeinfer: {export.name}")
-    subprocess.run([sys.executable, "-m", "edgeinfer.cli", "bench", str(export), "--threads", "2",
+    subprocess.run([sys.executable, "-m", "edgeinfer.cli", "bench", str(export), "--provider", "cpu", "--threads", "2",
                     "--prompts", str(peers_dir / "prompts.json"), "--json", str(out)], check=True)
     figures = json.loads(out.read_text())
     return {"load_s": figures["load_s"], "peak_rss_mib": figures["peak_rss_mib"],

@@ -13,7 +13,7 @@ from .resolve import resolve_export, say
 
 @click.command()
 @click.argument("model", required=False)
-@click.option("--provider", default="cpu", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
               help='JSON {"prompts": {name: [token ids]}} [default: random ids of 16, 128, 512 and 1024 tokens].')

@@ -1,6 +1,6 @@
 """Measuring an engine: load time, time to first token and decode rate per prompt length, memory.
 
-The method matches ../shared/peers (the engines edgeinfer is compared with): greedy, exactly
+The method matches the peers' benchmarks (benchmarks/peers.py, the engines edgeinfer is compared with): greedy, exactly
 `new_tokens` tokens (EOS ignored), one warm-up run, the median of `repeats` runs per prompt.
 TTFT is from the call to the first token; the decode rate leaves the first token out.
 """

@@ -271,3 +271,15 @@ def test_run_with_a_smaller_context_and_truncation(tiny_llama):
 def test_export_into_a_folder_that_cannot_be_made(tiny_llama):
     assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", "/proc/edgeinfer-test/out"),
                           "the file system refused /proc/edgeinfer-test (No such file or directory)", "export elsewhere")
+
+
+def test_the_benchmark_prompts_ship_with_the_repository():
+    """`edgeinfer bench --prompts benchmarks/prompts.json` and benchmarks/generation.py read them on a fresh clone."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.json"
+    prompts = json.loads(path.read_text())["prompts"]
+    assert {name: len(ids) for name, ids in prompts.items()} == {"p16": 16, "p128": 128, "p512": 512, "p1024": 1024}
+    assert all(ids == prompts["p1024"][:len(ids)] for ids in prompts.values())  # prefixes of one text
+    assert all(isinstance(t, int) and 0 <= t < 49152 for t in prompts["p1024"])  # SmolLM2's vocabulary
