@@ -51,7 +51,7 @@ def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]
         problem = _try(folder, rewritten, model, in_place)
         if problem is None:
             return {"fused": _contrib_ops(rewritten)}, in_place
-        why_not = f"attention kept as exported: with GroupQueryAttention {problem.removeprefix('the fused graph')}"
+        why_not = f"attention kept as exported: the graph with GroupQueryAttention{problem.removeprefix('the fused graph')}"
     problem = _try(folder, optimized, model, manifest)
     if problem:
         return {"fused": {}, "skipped": problem, "attention": why_not}, manifest

@@ -8,7 +8,7 @@ import numbers
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer import Engine
@@ -19,7 +19,7 @@ FINISH = {"eos", "stop", "length"}
 
 # Each setting drawn from values it takes and values it must refuse.
 ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-10, 10))
-SETTINGS = st.fixed_dictionaries({}, optional={
+SETTING_VALUES = {
     "max_new_tokens": st.one_of(st.integers(-2, 12), st.sampled_from([300, 10**6]), ANY),
     "temperature": st.one_of(st.floats(-1, 3), ANY),
     "top_k": st.one_of(st.integers(-1, 400), ANY),
@@ -31,8 +31,8 @@ SETTINGS = st.fixed_dictionaries({}, optional={
     "stop_token_ids": st.one_of(st.lists(st.integers(-3, VOCAB + 3), max_size=3), ANY),
     "ignore_eos": ANY,
     "truncate": st.one_of(st.just("left"), ANY),
-    "unknown_setting": st.integers(),
-})
+}
+SETTINGS = st.fixed_dictionaries({}, optional={**SETTING_VALUES, "unknown_setting": st.integers()})
 # Settings in their ranges, and prompts that fit the context.
 VALID_SETTINGS = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional={
     "max_new_tokens": st.one_of(st.integers(1, 12), st.just(10**6)),
@@ -157,6 +157,55 @@ def test_valid_calls_succeed_and_stream_the_decode_of_their_tokens(engine, promp
         assert decoded.startswith(text)  # a stop string: the text ends where it begins
     else:
         assert text == decoded
+
+
+# One setting at a time, so that no other bad value can hide a rule that lets a bad one through,
+# with each rule's edges given explicitly.
+ONE_SETTING = st.one_of(*[st.tuples(st.just(name), values) for name, values in SETTING_VALUES.items()])
+EDGES = [("max_new_tokens", 1), ("max_new_tokens", 0), ("max_new_tokens", True), ("temperature", 0.0), ("temperature", -1e-9),
+         ("temperature", math.inf), ("top_k", 0), ("top_k", -1), ("top_k", 2.0), ("top_p", 1.0), ("top_p", 1.0 + 1e-9),
+         ("top_p", 0.0), ("min_p", 0.0), ("min_p", 1.0), ("min_p", 1.0 + 1e-9), ("repetition_penalty", 1e-9),
+         ("repetition_penalty", 0.0), ("seed", 0), ("seed", -1), ("seed", None), ("stop", "x"), ("stop", ""), ("stop", ["a", ""]),
+         ("stop_token_ids", VOCAB - 1), ("stop_token_ids", VOCAB), ("stop_token_ids", [0, -1]), ("ignore_eos", False),
+         ("ignore_eos", 1), ("truncate", None), ("truncate", "right")]
+
+
+def with_edges(test):
+    for setting in EDGES:
+        test = example(setting=setting)(test)
+    return test
+
+
+@CHECKS
+@with_edges
+@given(setting=ONE_SETTING)
+def test_each_setting_alone_is_taken_or_refused_as_its_rule_says(engine, setting):
+    name, value = setting
+    asked = {"max_new_tokens": 3, name: value}
+    expected = expected_refusal(engine, [PROMPT_IDS], asked)
+    result = assert_as_expected(lambda: engine.generate(PROMPT_IDS, **asked), expected)
+    if result is not None:
+        assert_well_formed(result, asked)
+
+
+PROMPT_IDS = [5, 6, 7]
+
+
+@CHECKS
+@example(length=CONTEXT - 1, truncate=None)
+@example(length=CONTEXT, truncate=None)
+@example(length=CONTEXT, truncate="left")
+@example(length=CONTEXT + 40, truncate="left")
+@given(length=st.integers(1, CONTEXT + 40), truncate=st.sampled_from([None, "left"]))
+def test_prompts_up_to_the_context_are_taken_and_longer_ones_refused_or_truncated(engine, length, truncate):
+    """Lengths drawn evenly across the whole context and past it (a list strategy would mostly draw
+    short prompts), with the edges given explicitly."""
+    prompt, asked = [(7 * i) % VOCAB for i in range(length)], {"max_new_tokens": 4, "truncate": truncate}
+    expected = expected_refusal(engine, [prompt], asked)
+    result = assert_as_expected(lambda: engine.generate(prompt, **asked), expected)
+    if result is not None:
+        assert_well_formed(result, asked)
+        assert result.prompt_tokens + result.truncated_tokens == length and result.prompt_tokens < CONTEXT
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
