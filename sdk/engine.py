@@ -143,17 +143,25 @@ class Engine:
 
     def _start(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
-        start = time.perf_counter()
+        rows, is_greedy = self.sequences(prompts, config, settings)
+        capacity = max(len(row.prompt_ids) + row.budget for row in rows)
+        check_generation(self.memory, len(rows), capacity, self.provider, self._memory_limit)
+        return self._loop(rows, is_greedy, capacity)
+
+    def sequences(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict,
+                  start: float | None = None) -> tuple[list[Sequence], bool]:
+        """Each prompt's Sequence (its token budget, stop conditions and sampler), and whether the
+        settings are greedy; raises, before any work, on bad settings or prompts. In a batch the
+        longest prompt sets every row's budget. `start`: when the request came in (for TTFT)."""
+        start = time.perf_counter() if start is None else start
         config = resolve_settings(self.default_config, config, settings)
         self._check_stop_ids(config.stop_token_ids)
         given = [self.prompt_ids(p) for p in prompts]
         ids = [self._truncate(row, config) for row in given]
         budget = self._token_budget(ids, config.max_new_tokens)
-        capacity = max(len(row) for row in ids) + budget
-        check_generation(self.memory, len(ids), capacity, self.provider, self._memory_limit)
         rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start, len(full) - len(row))
                 for row, full in zip(ids, given)]
-        return self._loop(rows, config.is_greedy, capacity)
+        return rows, config.is_greedy
 
     def _truncate(self, ids: list[int], config: GenerationConfig) -> list[int]:
         """With `truncate="left"`, the end of a prompt that leaves too little room for

@@ -27,6 +27,10 @@ class GraphError(EdgeInferError):
     provider cannot execute)."""
 
 
+class BusyError(EdgeInferError):
+    """The scheduler cannot take a request now: its queue is full, or it is shutting down."""
+
+
 class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 

@@ -117,8 +117,7 @@ class InPlaceKVCache(KVCache):
             yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions}
 
     def _buffer_shape(self, name: str, batch: int) -> list[int]:
-        return [self.capacity if axis == self.spec.sequence_axis else (dim if isinstance(dim, int) else batch)
-                for axis, dim in enumerate(self.past_shapes[name])]
+        return _buffer_shape(self.spec, self.past_shapes[name], batch, self.capacity)
 
     def _mask(self, width: int) -> np.ndarray:
         return (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
@@ -145,3 +144,70 @@ class InPlaceKVCache(KVCache):
 
     def update(self, present: dict) -> None:
         """Nothing to do: the pass wrote into the buffers."""
+
+
+class SlotPool:
+    """The KV cache of continuous batching (scheduler.py): one buffer per past input,
+    [max_batch, kv_heads, capacity, head_size], allocated once on the engine's device and shared by
+    many generations, each holding one row (a slot) from admission to its end.
+
+    A prompt is prefilled into its slot alone (the graph runs on that row: GroupQueryAttention takes
+    a pass of several tokens on a filled cache only for a batch of one), in chunks. Decode runs on
+    the first `rows` rows at once, one token each. Rows in that range that are not decoding (free,
+    or part-way through their prefill) get a pad token, written just past their own tokens, where
+    their next prefill chunk or first decode writes again: nothing they hold is disturbed.
+    """
+
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], max_batch: int, capacity: int, allocate):
+        self.spec, self.capacity = spec, capacity
+        self.buffers = {past: allocate(_buffer_shape(spec, past_shapes[past], max_batch, capacity), spec.dtype)
+                        for past in spec.past}
+        self.lengths = np.zeros(max_batch, np.int64)  # tokens each slot holds
+        self._free = list(range(max_batch))
+
+    @property
+    def pooled(self) -> dict:
+        """Each past input's buffer with the present output written into it."""
+        return {past: (self.buffers[past], present) for past, present in zip(self.spec.past, self.spec.present)}
+
+    def acquire(self) -> int | None:
+        """The lowest free slot (decode passes cover the rows up to the highest one in use), or None."""
+        if not self._free:
+            return None
+        self._free.sort()
+        return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def prefill_inputs(self, slot: int, ids: list[int], start: int, end: int) -> dict[str, np.ndarray]:
+        """Inputs for tokens start..end of a prompt going into `slot`, after its first `start`."""
+        if end > self.capacity:
+            raise GenerationError(f"a prompt of {end} tokens does not fit the pool's {self.capacity} slots per row")
+        self.lengths[slot] = end
+        return {"input_ids": np.array([ids[start:end]], np.int64), "attention_mask": np.ones((1, end), np.int64),
+                "position_ids": np.arange(start, end, dtype=np.int64)[None, :]}
+
+    def decode_inputs(self, rows: int, tokens: dict[int, int]) -> dict[str, np.ndarray]:
+        """Inputs for one decode pass on the first `rows` slots: `tokens` maps each decoding slot to
+        its newest token; the others get a pad token that writes just past their own."""
+        lengths = self.lengths[:rows]
+        if any(lengths[slot] >= self.capacity for slot in tokens):
+            raise GenerationError(f"a row of the pool is full ({self.capacity} slots)")
+        ids = np.full((rows, 1), PAD_ID, np.int64)
+        for slot, token in tokens.items():
+            ids[slot, 0] = token
+        mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": lengths[:, None].copy()}
+        for slot in tokens:
+            self.lengths[slot] += 1
+        return inputs
+
+
+def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:
+    return [capacity if axis == spec.sequence_axis else (dim if isinstance(dim, int) else batch) for axis, dim in enumerate(declared)]

@@ -23,6 +23,7 @@ _LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGrap
 _RUN_ERRORS = (RuntimeError, ort_state.Fail, ort_state.InvalidArgument, ort_state.RuntimeException, ort_state.EPFail,
                ort_state.NotImplemented, ort_state.EngineError, ort_state.InvalidGraph, ort_state.NotFound)
 _ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}  # ONNX TensorProto codes
+_NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what OrtValue.data_type() says
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,24 @@ class Graph:
     def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
+
+    def run_rows(self, inputs: dict[str, np.ndarray], pooled: dict[str, tuple[ort.OrtValue, str]], first: int,
+                 rows: int) -> ort.OrtValue:
+        """Run once on rows first..first+rows of pooled buffers [pool rows, ...] (a KV pool), bound by
+        address so nothing is copied: `pooled` maps each past input to its buffer and the present
+        output written into the same rows. Returns the logits, a new value on the device."""
+        binding = self.session.io_binding()
+        for name, value in inputs.items():
+            binding.bind_cpu_input(name, value)
+        for past, (buffer, present) in pooled.items():
+            shape, dtype = buffer.shape(), np.dtype(_NUMPY_TYPES[buffer.data_type()])
+            row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+            address, part = buffer.data_ptr() + first * row_bytes, [rows, *shape[1:]]
+            binding.bind_input(past, self.device, 0, dtype, part, address)
+            binding.bind_output(present, self.device, 0, dtype, part, address)
+        binding.bind_output("logits", self.device)
+        _run(self.session, binding, self.name)
+        return binding.get_outputs()[-1]
 
 
 class Binding:

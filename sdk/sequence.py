@@ -92,6 +92,12 @@ class Sequence:
         piece, self.pending = Piece(text, self.pending), []
         return piece
 
+    def finish(self, reason: str) -> Piece:
+        """End now (a server shutting down, say), with what is still held back and `reason`."""
+        if self.times == []:
+            self.times.append(time.perf_counter())
+        return self._end(reason, "")
+
     def _end(self, reason: str, text: str, stopped: bool = False) -> Piece:
         if not stopped:  # what the detokenizer and the stop strings still hold
             tail, stopped = self.stops.add(self.detokenizer.flush())

@@ -1,0 +1,239 @@
+"""Continuous batching: many callers, one engine, one step loop.
+
+Callers in any thread `submit` a prompt and iterate the `Request` they get back. A request joins
+the running batch at the next step and leaves it when it ends, so a short request never waits for
+a long one; an idle scheduler sleeps. Each step admits waiting requests into free rows of the KV
+pool (kv_cache.SlotPool), prefills one chunk of one new prompt (alone in its row), then decodes one
+token for every row past its prefill, in one pass. Exports whose attention does not write its cache
+in place (`kv.in_place` false) are served one request at a time.
+
+    scheduler = Scheduler(engine, max_batch=8)
+    request = scheduler.submit("The capital of France is", max_new_tokens=16)   # from any thread
+    for piece in request: ...                # or request.result()
+    scheduler.close()
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .errors import BusyError, EdgeInferError
+from .kv_cache import SlotPool
+from .memory import check_generation
+from .sequence import GenerationResult, Piece, Sequence
+from .settings import GenerationConfig
+
+_END = object()  # what a request's queue gets after its last piece
+
+
+class Request:
+    """One submitted generation. Iterate it for its pieces (the last has `finish_reason` and the
+    timings), or call `result()`; an error of the step loop is raised here. `cancel()` ends it at
+    the next step and frees its row."""
+
+    def __init__(self, scheduler: Scheduler):
+        self._scheduler, self._pieces = scheduler, queue.Queue()
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[Piece]:
+        while (item := self._pieces.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def result(self) -> GenerationResult:
+        return GenerationResult.from_pieces(list(self))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._scheduler._wake_up()
+
+
+@dataclass
+class _Row:
+    """A request being served: its Sequence, its row of the pool and how far its prefill got."""
+
+    request: Request
+    sequence: Sequence
+    is_greedy: bool
+    slot: int = -1
+    prefilled: int = 0
+    token: int = 0  # the newest token, fed to the next decode pass (set when the prefill ends)
+    events: Iterator | None = field(default=None, repr=False)  # one-at-a-time serving: the engine's own loop
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.prefilled == len(self.sequence.prompt_ids)
+
+
+class Scheduler:
+    """Continuous batching over one engine, for callers in many threads (see the module's text).
+    `max_batch` rows are allocated once, each of the engine's `max_context` tokens, within its
+    memory plan; `max_queue` requests may wait for a row before `submit` raises BusyError."""
+
+    def __init__(self, engine, max_batch: int = 8, max_queue: int = 64):
+        self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
+        self.is_batched = engine.manifest.kv.in_place
+        self.pool = None
+        if self.is_batched:
+            check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
+            shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
+            self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate)
+        self._waiting: deque[_Row] = deque()
+        self._rows: list[_Row] = []
+        self._wake = threading.Condition()
+        self._closing = False  # no new requests
+        self._stopping = False  # end the running ones now
+        self._thread = threading.Thread(target=self._run, name="edgeinfer-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def mode(self) -> str:
+        return f"continuous batching of up to {self.max_batch} rows" if self.is_batched else \
+            "one request at a time (this export's attention does not write its cache in place)"
+
+    def submit(self, prompt, config: GenerationConfig | None = None, **settings) -> Request:
+        """Queue a generation; bad settings or prompts raise here, in the caller's thread."""
+        (sequence,), is_greedy = self.engine.sequences([prompt], config, settings)
+        request = Request(self)
+        row = _Row(request, sequence, is_greedy)
+        if not self.is_batched:
+            row.events = self.engine._loop([sequence], is_greedy, len(sequence.prompt_ids) + sequence.budget)
+        with self._wake:
+            if self._closing:
+                raise BusyError("the scheduler is shutting down and takes no new requests")
+            if len(self._waiting) >= self.max_queue:
+                raise BusyError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue}): retry later")
+            self._waiting.append(row)
+            self._wake.notify()
+        return request
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self, grace: float | None = None) -> None:
+        """Take no new requests; let the others end within `grace` seconds (None: however long
+        they take), then end those still running with finish reason "length", and stop."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(grace)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # The step loop, on its own thread.
+
+    def _wake_up(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._waiting or self._rows or self._closing):
+                    self._wake.wait()
+                if self._stopping or (self._closing and not (self._waiting or self._rows)):
+                    break
+                self._admit()
+            self._drop_cancelled()
+            try:
+                self._step()
+            except Exception as error:  # noqa: BLE001 - the loop must outlive any step: its rows get the error
+                for row in list(self._rows):
+                    self._end(row, error)
+        for row in [*self._rows, *self._waiting]:
+            self._end(row, row.sequence.finish("length"))
+        self._waiting.clear()
+
+    def _admit(self) -> None:
+        while self._waiting and (self.pool.free_slots if self.is_batched else not self._rows):
+            row = self._waiting.popleft()
+            row.slot = self.pool.acquire() if self.is_batched else 0
+            self._rows.append(row)
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self._rows if r.request.cancelled]:
+            self._end(row, _END)
+
+    def _step(self) -> None:
+        if not self.is_batched:
+            self._step_alone()
+            return
+        prefilling = next((row for row in self._rows if not row.is_decoding), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        decoding = [row for row in self._rows if row.is_decoding]
+        if decoding:
+            self._decode(decoding)
+
+    def _prefill_chunk(self, row: _Row) -> None:
+        ids = row.sequence.prompt_ids
+        end = min(row.prefilled + self.engine.prefill_chunk, len(ids))
+        inputs = self.pool.prefill_inputs(row.slot, ids, row.prefilled, end)
+        logits = self.engine.graph.run_rows(self._graph_inputs(inputs), self.pool.pooled, row.slot, 1)
+        row.prefilled = end
+        if row.is_decoding:
+            token = self._choose(logits, [row], {row.slot: 0})[0]
+            self._add(row, token)
+
+    def _decode(self, rows: list[_Row]) -> None:
+        count = max(row.slot for row in rows) + 1
+        inputs = self.pool.decode_inputs(count, {row.slot: row.token for row in rows})
+        logits = self.engine.graph.run_rows(self._graph_inputs(inputs), self.pool.pooled, 0, count)
+        for row, token in zip(rows, self._choose(logits, rows, {row.slot: row.slot for row in rows})):
+            self._add(row, token)
+
+    def _choose(self, logits, rows: list[_Row], index: dict[int, int]) -> list[int]:
+        """Each row's next token from the logits of the pass (row `index[slot]` of them)."""
+        if all(row.is_greedy for row in rows):
+            ids = self.engine.heads.argmax(logits)
+            return [ids[index[row.slot]] for row in rows]
+        last = self.engine.heads.last(logits)
+        return [row.sequence.choose(last[index[row.slot]]) for row in rows]
+
+    def _add(self, row: _Row, token: int) -> None:
+        piece = row.sequence.add(token)
+        row.token = token
+        if piece is not None:
+            row.request._pieces.put(piece)
+        if row.sequence.is_done:
+            self._end(row, _END)
+
+    def _step_alone(self) -> None:
+        row = self._rows[0]
+        try:
+            _, piece = next(row.events)
+            row.request._pieces.put(piece)
+        except StopIteration:
+            self._end(row, _END)
+
+    def _end(self, row: _Row, last) -> None:
+        """Give the request its last item (a final piece, an error, or nothing more) and free its row."""
+        if last is not _END:
+            row.request._pieces.put(last)
+        row.request._pieces.put(_END)
+        if row in self._rows:
+            self._rows.remove(row)
+            if self.is_batched:
+                self.pool.release(row.slot)
+            elif row.events is not None:
+                row.events.close()
+
+    def _graph_inputs(self, inputs: dict) -> dict:
+        return {name: value for name, value in inputs.items() if name in self.engine.graph.inputs}
