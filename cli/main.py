@@ -14,6 +14,7 @@ from .bench import bench
 from .chat import chat
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
 from .resolve import _exporter, load_engine, say, say_timings
+from .serve import serve
 
 
 @click.group()
@@ -145,6 +146,7 @@ def check(folder, source, prompt, new_tokens):
 
 cli.add_command(chat)
 cli.add_command(bench)
+cli.add_command(serve)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from .errors import GenerationError, ManifestError, SettingsError
+from .errors import ContextLengthError, GenerationError, ManifestError, SettingsError
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
@@ -245,8 +245,8 @@ class Engine:
         if room < 1:
             which = "the prompt has" if len(prompts) == 1 else "the longest prompt of the batch has"
             context = "model's" if self.max_context == self.manifest.max_context else "engine's (max_context)"
-            raise GenerationError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the prompt, "
-                                  "or pass truncate='left' (--truncate left) to keep its end")
+            raise ContextLengthError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the "
+                                     "prompt, or pass truncate='left' (--truncate left) to keep its end", longest, self.max_context)
         return min(max_new_tokens, room)
 
 

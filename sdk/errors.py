@@ -35,6 +35,14 @@ class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 
 
+class ContextLengthError(GenerationError):
+    """A prompt that leaves no room in the context; `prompt_tokens` and `context` say by how much."""
+
+    def __init__(self, message: str, prompt_tokens: int, context: int):
+        super().__init__(message)
+        self.prompt_tokens, self.context = prompt_tokens, context
+
+
 class SettingsError(GenerationError):
     """A generation setting that is unknown or out of its range."""
 

@@ -1,0 +1,172 @@
+"""The HTTP layer: OpenAI requests in, the scheduler's pieces out as one response or as server-sent
+events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgeinfer.sdk.errors import EdgeInferError
+
+from .metrics import CONTENT_TYPE, Metrics
+from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, error_body, from_edgeinfer
+
+log = logging.getLogger("edgeinfer.serve")
+MAX_BODY = 4 * 1024 * 1024  # bytes of a request body
+
+
+class _Loaded:
+    """The engine and scheduler, loaded in the background while /health says 503."""
+
+    def __init__(self, load: Callable, on_error: Callable):
+        self.engine = self.scheduler = self.error = None
+        self._thread = threading.Thread(target=self._load, args=(load, on_error), name="edgeinfer-load", daemon=True)
+
+    def _load(self, load, on_error) -> None:
+        try:
+            self.engine, self.scheduler = load()
+            log.info("ready: %s", self.scheduler.mode)
+        except EdgeInferError as e:
+            self.error = e
+            on_error(e)
+
+    def ready(self):
+        if self.scheduler is None:
+            raise RequestError(f"the model failed to load: {self.error}" if self.error else "the model is loading: retry shortly",
+                               status=503, code="model_not_ready")
+        return self.engine, self.scheduler
+
+
+def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None) -> FastAPI:
+    """`load()` returns (engine, scheduler); it runs in the background from startup, and an
+    EdgeInferError it raises goes to `on_load_error` (the server stops on it)."""
+    loaded, metrics = _Loaded(load, on_load_error), Metrics()
+
+    async def lifespan(app):
+        loaded._thread.start()
+        yield
+        if loaded.scheduler is not None:
+            loaded.scheduler.close(grace=0)
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.loaded = loaded
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        try:
+            if request.url.path.startswith("/v1/") and api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+                raise RequestError("a valid API key is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
+            if int(request.headers.get("content-length") or 0) > MAX_BODY or len(await request.body()) > MAX_BODY:
+                raise RequestError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+            response = await call_next(request)
+        except RequestError as e:
+            response = _refusal(e)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        message = f"unknown parameter '{field}'" if first["type"] == "extra_forbidden" else f"{field}: {first['msg']}"
+        return JSONResponse(error_body(message, param=field), status_code=400)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, error: RequestError):
+        return _refusal(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def not_here(request: Request, error: StarletteHTTPException):
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}", code=str(error.status_code)),
+                            status_code=error.status_code)
+
+    @app.exception_handler(EdgeInferError)
+    async def engine_error(request: Request, error: EdgeInferError):
+        status, body, headers = from_edgeinfer(error)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/health")
+    async def health():
+        engine, scheduler = loaded.ready()
+        return {"status": "ok", "model": model_name, "mode": scheduler.mode}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(loaded.scheduler), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        return await _generate(body, lambda engine: engine.chat_prompt(body.conversation()), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await _generate(body, lambda engine: body.prompt, chat=False)
+
+    async def _generate(body, prompt_of: Callable, chat: bool):
+        engine, scheduler = loaded.ready()
+        if body.model != model_name:
+            raise RequestError(f"the model '{body.model}' is not served here: this server serves '{model_name}'",
+                               param="model", status=404, code="model_not_found")
+        try:
+            request = scheduler.submit(prompt_of(engine), **body.settings())
+        except EdgeInferError as e:
+            status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
+            return JSONResponse(error, status_code=status, headers=headers)
+        reply = Reply(chat, model_name)
+        if body.stream:
+            return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream")
+        result = await run_in_threadpool(request.result)
+        _finished(reply.id, result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s, result.finish_reason)
+        return reply.whole(result)
+
+    async def _events(request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        made, ended = 0, False
+        try:
+            if (first := reply.first_chunk()) is not None:
+                yield _sse(first)
+            async for piece in iterate_in_threadpool(iter(request)):
+                made += len(piece.token_ids)
+                if piece.text:
+                    yield _sse(reply.piece_chunk(piece))
+                if piece.finish_reason is not None:
+                    yield _sse(reply.last_chunk(piece.finish_reason))
+                    if include_usage:
+                        yield _sse(reply.usage_chunk(piece.prompt_tokens, made))
+                    _finished(reply.id, piece.prompt_tokens, made, piece.ttft_s, piece.decode_tokens_per_s, piece.finish_reason)
+                    ended = True
+            yield "data: [DONE]\n\n"
+        except EdgeInferError as e:  # the status is sent already: the error goes in the stream
+            ended = True
+            yield _sse(from_edgeinfer(e)[1])
+        finally:
+            if not ended:  # the client went away: its row is freed at the scheduler's next step
+                request.cancel()
+                metrics.cancelled.inc()
+                log.info("%s cancelled: the client went away after %d tokens", reply.id, made)
+
+    def _finished(request_id: str, prompt_tokens: int, made: int, ttft_s: float, tokens_per_s: float, finish: str) -> None:
+        metrics.finished(prompt_tokens, made, ttft_s, tokens_per_s)
+        log.info("%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s", request_id, prompt_tokens, made,
+                 ttft_s * 1000, tokens_per_s, finish)
+
+    return app
+
+
+def _refusal(error: RequestError) -> JSONResponse:
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return JSONResponse(error_body(str(error), kind, error.param, error.code), status_code=error.status)
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

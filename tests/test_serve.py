@@ -1,0 +1,231 @@
+"""`edgeinfer serve` as a real subprocess on a free localhost port with the tiny llama, driven by the
+real openai client, and by raw HTTP where the stream's exact bytes matter. Every answer is compared
+with what the SDK gives for the same prompt alone."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from edgeinfer import Engine
+
+KEY = "test-key"
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(export, *flags):
+    """A server process and its base URL, once /health says 200 (polled, at most 60 s)."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise AssertionError("the server did not become healthy within 60 s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    process, url = start(tiny_llama[1], "--max-batch", "4", "--max-queue", "2", "--api-key", KEY, "--provider", "cpu")
+    yield url, tiny_llama[1].name
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.load(tiny_llama[1], provider="cpu")
+
+
+def metric(url: str, name: str) -> float:
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def test_chat_and_completions_answer_what_the_sdk_answers(server, client, engine):
+    model = server[1]
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12)
+    expected = engine.generate(engine.chat_prompt(CHAT), max_new_tokens=12)
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == (expected.text, "length")
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (expected.prompt_tokens, 12)
+    text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=10)
+    assert text.choices[0].text == engine.generate("The capital of France is", max_new_tokens=10).text
+    ids = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=10, stop=["e"])
+    alone = engine.generate([5, 6, 7], max_new_tokens=10, stop=["e"])
+    assert (ids.choices[0].text, ids.choices[0].finish_reason) == (alone.text, "stop" if alone.finish_reason != "length" else "length")
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_seeded_sampling_is_reproducible_and_equals_the_sdk(server, client, engine):
+    asked = dict(max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    first = client.completions.create(model=server[1], prompt="Edge boxes", **asked).choices[0].text
+    assert client.completions.create(model=server[1], prompt="Edge boxes", **asked).choices[0].text == first
+    assert first == engine.generate("Edge boxes", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7).text
+    extra = client.completions.create(model=server[1], prompt="Edge boxes", max_tokens=16, seed=7, extra_body={"top_k": 3, "temperature": 1.0})
+    assert extra.choices[0].text == engine.generate("Edge boxes", max_new_tokens=16, seed=7, top_k=3, temperature=1.0).text
+
+
+def test_the_stream_is_what_openai_clients_parse(server, engine):
+    body = {"model": server[1], "messages": CHAT, "max_tokens": 10, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [block for block in raw.split("\n\n") if block]
+    assert all(block.startswith("data: ") and "\n" not in block for block in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(block[6:]) for block in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1 and {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 10
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
+    assert text == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=10).text
+
+
+@pytest.mark.parametrize("asked, status, message", [
+    ({"n": 2}, 400, "n=2 is not supported"),
+    ({"presence_penalty": 0.5}, 400, "'presence_penalty' is not supported by edgeinfer yet"),
+    ({"logprobs": True}, 400, "'logprobs' is not supported by edgeinfer yet"),
+    ({"top_p": 3}, 400, r"top_p must be a number in \(0, 1\]"),
+    ({"bogus": 1}, 400, "unknown parameter 'bogus'"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "other"}, 404, "the model 'other' is not served here"),
+])
+def test_bad_requests_get_openai_errors_that_name_the_problem(server, asked, status, message):
+    body = {"model": server[1], "messages": CHAT, "max_tokens": 4, **asked}
+    response = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert __import__("re").search(message, error["message"]), error
+
+
+def test_context_key_size_and_unknown_paths(server, client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=server[1], prompt=[5] * 300, max_tokens=4)
+    assert error.value.body["code"] == "context_length_exceeded" and error.value.body["param"] == "prompt"
+    assert "300 tokens" in error.value.body["message"] and "256" in error.value.body["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server[0]}/v1/completions", json={"model": server[1], "prompt": "x"}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    big = httpx.post(f"{server[0]}/v1/completions", content=b"{" + b" " * (5 * 2**20) + b"}",
+                     headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert big.status_code == 413 and "over" in big.json()["error"]["message"]
+    assert httpx.get(f"{server[0]}/v2/nothing").json()["error"]["code"] == "404"
+
+
+def test_sixteen_concurrent_streams_each_get_their_solo_answer(server, engine):
+    prompts = [[5 + i] * (3 + 13 * i) for i in range(16)]  # 3 to 198 tokens
+    expected = [engine.generate(p, max_new_tokens=12 + i).text for i, p in enumerate(prompts)]
+    texts, errors = [None] * 16, []
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=8)  # the queue holds 2: retry a 429
+
+    def call(i):
+        try:
+            stream = client.completions.create(model=server[1], prompt=prompts[i], max_tokens=12 + i, stream=True)
+            texts[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == [] and texts == expected
+
+
+@pytest.fixture(scope="module")
+def long_export(tmp_path_factory):
+    """The tiny llama with a 4096-token context: a request of 4000 tokens runs for seconds."""
+    from conftest import build_llama
+
+    from edgeinfer.export import export_model
+
+    root = tmp_path_factory.mktemp("long")
+    build_llama(root / "hf", context=4096)
+    export_model(str(root / "hf"), root / "long")
+    return root / "long"
+
+
+def test_a_full_queue_is_a_429_with_retry_after_and_a_disconnect_frees_the_row(long_export):
+    process, url = start(long_export, "--max-batch", "4", "--max-queue", "2", "--provider", "cpu")
+    body = {"model": "long", "prompt": [5, 6, 7], "max_tokens": 4000, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as http:
+            streams = [http.stream("POST", f"{url}/v1/completions", json=body) for _ in range(6)]
+            responses = [s.__enter__() for s in streams]  # 4 rows run, 2 wait: the queue is full
+            refused = http.post(f"{url}/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full" and "max_queue 2" in refused.json()["error"]["message"]
+            for response in responses[:4]:
+                next(response.iter_lines())
+            assert (metric(url, "edgeinfer_running_rows"), metric(url, "edgeinfer_queue_length")) == (4, 2)
+            for stream in streams:
+                stream.__exit__(None, None, None)  # the clients go away mid-stream
+        deadline = time.monotonic() + 30  # polled: each row is freed at the scheduler's next step
+        while metric(url, "edgeinfer_running_rows") or metric(url, "edgeinfer_queue_length"):
+            assert time.monotonic() < deadline, "the rows of the disconnected clients were not freed"
+            time.sleep(0.05)
+        assert metric(url, "edgeinfer_cancelled_requests_total") == 6
+        assert metric(url, "edgeinfer_generated_tokens_total") == 0  # none of them ran to its end
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_the_metrics_add_up(server, client):
+    before = {name: metric(server[0], name) for name in ("edgeinfer_generated_tokens_total", "edgeinfer_prompt_tokens_total")}
+    statuses = metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}')
+    made = [client.completions.create(model=server[1], prompt=[5] * n, max_tokens=n).usage for n in (3, 7, 11)]
+    assert metric(server[0], "edgeinfer_generated_tokens_total") - before["edgeinfer_generated_tokens_total"] == sum(u.completion_tokens for u in made)
+    assert metric(server[0], "edgeinfer_prompt_tokens_total") - before["edgeinfer_prompt_tokens_total"] == sum(u.prompt_tokens for u in made)
+    assert metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}') == statuses + 3
+
+
+def test_sigterm_lets_running_requests_end_with_length_and_exits_0(long_export):
+    process, url = start(long_export, "--max-batch", "2", "--grace", "0.5", "--provider", "cpu")
+    body = {"model": "long", "prompt": [5, 6, 7], "max_tokens": 4000, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(lines)
+        process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    chunks = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(chunks) < 3000  # ended by the grace period, not by max_tokens
+    assert process.wait(timeout=30) == 0
+    assert "stopping: no new requests" in process.stderr.read()
+
+
+def test_a_model_that_cannot_load_ends_the_server_with_its_error(tmp_path):
+    port = free_port()
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tmp_path / "missing"), "--port", str(port)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert done.returncode == 1 and "error: model path" in done.stderr and "does not exist" in done.stderr
