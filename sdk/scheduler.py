@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import BusyError, EdgeInferError
@@ -32,11 +32,26 @@ _END = object()  # what a request's queue gets after its last piece
 class Request:
     """One submitted generation. Iterate it for its pieces (the last has `finish_reason` and the
     timings), or call `result()`; an error of the step loop is raised here. `cancel()` ends it at
-    the next step and frees its row."""
+    the next step and frees its row (or takes it out of the queue). An event loop that must not
+    block a thread on the iteration can `forward` the items to a callback instead."""
 
     def __init__(self, scheduler: Scheduler):
         self._scheduler, self._pieces = scheduler, queue.Queue()
+        self._lock, self._deliver = threading.Lock(), self._pieces.put
         self.cancelled = False
+
+    def forward(self, deliver: Callable[[Piece | BaseException | None], None]) -> None:
+        """From now on, hand each item to `deliver` (on the scheduler's thread) instead of the
+        iteration, after those already waiting: a Piece, an error, or None after the last."""
+        with self._lock:
+            while not self._pieces.empty():
+                item = self._pieces.get_nowait()
+                deliver(None if item is _END else item)
+            self._deliver = lambda item: deliver(None if item is _END else item)
+
+    def _put(self, item) -> None:
+        with self._lock:
+            self._deliver(item)
 
     def __iter__(self) -> Iterator[Piece]:
         while (item := self._pieces.get()) is not _END:
@@ -105,11 +120,15 @@ class Scheduler:
         with self._wake:
             if self._closing:
                 raise BusyError("the scheduler is shutting down and takes no new requests")
-            if len(self._waiting) >= self.max_queue:
-                raise BusyError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue}): retry later")
+            waiting = len(self._waiting) - self._free_rows()  # those that just came in take the free rows at the next step
+            if waiting >= self.max_queue:
+                raise BusyError(f"{waiting} requests are already waiting (max_queue {self.max_queue}): retry later")
             self._waiting.append(row)
             self._wake.notify()
         return request
+
+    def _free_rows(self) -> int:
+        return self.pool.free_slots if self.is_batched else int(not self._rows)
 
     @property
     def running(self) -> int:
@@ -117,7 +136,8 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a row (not those about to take a free one)."""
+        return max(0, len(self._waiting) - self._free_rows())
 
     def close(self, grace: float | None = None) -> None:
         """Take no new requests; let the others end within `grace` seconds (None: however long
@@ -150,8 +170,9 @@ class Scheduler:
                     self._wake.wait()
                 if self._stopping or (self._closing and not (self._waiting or self._rows)):
                     break
-                self._admit()
             self._drop_cancelled()
+            with self._wake:
+                self._admit()
             try:
                 self._step()
             except Exception as error:  # noqa: BLE001 - the loop must outlive any step: its rows get the error
@@ -168,7 +189,14 @@ class Scheduler:
             self._rows.append(row)
 
     def _drop_cancelled(self) -> None:
+        """Requests whose caller cancelled them: running ones free their row, waiting ones leave the queue."""
         for row in [r for r in self._rows if r.request.cancelled]:
+            self._end(row, _END)
+        with self._wake:
+            gone = [r for r in self._waiting if r.request.cancelled]
+            for row in gone:
+                self._waiting.remove(row)
+        for row in gone:
             self._end(row, _END)
 
     def _step(self) -> None:
@@ -211,7 +239,7 @@ class Scheduler:
         piece = row.sequence.add(token)
         row.token = token
         if piece is not None:
-            row.request._pieces.put(piece)
+            row.request._put(piece)
         if row.sequence.is_done:
             self._end(row, _END)
 
@@ -219,15 +247,15 @@ class Scheduler:
         row = self._rows[0]
         try:
             _, piece = next(row.events)
-            row.request._pieces.put(piece)
+            row.request._put(piece)
         except StopIteration:
             self._end(row, _END)
 
     def _end(self, row: _Row, last) -> None:
         """Give the request its last item (a final piece, an error, or nothing more) and free its row."""
         if last is not _END:
-            row.request._pieces.put(last)
-        row.request._pieces.put(_END)
+            row.request._put(last)
+        row.request._put(_END)
         if row in self._rows:
             self._rows.remove(row)
             if self.is_batched:

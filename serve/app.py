@@ -2,6 +2,7 @@
 events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -10,10 +11,10 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.sequence import GenerationResult
 
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, error_body, from_edgeinfer
@@ -58,18 +59,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.loaded = loaded
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        try:
-            if request.url.path.startswith("/v1/") and api_key and request.headers.get("authorization") != f"Bearer {api_key}":
-                raise RequestError("a valid API key is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
-            if int(request.headers.get("content-length") or 0) > MAX_BODY or len(await request.body()) > MAX_BODY:
-                raise RequestError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
-            response = await call_next(request)
-        except RequestError as e:
-            response = _refusal(e)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -126,7 +116,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         reply = Reply(chat, model_name)
         if body.stream:
             return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream")
-        result = await run_in_threadpool(request.result)
+        result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])
         _finished(reply.id, result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s, result.finish_reason)
         return reply.whole(result)
 
@@ -135,7 +125,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         try:
             if (first := reply.first_chunk()) is not None:
                 yield _sse(first)
-            async for piece in iterate_in_threadpool(iter(request)):
+            async for piece in _pieces(request):
                 made += len(piece.token_ids)
                 if piece.text:
                     yield _sse(reply.piece_chunk(piece))
@@ -161,6 +151,68 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
                  ttft_s * 1000, tokens_per_s, finish)
 
     return app
+
+
+class _Guard:
+    """Plain ASGI (a streamed response passes through untouched): the API key and the body's size
+    before the app sees a request, and every response's status counted in /metrics."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = []
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await _refusal(refusal)(scope, receive, counted)
+        else:
+            await self.app(scope, _limited(receive), counted)
+        self.metrics.requests.labels(scope["path"], str(status[0] if status else 500)).inc()
+
+    def _refusal(self, scope) -> RequestError | None:
+        headers = dict(scope["headers"])
+        if scope["path"].startswith("/v1/") and self.api_key and headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
+            return RequestError("a valid API key is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
+        if int(headers.get(b"content-length") or 0) > MAX_BODY:
+            return _too_large()
+        return None
+
+
+def _limited(receive):
+    """`receive` that refuses a body growing past MAX_BODY (a chunked one has no length to check first)."""
+    seen = 0
+
+    async def limited():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > MAX_BODY:
+            raise _too_large()
+        return message
+    return limited
+
+
+def _too_large() -> RequestError:
+    return RequestError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+
+
+async def _pieces(request) -> AsyncIterator:
+    """The request's pieces, awaited on the event loop (a cancelled await, a client gone, returns
+    at once; a thread blocked on the request's own queue could not be cancelled)."""
+    loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
+    request.forward(lambda item: loop.call_soon_threadsafe(arrived.put_nowait, item))
+    while (item := await arrived.get()) is not None:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def _refusal(error: RequestError) -> JSONResponse:

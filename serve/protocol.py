@@ -57,6 +57,7 @@ class _Request(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool | None = None  # exactly max_tokens tokens (benchmarks; llama.cpp's server takes it too)
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -81,7 +82,7 @@ class _Request(BaseModel):
             raise RequestError("max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
         chosen = {"max_new_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "top_k": self.top_k, "min_p": self.min_p,
-                  "repetition_penalty": self.repetition_penalty}
+                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
         return {name: value for name, value in chosen.items() if value is not None}
 
     @property

@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models; from edgeinfer import Engine; "
+CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models, edgeinfer.serve; "
+         "from edgeinfer import Engine, Scheduler; "
          "from edgeinfer.sdk.heads import load_head; assert all(load_head(k, 10) for k in ('argmax', 'last')); "
          "from edgeinfer.models import entries; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(entries()))")
 
@@ -25,4 +26,4 @@ def test_built_wheel_imports_and_runs_the_cli(tmp_path):
     assert cli_file == str(target / "edgeinfer" / "cli" / "__init__.py")
     assert names.strip() == "['smollm2-135m-instruct']"
     help_text = subprocess.run([str(target / "bin" / "edgeinfer"), "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert help_text.returncode == 0 and all(c in help_text.stdout for c in ("export", "run", "info"))
+    assert help_text.returncode == 0 and all(c in help_text.stdout for c in ("export", "run", "info", "serve"))

@@ -141,3 +141,14 @@ def test_an_idle_scheduler_uses_no_cpu(engine):
         before = cpu_ticks(scheduler._thread)
         threading.Event().wait(0.5)  # the interval measured, not a wait for a condition
         assert cpu_ticks(scheduler._thread) - before <= 1
+
+
+def test_the_queue_limit_counts_only_requests_that_wait_for_a_row(engine):
+    """Requests that arrive together, while rows are free, are not 'waiting' even before the loop
+    has given them their rows: max_queue=0 takes exactly max_batch of them."""
+    with Scheduler(engine, max_batch=3, max_queue=0) as scheduler:
+        with scheduler._wake:  # the loop cannot admit anyone while the requests come in
+            requests = [scheduler.submit([5 + i, 6, 7], max_new_tokens=8) for i in range(3)]
+            with pytest.raises(BusyError, match=r"0 requests are already waiting \(max_queue 0\)"):
+                scheduler.submit("Hi", max_new_tokens=2)
+        assert [len(r.result().token_ids) for r in requests] == [8, 8, 8]

@@ -1,0 +1,94 @@
+"""Concurrent streaming clients against an OpenAI-compatible server (edgeinfer serve, or llama.cpp's
+llama-server): for each number of clients, every client sends the same prompt's token ids in a loop
+for a fixed time, streaming, exactly --max-tokens tokens each (ignore_eos). Prints, per level, the
+aggregate generated tok/s, the median per-stream tok/s after the first token, and TTFT p50 / p99
+(which includes any wait for a free row).
+
+    python benchmarks/serve.py --url http://127.0.0.1:8000/v1 --model NAME [--clients 1,2,4,8,16]
+                               [--seconds 20] [--prompt p128] [--max-tokens 64] [--json FILE]
+
+Raw HTTP (httpx) rather than the openai client, so the client costs the server's 2 cores as little
+as possible. Figures are printed, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PROMPTS = Path(__file__).resolve().with_name("prompts.json")
+
+
+def one_request(http: httpx.Client, url: str, body: dict) -> tuple[float, float, int]:
+    """(TTFT s, seconds after the first token, tokens) of one streamed completion."""
+    start, first, tokens, pieces = time.perf_counter(), None, None, 0
+    with http.stream("POST", f"{url}/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                pieces += 1
+                first = first or time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - (first or end), tokens if tokens is not None else pieces
+
+
+def level(url: str, body: dict, clients: int, seconds: float) -> dict:
+    results, stop = [], time.perf_counter() + seconds
+
+    def client():
+        with httpx.Client(timeout=300) as http:
+            while time.perf_counter() < stop:
+                results.append(one_request(http, url, body))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - began
+    ttft = sorted(r[0] for r in results)
+    return {"clients": clients, "requests": len(results), "seconds": elapsed,
+            "aggregate_tokens_per_s": sum(r[2] for r in results) / elapsed,
+            "stream_tokens_per_s": statistics.median((r[2] - 1) / r[1] for r in results if r[1] > 0),
+            "ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--prompt", default="p128", help="a prompt of benchmarks/prompts.json")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", dest="json_file", default=None)
+    args = parser.parse_args()
+    ids = json.loads(PROMPTS.read_text())["prompts"][args.prompt]
+    body = {"model": args.model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    one_request(httpx.Client(timeout=300), args.url, {**body, "max_tokens": 4})  # warm-up
+    figures = []
+    print(f"{'clients':>7} {'requests':>8} {'aggregate tok/s':>15} {'per stream tok/s':>16} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")
+    for clients in (int(c) for c in args.clients.split(",")):
+        f = level(args.url, body, clients, args.seconds)
+        figures.append(f)
+        print(f"{f['clients']:>7} {f['requests']:>8} {f['aggregate_tokens_per_s']:>15.1f} {f['stream_tokens_per_s']:>16.1f} "
+              f"{f['ttft_p50_ms']:>11.0f} {f['ttft_p99_ms']:>11.0f}", flush=True)
+    if args.json_file:
+        Path(args.json_file).write_text(json.dumps({"url": args.url, "model": args.model, "prompt": args.prompt,
+                                                    "max_tokens": args.max_tokens, "levels": figures}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
