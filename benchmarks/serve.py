@@ -5,7 +5,11 @@ aggregate generated tok/s, the median per-stream tok/s after the first token, an
 (which includes any wait for a free row).
 
     python benchmarks/serve.py --url http://127.0.0.1:8000/v1 --model NAME [--clients 1,2,4,8,16]
-                               [--seconds 20] [--prompt p128] [--max-tokens 64] [--json FILE]
+                               [--seconds 20] [--prompt p128] [--max-tokens 64] [--extra JSON] [--json FILE]
+
+Every request sends the same prompt, so a server that caches prompts between requests must be told
+not to: for llama-server, `--extra '{"cache_prompt": false}'`. A request on a kept-alive connection
+that the server had closed is sent again and counted (`retried`).
 
 Raw HTTP (httpx) rather than the openai client, so the client costs the server's 2 cores as little
 as possible. Figures are printed, never asserted.
@@ -43,12 +47,15 @@ def one_request(http: httpx.Client, url: str, body: dict) -> tuple[float, float,
 
 
 def level(url: str, body: dict, clients: int, seconds: float) -> dict:
-    results, stop = [], time.perf_counter() + seconds
+    results, retried, stop = [], [], time.perf_counter() + seconds
 
     def client():
         with httpx.Client(timeout=300) as http:
             while time.perf_counter() < stop:
-                results.append(one_request(http, url, body))
+                try:
+                    results.append(one_request(http, url, body))
+                except httpx.RemoteProtocolError:  # a kept-alive connection the server closed
+                    retried.append(1)
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     began = time.perf_counter()
@@ -58,7 +65,7 @@ def level(url: str, body: dict, clients: int, seconds: float) -> dict:
         thread.join()
     elapsed = time.perf_counter() - began
     ttft = sorted(r[0] for r in results)
-    return {"clients": clients, "requests": len(results), "seconds": elapsed,
+    return {"clients": clients, "requests": len(results), "retried": len(retried), "seconds": elapsed,
             "aggregate_tokens_per_s": sum(r[2] for r in results) / elapsed,
             "stream_tokens_per_s": statistics.median((r[2] - 1) / r[1] for r in results if r[1] > 0),
             "ttft_p50_ms": 1000 * ttft[len(ttft) // 2], "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]}
@@ -72,18 +79,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--prompt", default="p128", help="a prompt of benchmarks/prompts.json")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--extra", default="{}", help="JSON fields added to every request")
     parser.add_argument("--json", dest="json_file", default=None)
     args = parser.parse_args()
     ids = json.loads(PROMPTS.read_text())["prompts"][args.prompt]
     body = {"model": args.model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **json.loads(args.extra)}
     one_request(httpx.Client(timeout=300), args.url, {**body, "max_tokens": 4})  # warm-up
     figures = []
-    print(f"{'clients':>7} {'requests':>8} {'aggregate tok/s':>15} {'per stream tok/s':>16} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")
+    print(f"{'clients':>7} {'requests':>8} {'retried':>7} {'aggregate tok/s':>15} {'per stream tok/s':>16} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11}")
     for clients in (int(c) for c in args.clients.split(",")):
         f = level(args.url, body, clients, args.seconds)
         figures.append(f)
-        print(f"{f['clients']:>7} {f['requests']:>8} {f['aggregate_tokens_per_s']:>15.1f} {f['stream_tokens_per_s']:>16.1f} "
+        print(f"{f['clients']:>7} {f['requests']:>8} {f['retried']:>7} {f['aggregate_tokens_per_s']:>15.1f} {f['stream_tokens_per_s']:>16.1f} "
               f"{f['ttft_p50_ms']:>11.0f} {f['ttft_p99_ms']:>11.0f}", flush=True)
     if args.json_file:
         Path(args.json_file).write_text(json.dumps({"url": args.url, "model": args.model, "prompt": args.prompt,
