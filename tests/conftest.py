@@ -68,6 +68,27 @@ def closeness(ours, reference) -> tuple[float, float]:
     return float(cosine.min()), float(np.abs(ours - reference).max() / np.abs(reference).max())
 
 
+def in_threads(work, count: int) -> list[Exception]:
+    """Run work(i) for i in range(count), each in its own thread, all at once; the exceptions they
+    raised (an empty list when all went well)."""
+    import threading
+
+    errors = []
+
+    def run(i):
+        try:
+            work(i)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return errors
+
+
 def count_graph_runs(engine) -> list[int]:
     """Count every run of the engine's model graph from now on: a pass that binds anew and one that
     reuses the generation's binding both end in the session's run_with_iobinding, which this wraps.

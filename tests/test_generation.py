@@ -4,11 +4,10 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
-from conftest import CHAIN_TEXT, EOS_ID, count_graph_runs
+from conftest import CHAIN_TEXT, EOS_ID, count_graph_runs, in_threads
 
 from edgeinfer import Engine, GenerationConfig
 from edgeinfer.sdk.errors import GenerationError, ManifestError, SettingsError
@@ -217,25 +216,17 @@ def test_in_a_batch_the_longest_prompt_sets_the_room_left(engine):
 def test_one_engine_shared_by_four_threads_gives_every_caller_its_own_answer(engine):
     jobs = [(p, s) for p in ("Hi", PROMPT, "Edge boxes", PROMPT * 5) for s in ({}, SAMPLED, {"top_k": 5, "seed": 1, "temperature": 1.0})]
     expected = [engine.generate(p, max_new_tokens=20, **s).token_ids for p, s in jobs]
-    answers, errors = {}, []
+    answers = {}
 
     def work(worker):
-        try:
-            for index in range(worker, len(jobs), 4):
-                prompt, settings = jobs[index]
-                if index % 2:
-                    answers[index] = [t for piece in engine.stream(prompt, max_new_tokens=20, **settings) for t in piece.token_ids]
-                else:
-                    answers[index] = engine.generate(prompt, max_new_tokens=20, **settings).token_ids
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for index in range(worker, len(jobs), 4):
+            prompt, settings = jobs[index]
+            if index % 2:
+                answers[index] = [t for piece in engine.stream(prompt, max_new_tokens=20, **settings) for t in piece.token_ids]
+            else:
+                answers[index] = engine.generate(prompt, max_new_tokens=20, **settings).token_ids
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
+    assert in_threads(work, 4) == []
     assert [answers[i] for i in range(len(jobs))] == expected
 
 

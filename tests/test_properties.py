@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from edgeinfer import Engine
-from edgeinfer.sdk.errors import EdgeInferError, GenerationError, SettingsError
+from edgeinfer.sdk.errors import ContextLengthError, EdgeInferError, GenerationError, SettingsError
 
 VOCAB, CONTEXT = 320, 256
 FINISH = {"eos", "stop", "length"}
@@ -104,7 +104,7 @@ def expected_refusal(engine, prompts: list, asked: dict) -> tuple[type, str] | N
             return GenerationError, "the prompt is empty"
         lengths.append(len(ids))
     if max(lengths) >= CONTEXT and asked.get("truncate") != "left":
-        return GenerationError, f"has {max(lengths)} tokens but the model's context is {CONTEXT}"
+        return ContextLengthError, f"has {max(lengths)} tokens but the model's context is {CONTEXT}"
     return None
 
 

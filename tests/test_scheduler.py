@@ -4,7 +4,7 @@ import os
 import threading
 
 import pytest
-from conftest import count_graph_runs
+from conftest import count_graph_runs, in_threads
 
 from edgeinfer import BusyError, Engine, Scheduler
 from edgeinfer.export import ExportOptions, export_model
@@ -28,21 +28,14 @@ def solo(engine, index, new_tokens=16):
 def test_sixteen_callers_in_threads_each_get_what_they_get_alone(engine):
     jobs = [(i % len(PROMPTS), 8 + 3 * i) for i in range(16)]  # every prompt twice, 8 to 53 new tokens
     expected = [solo(engine, index, tokens) for index, tokens in jobs]
-    results, errors = [None] * len(jobs), []
+    results = [None] * len(jobs)
 
     def call(job):
-        try:
-            index, tokens = jobs[job]
-            results[job] = scheduler.submit(PROMPTS[index], max_new_tokens=tokens, **SETTINGS[index]).result()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        index, tokens = jobs[job]
+        results[job] = scheduler.submit(PROMPTS[index], max_new_tokens=tokens, **SETTINGS[index]).result()
 
     with Scheduler(engine, max_batch=4) as scheduler:
-        threads = [threading.Thread(target=call, args=(job,)) for job in range(len(jobs))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        errors = in_threads(call, len(jobs))
     assert errors == []
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     assert [(r.text, r.finish_reason, r.prompt_tokens) for r in results] == [(e.text, e.finish_reason, e.prompt_tokens) for e in expected]

@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
+from conftest import in_threads
 
 from edgeinfer import Engine
 
@@ -160,21 +160,14 @@ def test_context_key_size_and_unknown_paths(server, client):
 def test_sixteen_concurrent_streams_each_get_their_solo_answer(server, engine):
     prompts = [[5 + i] * (3 + 13 * i) for i in range(16)]  # 3 to 198 tokens
     expected = [engine.generate(p, max_new_tokens=12 + i).text for i, p in enumerate(prompts)]
-    texts, errors = [None] * 16, []
+    texts = [None] * 16
     client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=8)  # the queue holds 2: retry a 429
 
     def call(i):
-        try:
-            stream = client.completions.create(model=server[1], prompt=prompts[i], max_tokens=12 + i, stream=True)
-            texts[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        stream = client.completions.create(model=server[1], prompt=prompts[i], max_tokens=12 + i, stream=True)
+        texts[i] = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    errors = in_threads(call, 16)
     assert errors == [] and texts == expected
 
 
