@@ -143,17 +143,19 @@ class Engine:
 
     def _start(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
-        rows, is_greedy = self.sequences(prompts, config, settings)
+        return self._generate(*self._sequences(prompts, config, settings))
+
+    def _generate(self, rows: list[Sequence], is_greedy: bool) -> Iterator[tuple[int, Piece]]:
+        """The generation loop for rows already checked, once their KV cache is known to fit."""
         capacity = max(len(row.prompt_ids) + row.budget for row in rows)
         check_generation(self.memory, len(rows), capacity, self.provider, self._memory_limit)
         return self._loop(rows, is_greedy, capacity)
 
-    def sequences(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict,
-                  start: float | None = None) -> tuple[list[Sequence], bool]:
+    def _sequences(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> tuple[list[Sequence], bool]:
         """Each prompt's Sequence (its token budget, stop conditions and sampler), and whether the
         settings are greedy; raises, before any work, on bad settings or prompts. In a batch the
-        longest prompt sets every row's budget. `start`: when the request came in (for TTFT)."""
-        start = time.perf_counter() if start is None else start
+        longest prompt sets every row's budget."""
+        start = time.perf_counter()
         config = resolve_settings(self.default_config, config, settings)
         self._check_stop_ids(config.stop_token_ids)
         given = [self.prompt_ids(p) for p in prompts]

@@ -160,10 +160,12 @@ class Graph:
                  rows: int) -> ort.OrtValue:
         """Run once on rows first..first+rows of pooled buffers [pool rows, ...] (a KV pool), bound by
         address so nothing is copied: `pooled` maps each past input to its buffer and the present
-        output written into the same rows. Returns the logits, a new value on the device."""
+        output written into the same rows. Of `inputs`, those the graph takes are bound. Returns the
+        logits, a new value on the device."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
-            binding.bind_cpu_input(name, value)
+            if name in self.inputs:
+                binding.bind_cpu_input(name, value)
         for past, (buffer, present) in pooled.items():
             shape, dtype = buffer.shape(), np.dtype(_NUMPY_TYPES[buffer.data_type()])
             row_bytes = int(np.prod(shape[1:])) * dtype.itemsize

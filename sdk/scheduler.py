@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import BusyError, EdgeInferError
+from .errors import BusyError
 from .kv_cache import SlotPool
 from .memory import check_generation
 from .sequence import GenerationResult, Piece, Sequence
@@ -112,11 +112,11 @@ class Scheduler:
 
     def submit(self, prompt, config: GenerationConfig | None = None, **settings) -> Request:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread."""
-        (sequence,), is_greedy = self.engine.sequences([prompt], config, settings)
+        (sequence,), is_greedy = self.engine._sequences([prompt], config, settings)
         request = Request(self)
         row = _Row(request, sequence, is_greedy)
         if not self.is_batched:
-            row.events = self.engine._loop([sequence], is_greedy, len(sequence.prompt_ids) + sequence.budget)
+            row.events = self.engine._generate([sequence], is_greedy)
         with self._wake:
             if self._closing:
                 raise BusyError("the scheduler is shutting down and takes no new requests")
@@ -183,7 +183,7 @@ class Scheduler:
         self._waiting.clear()
 
     def _admit(self) -> None:
-        while self._waiting and (self.pool.free_slots if self.is_batched else not self._rows):
+        while self._waiting and self._free_rows():
             row = self._waiting.popleft()
             row.slot = self.pool.acquire() if self.is_batched else 0
             self._rows.append(row)
@@ -214,26 +214,26 @@ class Scheduler:
         ids = row.sequence.prompt_ids
         end = min(row.prefilled + self.engine.prefill_chunk, len(ids))
         inputs = self.pool.prefill_inputs(row.slot, ids, row.prefilled, end)
-        logits = self.engine.graph.run_rows(self._graph_inputs(inputs), self.pool.pooled, row.slot, 1)
+        logits = self.engine.graph.run_rows(inputs, self.pool.pooled, row.slot, 1)
         row.prefilled = end
         if row.is_decoding:
-            token = self._choose(logits, [row], {row.slot: 0})[0]
+            token = self._choose(logits, [row], [0])[0]
             self._add(row, token)
 
     def _decode(self, rows: list[_Row]) -> None:
         count = max(row.slot for row in rows) + 1
         inputs = self.pool.decode_inputs(count, {row.slot: row.token for row in rows})
-        logits = self.engine.graph.run_rows(self._graph_inputs(inputs), self.pool.pooled, 0, count)
-        for row, token in zip(rows, self._choose(logits, rows, {row.slot: row.slot for row in rows})):
+        logits = self.engine.graph.run_rows(inputs, self.pool.pooled, 0, count)
+        for row, token in zip(rows, self._choose(logits, rows, [row.slot for row in rows])):
             self._add(row, token)
 
-    def _choose(self, logits, rows: list[_Row], index: dict[int, int]) -> list[int]:
-        """Each row's next token from the logits of the pass (row `index[slot]` of them)."""
+    def _choose(self, logits, rows: list[_Row], positions: list[int]) -> list[int]:
+        """Each row's next token, from the logits of the pass at its position."""
         if all(row.is_greedy for row in rows):
             ids = self.engine.heads.argmax(logits)
-            return [ids[index[row.slot]] for row in rows]
+            return [ids[position] for position in positions]
         last = self.engine.heads.last(logits)
-        return [row.sequence.choose(last[index[row.slot]]) for row in rows]
+        return [row.sequence.choose(last[position]) for row, position in zip(rows, positions)]
 
     def _add(self, row: _Row, token: int) -> None:
         piece = row.sequence.add(token)
@@ -262,6 +262,3 @@ class Scheduler:
                 self.pool.release(row.slot)
             elif row.events is not None:
                 row.events.close()
-
-    def _graph_inputs(self, inputs: dict) -> dict:
-        return {name: value for name, value in inputs.items() if name in self.engine.graph.inputs}

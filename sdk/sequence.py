@@ -94,7 +94,7 @@ class Sequence:
 
     def finish(self, reason: str) -> Piece:
         """End now (a server shutting down, say), with what is still held back and `reason`."""
-        if self.times == []:
+        if not self.times:
             self.times.append(time.perf_counter())
         return self._end(reason, "")
 

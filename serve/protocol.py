@@ -162,14 +162,17 @@ class Reply:
         return self._chunk({} if self.chat else "", FINISH[finish_reason])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object, "created": self.created,
-                "model": self.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**self._chunk_head(), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
     def _chunk(self, delta, finish_reason: str | None) -> dict:
         choice = {"index": 0, "finish_reason": finish_reason}
         choice |= {"delta": delta} if self.chat else {"text": delta, "logprobs": None}
+        return {**self._chunk_head(), "choices": [choice]}
+
+    def _chunk_head(self) -> dict:
+        """What every chunk of the stream repeats: chat chunks are "chat.completion.chunk"."""
         return {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object, "created": self.created,
-                "model": self.model, "choices": [choice]}
+                "model": self.model}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

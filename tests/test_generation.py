@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import CHAIN_TEXT, EOS_ID, count_graph_runs, in_threads
 
-from edgeinfer import Engine, GenerationConfig
+from edgeinfer import Engine
 from edgeinfer.sdk.errors import GenerationError, ManifestError, SettingsError
 
 PROMPT = "The capital of France is"

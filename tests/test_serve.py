@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import in_threads
+from conftest import CHAIN_TEXT, in_threads
 
 from edgeinfer import Engine
 
@@ -97,6 +97,27 @@ def test_chat_and_completions_answer_what_the_sdk_answers(server, client, engine
     alone = engine.generate([5, 6, 7], max_new_tokens=10, stop=["e"])
     assert (ids.choices[0].text, ids.choices[0].finish_reason) == (alone.text, "stop" if alone.finish_reason != "length" else "length")
     assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_content_parts_user_and_max_completion_tokens_as_openai_clients_send_them(server, client, engine):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}]
+    reply = client.chat.completions.create(model=server[1], messages=parts, max_completion_tokens=9, user="someone")
+    expected = engine.generate(engine.chat_prompt(CHAT), max_new_tokens=9)  # the parts join to "Hi"
+    assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (expected.text, 9)
+
+
+def test_ignore_eos_as_an_extra_field_keeps_generating_past_the_models_eos(chain_llama):
+    process, url = start(chain_llama[0], "--provider", "cpu")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = chain_llama[0].name
+        plain = client.completions.create(model=model, prompt=[1], max_tokens=30)
+        assert (plain.choices[0].text, plain.choices[0].finish_reason) == ("".join(CHAIN_TEXT), "stop")  # the model's EOS
+        past = client.completions.create(model=model, prompt=[1], max_tokens=30, extra_body={"ignore_eos": True})
+        assert (past.choices[0].finish_reason, past.usage.completion_tokens) == ("length", 30)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
 
 
 def test_seeded_sampling_is_reproducible_and_equals_the_sdk(server, client, engine):
