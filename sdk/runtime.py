@@ -156,44 +156,61 @@ class Graph:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
 
-    def run_rows(self, inputs: dict[str, np.ndarray], pooled: dict[str, tuple[ort.OrtValue, str]], first: int,
-                 rows: int) -> ort.OrtValue:
-        """Run once on rows first..first+rows of pooled buffers [pool rows, ...] (a KV pool), bound by
-        address so nothing is copied: `pooled` maps each past input to its buffer and the present
-        output written into the same rows. Of `inputs`, those the graph takes are bound. Returns the
-        logits, a new value on the device."""
-        binding = self.session.io_binding()
-        for name, value in inputs.items():
-            if name in self.inputs:
-                binding.bind_cpu_input(name, value)
+    def allocate_output(self, name: str, shape: list[int]) -> ort.OrtValue:
+        """An uninitialised buffer on this graph's device for output `name`, of `shape`."""
+        return self.allocate(shape, _NUMPY_TYPES[self.output_types[name]])
+
+    def bind_rows(self, pooled: dict[str, tuple[ort.OrtValue, str]], first: int, rows: int,
+                  logits: ort.OrtValue | None = None) -> Binding:
+        """An IO binding of rows first..first+rows of pooled buffers [pool rows, ...] (a KV pool),
+        bound by address so nothing is copied: `pooled` maps each past input to its buffer and the
+        present output written into the same rows. The logits go into `logits` where given (kept
+        for runs whose logits have one shape: decode passes on the same rows), else into a new
+        value on the device at each run, `Binding.outputs()[-1]`."""
+        binding = Binding(self, {}, {})
         for past, (buffer, present) in pooled.items():
             shape, dtype = buffer.shape(), np.dtype(_NUMPY_TYPES[buffer.data_type()])
             row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
             address, part = buffer.data_ptr() + first * row_bytes, [rows, *shape[1:]]
-            binding.bind_input(past, self.device, 0, dtype, part, address)
-            binding.bind_output(present, self.device, 0, dtype, part, address)
-        binding.bind_output("logits", self.device)
-        _run(self.session, binding, self.name)
-        return binding.get_outputs()[-1]
+            binding.io.bind_input(past, self.device, 0, dtype, part, address)
+            binding.io.bind_output(present, self.device, 0, dtype, part, address)
+        if logits is not None:
+            binding.io.bind_ortvalue_output("logits", logits)
+        else:
+            binding.io.bind_output("logits", self.device)
+        return binding
+
+    def run_rows(self, inputs: dict[str, np.ndarray], pooled: dict[str, tuple[ort.OrtValue, str]], first: int,
+                 rows: int) -> ort.OrtValue:
+        """Run once on rows of a KV pool (see `bind_rows`); returns the logits, a new value on the device."""
+        binding = self.bind_rows(pooled, first, rows)
+        binding.run(inputs)
+        return binding.outputs()[-1]
 
 
 class Binding:
-    """An IO binding kept for a whole generation. What is bound once (the KV cache's buffers, the
-    logits) stays bound; each run rebinds only the host inputs it is given. A decode step then
-    costs two binds and a run from Python, instead of binding every past and present again."""
+    """An IO binding kept across runs. What is bound once (the KV cache's buffers, the logits)
+    stays bound; each run rebinds only the host inputs it is given (those the graph takes). A
+    decode step then costs two binds and a run from Python, instead of binding every past and
+    present again."""
 
     def __init__(self, graph: Graph, inputs: dict, outputs: dict):
-        self._session, self._name = graph.session, graph.name
-        self._binding = graph.session.io_binding()
+        self._session, self._name, self._takes = graph.session, graph.name, set(graph.inputs)
+        self.io = graph.session.io_binding()
         for name, value in inputs.items():
-            self._binding.bind_ortvalue_input(name, value)
+            self.io.bind_ortvalue_input(name, value)
         for name, value in outputs.items():
-            self._binding.bind_ortvalue_output(name, value)
+            self.io.bind_ortvalue_output(name, value)
 
     def run(self, inputs: dict[str, np.ndarray]) -> None:
         for name, value in inputs.items():
-            self._binding.bind_cpu_input(name, value)
-        _run(self._session, self._binding, self._name)
+            if name in self._takes:
+                self.io.bind_cpu_input(name, value)
+        _run(self._session, self.io, self._name)
+
+    def outputs(self) -> list[ort.OrtValue]:
+        """Every output of the last run, in the order they were bound."""
+        return self.io.get_outputs()
 
 
 def _run(session: ort.InferenceSession, binding, name: str) -> None:

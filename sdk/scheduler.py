@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .errors import BusyError
 from .kv_cache import SlotPool
 from .memory import check_generation
+from .runtime import GenerationBindings
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 
@@ -97,6 +98,7 @@ class Scheduler:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
             shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
             self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate)
+        self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []
         self._wake = threading.Condition()
@@ -223,14 +225,24 @@ class Scheduler:
     def _decode(self, rows: list[_Row]) -> None:
         count = max(row.slot for row in rows) + 1
         inputs = self.pool.decode_inputs(count, {row.slot: row.token for row in rows})
-        logits = self.engine.graph.run_rows(inputs, self.pool.pooled, 0, count)
-        for row, token in zip(rows, self._choose(logits, rows, [row.slot for row in rows])):
+        kept = self._decode_bindings(count)
+        kept.graph.run(inputs)
+        for row, token in zip(rows, self._choose(kept.logits, rows, [row.slot for row in rows], kept)):
             self._add(row, token)
 
-    def _choose(self, logits, rows: list[_Row], positions: list[int]) -> list[int]:
+    def _decode_bindings(self, rows: int) -> GenerationBindings:
+        """What a decode pass over the first `rows` rows keeps bound from one step to the next
+        (the pool's rows and one logits value), made at the first such pass."""
+        if rows not in self._bindings:
+            graph = self.engine.graph
+            logits = graph.allocate_output("logits", [rows, 1, self.engine.manifest.vocab_size])
+            self._bindings[rows] = GenerationBindings(graph.bind_rows(self.pool.pooled, 0, rows, logits), logits)
+        return self._bindings[rows]
+
+    def _choose(self, logits, rows: list[_Row], positions: list[int], kept: GenerationBindings | None = None) -> list[int]:
         """Each row's next token, from the logits of the pass at its position."""
         if all(row.is_greedy for row in rows):
-            ids = self.engine.heads.argmax(logits)
+            ids = self.engine.heads.argmax(logits, kept)
             return [ids[position] for position in positions]
         last = self.engine.heads.last(logits)
         return [row.sequence.choose(last[position]) for row, position in zip(rows, positions)]
