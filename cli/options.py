@@ -1,6 +1,9 @@
 """Flags shared by `run` and `chat`: which model and provider, and every generation setting."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import click
 
 from edgeinfer.sdk.settings import FIELDS
@@ -26,6 +29,17 @@ GENERATION_OPTIONS = [
     click.option("--ignore-eos", is_flag=True, default=None, help="Keep generating past the model's EOS."),
     click.option("--truncate", type=click.Choice(["left"]), default=None,
                  help="Drop the oldest prompt tokens where the prompt and --max-new-tokens do not fit the context [default: refuse]."),
+    click.option("--presence-penalty", type=float, default=None, help="OpenAI's: subtract from tokens already generated (-2..2)."),
+    click.option("--frequency-penalty", type=float, default=None, help="OpenAI's: subtract per time a token was generated (-2..2)."),
+    click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS", help="Add BIAS (-100..100) to token ID; repeatable."),
+    click.option("--json-schema", "json_schema", default=None, type=click.Path(exists=True, dir_okay=False),
+                 help="The output is JSON valid against the schema in this file."),
+    click.option("--regex", default=None, help="The output matches this regular expression."),
+    click.option("--grammar", default=None, type=click.Path(exists=True, dir_okay=False),
+                 help="The output matches the Lark grammar in this file (llguidance's dialect)."),
+    click.option("--choice", multiple=True, help="The output is one of these strings; repeatable."),
+    click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
+                 help="With --json: each token's log-probability and its K most likely alternatives."),
 ]
 
 
@@ -39,6 +53,40 @@ def with_options(options):
 
 def generation_settings(params: dict) -> dict:
     """Take the generation flags out of a command's `params`; those given become keyword
-    settings for the engine (the flags are named after GenerationConfig's fields)."""
+    settings for the engine (the flags are named after GenerationConfig's fields, but for the
+    constraint flags, which become `response_format`)."""
+    response_format = _response_format(params.pop("json_schema", None), params.pop("regex", None), params.pop("grammar", None))
     given = {name: params.pop(name) for name in FIELDS if name in params}
-    return {name: value for name, value in given.items() if value not in (None, ())}
+    settings = {name: value for name, value in given.items() if value not in (None, ())}
+    if "logprobs" in settings:
+        settings["top_logprobs"], settings["logprobs"] = settings["logprobs"], True
+    if "logit_bias" in settings:
+        settings["logit_bias"] = dict(_bias(pair) for pair in settings["logit_bias"])
+    if response_format is not None:
+        settings["response_format"] = response_format
+    return settings
+
+
+def _response_format(json_schema: str | None, regex: str | None, grammar: str | None) -> dict | None:
+    given = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} both constrain the output: pass one")
+    if json_schema:
+        try:
+            schema = json.loads(Path(json_schema).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise click.BadParameter(f"{json_schema} is not a JSON file ({e})", param_hint="--json-schema") from None
+        return {"type": "json_schema", "json_schema": {"schema": schema}}
+    if regex:
+        return {"type": "regex", "pattern": regex}
+    if grammar:
+        return {"type": "grammar", "lark": Path(grammar).read_text()}
+    return None
+
+
+def _bias(pair: str) -> tuple[int, float]:
+    token, _, bias = pair.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise click.BadParameter(f"{pair!r} is not ID=BIAS (e.g. 50256=-100)", param_hint="--logit-bias") from None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from .constraints import Constraints
 from .errors import ContextLengthError, GenerationError, ManifestError, SettingsError
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
 from .manifest import Manifest, load_manifest, verify_files
@@ -49,6 +50,7 @@ class Engine:
         self.graph = self._open_graph(manifest.graph, options)
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
+        self.constraints = Constraints(self.folder / manifest.tokenizer.file, manifest.vocab_size, manifest.eos_token_ids)
 
     @classmethod
     def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
@@ -89,9 +91,11 @@ class Engine:
             return self.generate_batch(prompt, config, **settings)
         return GenerationResult.from_pieces(list(self.stream(prompt, config, **settings)))
 
-    def generate_batch(self, prompts: list[Prompt], config: GenerationConfig | None = None,
+    def generate_batch(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
                        **settings) -> list[GenerationResult]:
-        """Run `prompts` as one batch and return one result per prompt, in their order."""
+        """Run `prompts` as one batch and return one result per prompt, in their order. `config` is
+        one GenerationConfig for every row, or a list of one per prompt (each row its own sampling,
+        constraint, stop conditions and max_new_tokens); keywords apply to every row."""
         rows = [[] for _ in range(len(prompts) if isinstance(prompts, (list, tuple)) else 0)]
         for row, piece in self.stream_batch(prompts, config, **settings):
             rows[row].append(piece)
@@ -103,7 +107,7 @@ class Engine:
             raise GenerationError("stream takes one prompt: use stream_batch (or generate_batch) for a list of prompts")
         return _only_pieces(self._start([prompt], config, settings))
 
-    def stream_batch(self, prompts: list[Prompt], config: GenerationConfig | None = None,
+    def stream_batch(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
                      **settings) -> Iterator[tuple[int, Piece]]:
         """Run `prompts` as one batch, yielding (row, piece) as each row's output is generated."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -151,19 +155,25 @@ class Engine:
         check_generation(self.memory, len(rows), capacity, self.provider, self._memory_limit)
         return self._loop(rows, is_greedy, capacity)
 
-    def _sequences(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> tuple[list[Sequence], bool]:
-        """Each prompt's Sequence (its token budget, stop conditions and sampler), and whether the
-        settings are greedy; raises, before any work, on bad settings or prompts. In a batch the
-        longest prompt sets every row's budget."""
+    def _sequences(self, prompts: list[Prompt], config, settings: dict) -> tuple[list[Sequence], bool]:
+        """Each prompt's Sequence (its token budget, stop conditions, sampler and constraint), and
+        whether every row is greedy; raises, before any work, on bad settings or prompts. `config`
+        is one GenerationConfig for every row, or a list of one per prompt. In a batch the longest
+        prompt sets the room left in the context for every row."""
         start = time.perf_counter()
-        config = resolve_settings(self.default_config, config, settings)
-        self._check_stop_ids(config.stop_token_ids)
+        configs = config if isinstance(config, (list, tuple)) else [config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise SettingsError(f"{len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
+        configs = [resolve_settings(self.default_config, c, settings) for c in configs]
+        for c in configs:
+            self._check_token_ids(c)
         given = [self.prompt_ids(p) for p in prompts]
-        ids = [self._truncate(row, config) for row in given]
-        budget = self._token_budget(ids, config.max_new_tokens)
-        rows = [Sequence(row, config, budget, self.manifest.eos_token_ids, self.tokenizer, start, len(full) - len(row))
-                for row, full in zip(ids, given)]
-        return rows, config.is_greedy
+        ids = [self._truncate(row, c) for row, c in zip(given, configs)]
+        room = self._room(ids)
+        rows = [Sequence(row, c, min(c.max_new_tokens, room), self.manifest.eos_token_ids, self.tokenizer, start,
+                         len(full) - len(row), self.constraints.start(c.constraint))
+                for row, full, c in zip(ids, given, configs)]
+        return rows, all(c.is_greedy for c in configs)
 
     def _truncate(self, ids: list[int], config: GenerationConfig) -> list[int]:
         """With `truncate="left"`, the end of a prompt that leaves too little room for
@@ -234,14 +244,15 @@ class Engine:
             kept.graph = self.graph.bind(cache.past, {**cache.into, "logits": kept.logits})
         return outputs["logits"]
 
-    def _check_stop_ids(self, ids: tuple[int, ...]) -> None:
-        bad = [t for t in ids if t >= self.manifest.vocab_size]
-        if bad:
-            raise SettingsError(f"stop_token_ids {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
+    def _check_token_ids(self, config: GenerationConfig) -> None:
+        for name, ids in (("stop_token_ids", config.stop_token_ids), ("logit_bias", [t for t, _ in config.logit_bias])):
+            bad = [t for t in ids if t >= self.manifest.vocab_size]
+            if bad:
+                raise SettingsError(f"{name} {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
 
-    def _token_budget(self, prompts: list[list[int]], max_new_tokens: int) -> int:
-        """New tokens each row may make: `max_new_tokens`, or less where the context ends. In a
-        batch the longest prompt sets the room left for every row."""
+    def _room(self, prompts: list[list[int]]) -> int:
+        """New tokens each row may make before the context ends. In a batch the longest prompt
+        sets the room left for every row."""
         longest = max(len(p) for p in prompts)
         room = self.max_context - longest
         if room < 1:
@@ -249,7 +260,7 @@ class Engine:
             context = "model's" if self.max_context == self.manifest.max_context else "engine's (max_context)"
             raise ContextLengthError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the "
                                      "prompt, or pass truncate='left' (--truncate left) to keep its end", longest, self.max_context)
-        return min(max_new_tokens, room)
+        return room
 
 
 def _serving_context(manifest: Manifest, requested: int | None) -> int:

@@ -1,37 +1,105 @@
-"""Choosing the next token from one row's last-position logits: a pure function built once from
-the settings (greedy when temperature is 0, else a short chain of filters, then a seeded draw).
+"""Choosing the next token from one row's last-position logits: a Sampler built once from the
+settings (greedy when temperature is 0, else a short chain of filters, then a seeded draw).
 
-The order of the filters is transformers': repetition penalty, temperature, top-k, top-p, min-p.
+The order is transformers' (repetition penalty, temperature, top-k, top-p, min-p), with OpenAI's
+presence and frequency penalties and the logit bias after the repetition penalty, and a
+constraint's mask (constraints.py) before the temperature.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from .settings import GenerationConfig
 
-Sampler = Callable[[np.ndarray, Sequence[int]], int]
+
+@dataclass
+class TokenLogprob:
+    """A chosen token's log-probability and the `top` most likely tokens with theirs, most likely
+    first, all under the distribution the token was drawn from (see `Sampler.choose`)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def of(cls, token: int, logprobs: np.ndarray, top: int) -> TokenLogprob:
+        best = np.argpartition(-logprobs, top - 1)[:top] if 0 < top < logprobs.size else np.arange(logprobs.size if top else 0)
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        return cls(int(token), float(logprobs[token]), [(int(t), float(logprobs[t])) for t in best if logprobs[t] > -np.inf])
 
 
-def make_sampler(config: GenerationConfig) -> Sampler:
-    """A function (logits [vocab], token history) → next token id. Each sampler owns its random
-    generator, seeded from `config.seed`, so equal seeds give equal draws in any process."""
-    penalty = config.repetition_penalty
-    if config.temperature == 0 or config.top_k == 1:
-        return lambda logits, history: int(np.argmax(penalize(logits, history, penalty)))
-    rng = np.random.default_rng(config.seed)
+class Sampler:
+    """One row's choice of the next token from its last-position logits, built once from the
+    settings and owning its seeded random generator (equal seeds give equal draws in any process).
 
-    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
-        scores = penalize(logits, history, penalty).astype(np.float64)
+    `adjust` applies the penalties and the bias; the caller may then mask tokens out (-inf, a
+    constraint); `choose` picks greedily (temperature 0 or top_k 1) or draws through temperature,
+    top-k, top-p and min-p."""
+
+    def __init__(self, config: GenerationConfig):
+        self.config = config
+        self.is_greedy = config.temperature == 0 or config.top_k == 1
+        self.rng = np.random.default_rng(config.seed)
+        self.bias_ids = np.array([t for t, _ in config.logit_bias], np.int64)
+        self.bias = np.array([b for _, b in config.logit_bias], np.float32)
+
+    def adjust(self, logits: np.ndarray, history: Sequence[int], generated: Sequence[int]) -> np.ndarray:
+        """The logits after the repetition penalty (on `history`, the prompt included), OpenAI's
+        presence and frequency penalties (on the `generated` tokens) and the logit bias."""
+        config = self.config
+        scores = penalize(logits, history, config.repetition_penalty)
+        scores = presence_frequency(scores, generated, config.presence_penalty, config.frequency_penalty)
+        if self.bias.size:
+            scores = scores.copy() if scores is logits else scores
+            scores[self.bias_ids] += self.bias
+        return scores
+
+    def choose(self, scores: np.ndarray, want_logprobs: bool = False) -> tuple[int, np.ndarray | None]:
+        """The next token and, if asked, the log-probabilities [vocab] it was chosen under: for a
+        greedy pick, log-softmax of `scores`; for a draw, the distribution drawn from (temperature
+        applied, the tokens the filters dropped at -inf)."""
+        if self.is_greedy:
+            token = int(np.argmax(scores))
+            return token, log_softmax(scores) if want_logprobs else None
+        config = self.config
+        scores = scores.astype(np.float64)
         with np.errstate(over="ignore"):  # at most 0: a tiny temperature gives -inf, never inf - inf = nan
             scores = (scores - scores.max()) / config.temperature
         ids = top_k(scores, config.top_k)
         probs = softmax(scores[ids])
-        keep = top_p(probs, config.top_p) & min_p(probs, config.min_p)
-        return int(ids[draw(np.where(keep, probs, 0.0), rng)])
+        weights = np.where(top_p(probs, config.top_p) & min_p(probs, config.min_p), probs, 0.0)
+        token = int(ids[draw(weights, self.rng)])
+        if not want_logprobs:
+            return token, None
+        logprobs = np.full(scores.size, -np.inf)
+        with np.errstate(divide="ignore"):
+            logprobs[ids] = np.log(weights / weights.sum())
+        return token, logprobs
 
-    return sample
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        """The next token for `logits` after `history` (no constraint, no logprobs)."""
+        return self.choose(self.adjust(logits, history, ()))[0]
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    scores = scores.astype(np.float64)
+    shifted = scores - scores.max()
+    with np.errstate(divide="ignore"):
+        return shifted - np.log(np.exp(shifted).sum())
+
+
+def presence_frequency(logits: np.ndarray, generated: Sequence[int], presence: float, frequency: float) -> np.ndarray:
+    """OpenAI's penalties: `presence` is subtracted once from the logit of every token generated so
+    far, and `frequency` once per time it was generated."""
+    if (presence == 0 and frequency == 0) or len(generated) == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    out = logits.copy()
+    out[ids] -= (presence + frequency * counts).astype(out.dtype)
+    return out
 
 
 def penalize(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import make_sampler
+from .constraints import Matcher
+from .sampling import Sampler, TokenLogprob
 from .settings import GenerationConfig
 from .stopping import StopStrings
 from .tokenizer import Detokenizer, Tokenizer
@@ -26,6 +27,8 @@ class Piece:
     decode_tokens_per_s: float | None = None
     prompt_tokens: int | None = None
     truncated_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    complete: bool | None = None
 
 
 @dataclass
@@ -33,7 +36,9 @@ class GenerationResult:
     """`token_ids` are the new tokens, without the EOS or stop token id that ended generation
     (tokens that spelled a stop string are kept; the text ends before the stop string).
     `finish_reason` is "eos", "stop" or "length". `prompt_tokens` were read; `truncated_tokens`
-    were dropped from the prompt's start (`truncate="left"`)."""
+    were dropped from the prompt's start (`truncate="left"`). With `logprobs`, one TokenLogprob per
+token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
+stands (False where `max_new_tokens` or a stop string cut it short of a match); None without one."""
 
     text: str
     token_ids: list[int]
@@ -42,28 +47,38 @@ class GenerationResult:
     ttft_s: float
     decode_tokens_per_s: float
     truncated_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    complete: bool | None = None
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
         last = pieces[-1]
+        logprobs = None if last.logprobs is None else [t for p in pieces for t in p.logprobs]
         return cls(text="".join(p.text for p in pieces), token_ids=[t for p in pieces for t in p.token_ids],
                    prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
-                   decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens)
+                   decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens,
+                   logprobs=logprobs, complete=last.complete)
 
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Iterable[int],
-                 tokenizer: Tokenizer, start: float, truncated: int = 0):
+                 tokenizer: Tokenizer, start: float, truncated: int = 0, constraint: Matcher | None = None):
         self.prompt_ids = prompt_ids
         self.truncated = truncated
         self.history = list(prompt_ids)  # what the repetition penalty looks at
+        self.generated: list[int] = []  # what the presence and frequency penalties look at
         self.budget = budget
         self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
-        self.sampler = make_sampler(config)
+        self.sampler = Sampler(config)
+        self.constraint = constraint
+        if constraint is not None:  # the constraint's end is the output's end
+            self.end_ids |= {t: "eos" for t in constraint.eos_ids if t not in self.end_ids}
+        self.want_logprobs, self.top_logprobs = config.logprobs, config.top_logprobs
         self.detokenizer = Detokenizer(tokenizer)
         self.stops = StopStrings(config.stop)
         self.start, self.times = start, []
-        self.made, self.pending = 0, []
+        self.made, self.pending, self.pending_logprobs = 0, [], []
+        self.chosen: TokenLogprob | None = None  # the last choice's logprobs, until `add` takes the token
         self.finish_reason: str | None = None
 
     @property
@@ -71,8 +86,14 @@ class Sequence:
         return self.finish_reason is not None
 
     def choose(self, logits: np.ndarray) -> int:
-        """The next token from this row's last-position logits (host side)."""
-        return self.sampler(logits, self.history)
+        """The next token from this row's last-position logits (host side): penalties and bias,
+        the constraint's mask, then the sampler."""
+        scores = self.sampler.adjust(logits, self.history, self.generated)
+        if self.constraint is not None:
+            scores = self.constraint.mask(scores)
+        token, logprobs = self.sampler.choose(scores, self.want_logprobs)
+        self.chosen = None if logprobs is None else TokenLogprob.of(token, logprobs, self.top_logprobs)
+        return token
 
     def add(self, token: int) -> Piece | None:
         """Take the next token; return a piece when there is text to show or generation ended."""
@@ -80,17 +101,23 @@ class Sequence:
         if token in self.end_ids:
             return self._end(self.end_ids[token], "")
         self.history.append(token)
+        self.generated.append(token)
         self.pending.append(token)
+        if self.want_logprobs:
+            self.pending_logprobs.append(self.chosen)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.made += 1
         text, stopped = self.stops.add(self.detokenizer.add(token))
         if stopped:
             return self._end("stop", text, stopped=True)
+        if self.constraint is not None and self.constraint.is_finished:  # only the EOS could follow
+            return self._end("eos", text)
         if self.made == self.budget:
             return self._end("length", text)
         if not text:
             return None
-        piece, self.pending = Piece(text, self.pending), []
-        return piece
+        return self._piece(text)
 
     def finish(self, reason: str) -> Piece:
         """End now (a server shutting down, say), with what is still held back and `reason`."""
@@ -98,13 +125,23 @@ class Sequence:
             self.times.append(time.perf_counter())
         return self._end(reason, "")
 
+    def _piece(self, text: str) -> Piece:
+        piece = Piece(text, self.pending, logprobs=self.pending_logprobs if self.want_logprobs else None)
+        self.pending, self.pending_logprobs = [], []
+        return piece
+
     def _end(self, reason: str, text: str, stopped: bool = False) -> Piece:
+        cut = stopped
         if not stopped:  # what the detokenizer and the stop strings still hold
             tail, stopped = self.stops.add(self.detokenizer.flush())
             text += tail if stopped else tail + self.stops.flush()
         self.finish_reason = "stop" if stopped else reason
-        return Piece(text, self.pending, self.finish_reason, self.times[0] - self.start, _rate(self.times),
-                     len(self.prompt_ids), self.truncated)
+        piece = self._piece(text)
+        piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = self.finish_reason, self.times[0] - self.start, _rate(self.times)
+        piece.prompt_tokens, piece.truncated_tokens = len(self.prompt_ids), self.truncated
+        if self.constraint is not None:
+            piece.complete = self.constraint.is_complete and not (cut or stopped)
+        return piece
 
 
 def _rate(times: list[float]) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -12,6 +13,19 @@ from .errors import SettingsError
 
 DEFAULT_MAX_NEW_TOKENS = 256
 TRUNCATE = (None, "left")
+MAX_TOP_LOGPROBS = 20
+# response_format types: OpenAI's (text: no constraint) and edgeinfer's own.
+FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match: `kind` is "json_schema" (`source` the schema as JSON text; any
+    JSON object for OpenAI's json_object), "regex", "lark" (a grammar in llguidance's Lark
+    dialect) or "choice" (`source` a JSON list of the allowed strings)."""
+
+    kind: str
+    source: str
 
 
 @dataclass(frozen=True)
@@ -21,7 +35,15 @@ class GenerationConfig:
     fresh seed each call). `stop` strings and `stop_token_ids` end generation with finish reason
     "stop"; `ignore_eos` keeps going past the model's EOS (benchmarks that need exactly N tokens).
     `truncate="left"` drops a prompt's oldest tokens where it and `max_new_tokens` would not fit the
-    context (None: such a prompt is refused, and generation stops where the context ends)."""
+    context (None: such a prompt is refused, and generation stops where the context ends).
+
+    OpenAI's penalties: `presence_penalty` and `frequency_penalty` (in [-2, 2]) are subtracted from
+    the logits of tokens already generated, once and once per occurrence; `logit_bias` ({token id:
+    bias in [-100, 100]}) is added. `response_format` (OpenAI's {"type": "json_object"} or
+    {"type": "json_schema", "json_schema": {"schema": ...}}, or edgeinfer's {"type": "regex",
+    "pattern": ...} and {"type": "grammar", "lark": ...}) or `choice` (a list of strings) constrains
+    the output (constraints.py). `logprobs` puts each new token's log-probability on the result,
+    with its `top_logprobs` (at most 20) most likely alternatives."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -34,6 +56,13 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     truncate: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: Constraint | None = None
+    choice: tuple[str, ...] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         checked = {
@@ -47,18 +76,47 @@ class GenerationConfig:
             "seed": None if self.seed is None else _integer("seed", self.seed, low=0, hint=" or None"),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _token_ids(self.stop_token_ids),
+            "presence_penalty": _real("presence_penalty", self.presence_penalty, "in [-2, 2] (0 turns it off)",
+                                      lambda v: -2 <= v <= 2),
+            "frequency_penalty": _real("frequency_penalty", self.frequency_penalty, "in [-2, 2] (0 turns it off)",
+                                       lambda v: -2 <= v <= 2),
+            "logit_bias": _logit_bias(self.logit_bias),
+            "response_format": _response_format(self.response_format),
+            "choice": None if self.choice is None else _choices(self.choice),
+            "top_logprobs": _integer("top_logprobs", self.top_logprobs, low=0, hint=f" and at most {MAX_TOP_LOGPROBS}"),
         }
         if self.truncate not in TRUNCATE:
             raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.logprobs, bool):
+            raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}")
+        if checked["top_logprobs"] > MAX_TOP_LOGPROBS:
+            raise SettingsError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+        if checked["top_logprobs"] and not self.logprobs:
+            raise SettingsError("top_logprobs needs logprobs=True")
+        if checked["response_format"] is not None and checked["choice"] is not None:
+            raise SettingsError("give response_format or choice, not both")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.constraint is not None and self.ignore_eos:
+            raise SettingsError("ignore_eos cannot be used with a response_format or choice: a constrained output ends "
+                                "at the model's EOS once it is complete")
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the output must match, from `response_format` or `choice` (None: anything)."""
+        if self.choice is not None:
+            return Constraint("choice", json.dumps(list(self.choice)))
+        return self.response_format
 
     @property
     def is_greedy(self) -> bool:
-        """The next token is always the largest logit: nothing to sample, nothing to penalize."""
-        return (self.temperature == 0 or self.top_k == 1) and self.repetition_penalty == 1.0
+        """The next token is always the largest logit as the graph gives it: nothing to sample,
+        penalize, mask or report, so the host never needs the logits."""
+        return ((self.temperature == 0 or self.top_k == 1) and self.repetition_penalty == 1.0
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias
+                and self.constraint is None and not self.logprobs)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
@@ -103,3 +161,56 @@ def _token_ids(ids) -> tuple[int, ...]:
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
         raise SettingsError(f"stop_token_ids must be a list of token ids (integers of at least 0), got {ids!r}")
     return tuple(int(t) for t in ids)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (or pairs) as sorted pairs; JSON's string keys ("50256") are token ids too.
+    None is no bias."""
+    pairs = () if bias is None else bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(pairs, (list, tuple, type({}.items()))):
+        raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+        token, value = pair
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise SettingsError(f"logit_bias keys must be token ids (integers of at least 0), got {token!r}")
+        out[int(token)] = _real(f"logit_bias[{token}]", value, "in [-100, 100]", lambda v: -100 <= v <= 100)
+    return tuple(sorted(out.items()))
+
+
+def _choices(choice) -> tuple[str, ...]:
+    if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
+        raise SettingsError(f"choice must be a non-empty list of non-empty strings, got {choice!r}")
+    return tuple(choice)
+
+
+def _response_format(value) -> Constraint | None:
+    """OpenAI's response_format dict (or edgeinfer's regex and grammar types) as a Constraint."""
+    if value is None or isinstance(value, Constraint):
+        return value
+    if not isinstance(value, dict) or value.get("type") not in FORMATS:
+        got = value.get("type") if isinstance(value, dict) else value
+        raise SettingsError(f"response_format must be a dict whose type is one of {', '.join(FORMATS)}, got {got!r}")
+    kind = value["type"]
+    allowed = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"pattern"}, "grammar": {"lark"}}[kind]
+    extra = set(value) - allowed - {"type"}
+    if extra:
+        raise SettingsError(f"response_format of type {kind!r} takes {sorted(allowed) or 'no other keys'}, not {sorted(extra)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_schema", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise SettingsError('response_format json_schema needs {"json_schema": {"schema": {...}}}, the schema a JSON object')
+        return Constraint("json_schema", json.dumps(spec["schema"]))
+    text = value.get({"regex": "pattern", "grammar": "lark"}[kind])
+    if not isinstance(text, str) or not text:
+        key = {"regex": "pattern", "grammar": "lark"}[kind]
+        raise SettingsError(f"response_format of type {kind!r} needs {key!r}, a non-empty string")
+    return Constraint("lark" if kind == "grammar" else kind, text)

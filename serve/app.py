@@ -109,11 +109,11 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
             raise RequestError(f"the model '{body.model}' is not served here: this server serves '{model_name}'",
                                param="model", status=404, code="model_not_found")
         try:
-            request = scheduler.submit(prompt_of(engine), **body.settings())
+            request = await _submit(scheduler, prompt_of(engine), body.settings())
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name)
+        reply = Reply(chat, model_name, engine.constraints.token_bytes)
         if body.stream:
             return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream")
         result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])
@@ -202,6 +202,18 @@ def _limited(receive):
 
 def _too_large() -> RequestError:
     return RequestError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+
+
+async def _submit(scheduler, prompt, settings: dict):
+    """`scheduler.submit` on a worker thread: compiling a constraint (and, the first time, reading
+    the tokenizer for it) may take a second, which the event loop must not wait for. A request
+    whose client went away meanwhile is cancelled as soon as it exists."""
+    submitted = asyncio.get_running_loop().run_in_executor(None, lambda: scheduler.submit(prompt, **settings))
+    try:
+        return await asyncio.shield(submitted)
+    except asyncio.CancelledError:
+        submitted.add_done_callback(lambda done: done.exception() is None and done.result().cancel())
+        raise
 
 
 async def _pieces(request) -> AsyncIterator:

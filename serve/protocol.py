@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeinfer.sdk.errors import BusyError, ContextLengthError, EdgeInferError, GenerationError, GraphError
+from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.settings import FIELDS
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
-NOT_YET = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "response_format", "logit_bias", "tools",
-           "tool_choice", "functions", "function_call", "suffix", "echo", "best_of")
+NOT_YET = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo", "best_of")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -58,13 +59,12 @@ class _Request(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None  # exactly max_tokens tokens (benchmarks; llama.cpp's server takes it too)
+    choice: list[str] | None = None  # the output is one of these strings
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # checked by GenerationConfig: OpenAI's types and edgeinfer's regex, grammar
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -82,8 +82,13 @@ class _Request(BaseModel):
             raise RequestError("max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
         chosen = {"max_new_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "top_k": self.top_k, "min_p": self.min_p,
-                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos}
+                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos, "choice": self.choice,
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "logit_bias": self.logit_bias, "response_format": self.response_format, **self.logprob_settings()}
         return {name: value for name, value in chosen.items() if value is not None}
+
+    def logprob_settings(self) -> dict:
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -92,6 +97,13 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def logprob_settings(self) -> dict:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -99,6 +111,10 @@ class ChatRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy API: how many alternatives per token
+
+    def logprob_settings(self) -> dict:
+        return {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
     suffix: Any = None
     echo: Any = None
     best_of: Any = None
@@ -139,15 +155,17 @@ class Reply:
     """The response to one request, in OpenAI's shape for chat ("chat.completion") or completions
     ("text_completion"): whole, or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None):
+        """`token_bytes` gives a token's bytes, for logprobs."""
+        self.chat, self.model, self.token_bytes = chat, model, token_bytes
+        self.offset = 0  # characters of text sent so far (the completions API's text_offset)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
     def whole(self, result: GenerationResult) -> dict:
-        choice = {"index": 0, "finish_reason": FINISH[result.finish_reason]}
-        choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text, "logprobs": None}
+        choice = {"index": 0, "finish_reason": FINISH[result.finish_reason], "logprobs": self._logprobs(result.logprobs)}
+        choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice],
                 "usage": usage(result.prompt_tokens, len(result.token_ids))}
 
@@ -156,17 +174,36 @@ class Reply:
         return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
 
     def piece_chunk(self, piece: Piece) -> dict:
-        return self._chunk({"content": piece.text} if self.chat else piece.text, None)
+        logprobs = self._logprobs(piece.logprobs)
+        self.offset += len(piece.text)
+        return self._chunk({"content": piece.text} if self.chat else piece.text, None, logprobs)
 
     def last_chunk(self, finish_reason: str) -> dict:
         return self._chunk({} if self.chat else "", FINISH[finish_reason])
 
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs of some tokens: chat's `content` list, or the completions API's
+        parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if logprobs is None:
+            return None
+        token = lambda t: self.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
+        if self.chat:
+            entry = lambda t, lp: {"token": token(t), "logprob": lp, "bytes": list(self.token_bytes(t))}  # noqa: E731
+            return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]}
+                                for c in logprobs]}
+        offsets, at = [], self.offset
+        for c in logprobs:
+            offsets.append(at)
+            at += len(token(c.token))
+        return {"tokens": [token(c.token) for c in logprobs], "token_logprobs": [c.logprob for c in logprobs],
+                "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs], "text_offset": offsets}
+
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {**self._chunk_head(), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
 
-    def _chunk(self, delta, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason}
-        choice |= {"delta": delta} if self.chat else {"text": delta, "logprobs": None}
+    def _chunk(self, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+        choice |= {"delta": delta} if self.chat else {"text": delta}
         return {**self._chunk_head(), "choices": [choice]}
 
     def _chunk_head(self) -> dict:

@@ -1,8 +1,11 @@
 """The `edgeinfer` command, run as a user runs it: a subprocess, its exit code and its output."""
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from edgeinfer import Engine
 
@@ -115,7 +118,37 @@ def test_every_generation_setting_has_a_flag():
     from edgeinfer.sdk.settings import FIELDS
 
     names = [option(lambda: None).__click_params__[0].name for option in GENERATION_OPTIONS]
-    assert sorted(names) == sorted(FIELDS)
+    # response_format comes from one of three flags; --logprobs K sets logprobs and top_logprobs
+    expected = set(FIELDS) - {"response_format", "top_logprobs"} | {"json_schema", "regex", "grammar"}
+    assert sorted(names) == sorted(expected)
+
+
+def test_run_takes_constraints_penalties_and_logprobs_as_flags(tiny_llama, tmp_path):
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    runs = [(["--json-schema", str(tmp_path / "schema.json")], {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+            (["--regex", "[0-9]{2}"], {"response_format": {"type": "regex", "pattern": "[0-9]{2}"}}),
+            (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+            (["--presence-penalty", "0.5", "--frequency-penalty", "1", "--logit-bias", "5=4", "--logprobs", "2"],
+             {"presence_penalty": 0.5, "frequency_penalty": 1.0, "logit_bias": {5: 4.0}, "logprobs": True, "top_logprobs": 2})]
+    for flags, settings in runs:
+        done = edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "12", "--temperature", "1",
+                         "--seed", "3", *flags, "The capital")
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        expected = engine.generate("The capital", max_new_tokens=12, temperature=1.0, seed=3, **settings)
+        assert (result["token_ids"], result["complete"]) == (expected.token_ids, expected.complete), flags
+        if "logprobs" in settings:
+            assert [t["logprob"] for t in result["logprobs"]] == pytest.approx([t.logprob for t in expected.logprobs])
+            assert all(len(t["top"]) == 2 for t in result["logprobs"])
+    assert re.fullmatch("[0-9]{2}", json.loads(edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--regex", "[0-9]{2}",
+                                                          "The capital").stdout)["text"])
+    both = edgeinfer("run", "--model", str(tiny_llama[1]), "--regex", "a", "--json-schema", str(tmp_path / "schema.json"), "x")
+    assert both.returncode != 0 and "--json-schema and --regex both constrain the output: pass one" in both.stderr
+    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--logit-bias", "five=1", "x")
+    assert bad.returncode != 0 and "'five=1' is not ID=BIAS" in bad.stderr
 
 
 def test_run_json_prints_one_machine_readable_result(tiny_llama):

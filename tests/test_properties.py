@@ -18,6 +18,9 @@ VOCAB, CONTEXT = 320, 256
 FINISH = {"eos", "stop", "length"}
 
 # Each setting drawn from values it takes and values it must refuse.
+FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "regex", "pattern": "[0-9]+"}, {"type": "regex"},
+           {"type": "grammar", "lark": 'start: "a" | "b"'}, {"type": "xml"}, {"type": "json_object", "schema": {}}, "json"]
+VALID_FORMATS = FORMATS[:3] + FORMATS[4:5]
 ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-10, 10))
 SETTING_VALUES = {
     "max_new_tokens": st.one_of(st.integers(-2, 12), st.sampled_from([300, 10**6]), ANY),
@@ -31,10 +34,17 @@ SETTING_VALUES = {
     "stop_token_ids": st.one_of(st.lists(st.integers(-3, VOCAB + 3), max_size=3), ANY),
     "ignore_eos": ANY,
     "truncate": st.one_of(st.just("left"), ANY),
+    "presence_penalty": st.one_of(st.floats(-3, 3), ANY),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), ANY),
+    "logit_bias": st.one_of(st.dictionaries(st.integers(-2, VOCAB + 2), st.floats(-120, 120), max_size=3), ANY),
+    "logprobs": ANY,
+    "top_logprobs": st.one_of(st.integers(-2, 25), ANY),
+    "choice": st.one_of(st.lists(st.text(max_size=3), max_size=3), ANY),
+    "response_format": st.one_of(st.sampled_from(FORMATS), ANY),
 }
 SETTINGS = st.fixed_dictionaries({}, optional={**SETTING_VALUES, "unknown_setting": st.integers()})
 # Settings in their ranges, and prompts that fit the context.
-VALID_SETTINGS = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional={
+_VALID = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional={
     "max_new_tokens": st.one_of(st.integers(1, 12), st.just(10**6)),
     "temperature": st.floats(0, 2),
     "top_k": st.integers(0, 400),
@@ -45,7 +55,27 @@ VALID_SETTINGS = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
     "ignore_eos": st.booleans(),
     "truncate": st.sampled_from([None, "left"]),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
+    "logprobs": st.just(True),
+    "constraint": st.one_of(st.sampled_from([{"response_format": f} for f in VALID_FORMATS]),
+                            st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3).map(lambda c: {"choice": c})),
 })
+
+
+def _allowed_together(asked: dict, top_logprobs: int) -> dict:
+    """top_logprobs only with logprobs; a constraint without ignore_eos."""
+    asked = dict(asked)
+    asked.update(asked.pop("constraint", {}))
+    if asked.get("logprobs"):
+        asked["top_logprobs"] = top_logprobs
+    if "choice" in asked or asked.get("response_format") not in (None, {"type": "text"}):
+        asked.pop("ignore_eos", None)
+    return asked
+
+
+VALID_SETTINGS = st.builds(_allowed_together, _VALID, st.integers(0, 20))
 VALID_PROMPTS = st.one_of(st.text(min_size=1, max_size=60),  # at most 240 bytes: tokens that fit the context
                           st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=CONTEXT - 1))
 TOKEN_PROMPTS = st.lists(st.integers(-3, VOCAB + 3), max_size=CONTEXT + 40)
@@ -81,7 +111,17 @@ RULES = {
     "stop_token_ids": lambda v: _integer(v, 0) or (isinstance(v, (list, tuple)) and all(_integer(t, 0) for t in v)),
     "ignore_eos": lambda v: isinstance(v, bool),
     "truncate": lambda v: v in (None, "left"),
+    "presence_penalty": lambda v: _real(v, lambda x: -2 <= x <= 2),
+    "frequency_penalty": lambda v: _real(v, lambda x: -2 <= x <= 2),
+    "logit_bias": lambda v: v is None or (isinstance(v, dict) and all(_integer(t, 0) and _real(b, lambda x: -100 <= x <= 100)
+                                                                      for t, b in v.items())),
+    "logprobs": lambda v: isinstance(v, bool),
+    "top_logprobs": lambda v: _integer(v, 0),
+    "choice": lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(c, str) and c for c in v)),
+    "response_format": lambda v: v is None or v in VALID_FORMATS,
 }
+# What a refusal of each rule says (by default "NAME must be").
+SAYS = {"logit_bias": r"logit_bias( keys|\[.*\])? must", "response_format": "response_format (must|of type)"}
 
 
 def expected_refusal(engine, prompts: list, asked: dict) -> tuple[type, str] | None:
@@ -91,10 +131,21 @@ def expected_refusal(engine, prompts: list, asked: dict) -> tuple[type, str] | N
         return SettingsError, "unknown generation setting 'unknown_setting'"
     bad = [name for name, value in asked.items() if not RULES[name](value)]
     if bad:
-        return SettingsError, "(" + "|".join(f"{name} must be" for name in bad) + ")"
+        return SettingsError, "(" + "|".join(SAYS.get(name, f"{name} must be") for name in bad) + ")"
+    if asked.get("top_logprobs", 0) > 20:
+        return SettingsError, "top_logprobs must be at most 20"
+    if asked.get("top_logprobs", 0) and not asked.get("logprobs"):
+        return SettingsError, "top_logprobs needs logprobs=True"
+    constrained = asked.get("choice") is not None or asked.get("response_format") not in (None, {"type": "text"})
+    if asked.get("choice") is not None and asked.get("response_format") is not None:
+        return SettingsError, "give response_format or choice, not both"
+    if constrained and asked.get("ignore_eos"):
+        return SettingsError, "ignore_eos cannot be used with a response_format or choice"
     stop_ids = asked.get("stop_token_ids", ())
     if any(t >= VOCAB for t in ([stop_ids] if isinstance(stop_ids, int) else stop_ids)):
         return SettingsError, r"stop_token_ids .* are outside the vocabulary \(0..319\)"
+    if any(t >= VOCAB for t in (asked.get("logit_bias") or {})):
+        return SettingsError, r"logit_bias .* are outside the vocabulary \(0..319\)"
     lengths = []
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -167,7 +218,11 @@ EDGES = [("max_new_tokens", 1), ("max_new_tokens", 0), ("max_new_tokens", True),
          ("top_p", 0.0), ("min_p", 0.0), ("min_p", 1.0), ("min_p", 1.0 + 1e-9), ("repetition_penalty", 1e-9),
          ("repetition_penalty", 0.0), ("seed", 0), ("seed", -1), ("seed", None), ("stop", "x"), ("stop", ""), ("stop", ["a", ""]),
          ("stop_token_ids", VOCAB - 1), ("stop_token_ids", VOCAB), ("stop_token_ids", [0, -1]), ("ignore_eos", False),
-         ("ignore_eos", 1), ("truncate", None), ("truncate", "right")]
+         ("ignore_eos", 1), ("truncate", None), ("truncate", "right"), ("presence_penalty", 2.0), ("presence_penalty", 2.0 + 1e-9),
+         ("frequency_penalty", -2.0), ("frequency_penalty", -2.0 - 1e-9), ("logit_bias", {VOCAB - 1: 100}), ("logit_bias", {VOCAB: 1}),
+         ("logit_bias", {0: -100 - 1e-9}), ("logit_bias", {-1: 1}), ("logit_bias", None), ("logprobs", True), ("logprobs", 1),
+         ("top_logprobs", 0), ("top_logprobs", 21), ("choice", ["a"]), ("choice", []), ("choice", [""]),
+         ("response_format", {"type": "text"}), ("response_format", {"type": "regex", "pattern": ""})]
 
 
 def with_edges(test):

@@ -1,4 +1,5 @@
-"""The runtime profile: loading and generating must not import torch, transformers, optimum or onnx."""
+"""The runtime profile: loading, generating and constrained decoding must not import torch,
+transformers, optimum or onnx."""
 import json
 import subprocess
 import sys
@@ -9,8 +10,9 @@ from edgeinfer import Engine
 engine = Engine.load(sys.argv[1], provider="cpu")
 chat = [t for p in engine.stream_chat([{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.8, seed=1) for t in p.token_ids]
 greedy = engine.generate("The capital", max_new_tokens=8).token_ids
+choice = engine.generate("The capital", temperature=1.0, seed=2, choice=["Paris", "Rome"]).text
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "optimum", "onnx"))
-print(json.dumps({"greedy": greedy, "chat": chat, "heavy": heavy}))
+print(json.dumps({"greedy": greedy, "chat": chat, "choice": choice, "heavy": heavy}))
 """
 
 
@@ -26,6 +28,7 @@ def test_generation_imports_no_torch_transformers_optimum_or_onnx(tiny_llama):
     assert done.returncode == 0, done.stderr
     light = json.loads(done.stdout)
     assert light["heavy"] == []
+    assert light["choice"] in ("Paris", "Rome")  # constrained decoding (llguidance) in the light runtime too
     model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
     assert light["greedy"] == hf_greedy(model, AutoTokenizer.from_pretrained(tiny_llama[0])("The capital").input_ids, 8)
     engine = Engine.load(tiny_llama[1], provider="cpu")

@@ -14,7 +14,7 @@ LOGITS = np.random.default_rng(0).normal(0, 3, 1000).astype(np.float32)
 
 
 def draws(config, n=50, logits=LOGITS):
-    sample = sampling.make_sampler(config)
+    sample = sampling.Sampler(config)
     return [sample(logits, []) for _ in range(n)]
 
 
@@ -26,7 +26,7 @@ def test_greedy_picks_the_largest_logit_whatever_the_seed():
 
 @pytest.mark.parametrize("k", [2, 5, 40])
 def test_top_k_sampling_at_temperature_1_draws_like_transformers_warper(k):
-    """The sampler built by make_sampler (not its filters one by one) against transformers'
+    """The Sampler (not its filters one by one) against transformers'
     TopKLogitsWarper on the same logits: it draws only the tokens transformers keeps, and each as
     often as the softmax of transformers' warped scores says."""
     logits = LOGITS[:60] / 3  # flat enough that the k tokens all have a real chance
@@ -102,5 +102,47 @@ def test_repetition_penalty_equals_transformers():
 
 def test_repetition_penalty_changes_the_greedy_pick():
     logits = np.array([5.0, 4.9, 0.0], np.float32)
-    sample = sampling.make_sampler(GenerationConfig(repetition_penalty=1.5))
+    sample = sampling.Sampler(GenerationConfig(repetition_penalty=1.5))
     assert sample(logits, []) == 0 and sample(logits, [0]) == 1
+
+
+def test_presence_and_frequency_penalties_follow_openais_definition():
+    """OpenAI: logit - presence × [count > 0] - frequency × count, over the generated tokens only."""
+    sampler = sampling.Sampler(GenerationConfig(presence_penalty=0.5, frequency_penalty=0.25))
+    logits = np.array([1.0, 2.0, 3.0, 4.0, 5.0], np.float32)
+    adjusted = sampler.adjust(logits, history=[0, 1, 4, 4], generated=[4, 4, 4, 2])
+    np.testing.assert_allclose(adjusted, [1.0, 2.0, 3.0 - 0.5 - 0.25, 4.0, 5.0 - 0.5 - 0.75])
+    assert logits[4] == 5.0  # the graph's logits are not changed in place
+    negative = sampling.Sampler(GenerationConfig(presence_penalty=-1.0, frequency_penalty=-2.0))
+    np.testing.assert_allclose(negative.adjust(logits, [], [1]), [1.0, 5.0, 3.0, 4.0, 5.0])
+
+
+def test_logit_bias_is_added_and_can_ban_or_force_a_token():
+    logits = np.array([1.0, 2.0, 3.0], np.float32)
+    sampler = sampling.Sampler(GenerationConfig(logit_bias={0: 10.0, 2: -100}))
+    np.testing.assert_allclose(sampler.adjust(logits, [], []), [11.0, 2.0, -97.0])
+    assert sampler(logits, []) == 0
+    drawn = sampling.Sampler(GenerationConfig(temperature=1.0, seed=3, logit_bias={2: -100}))
+    assert 2 not in {drawn(logits, []) for _ in range(200)}
+
+
+def test_greedy_logprobs_are_the_log_softmax_and_the_top_is_ranked():
+    sampler = sampling.Sampler(GenerationConfig(logprobs=True, top_logprobs=3))
+    token, logprobs = sampler.choose(LOGITS, want_logprobs=True)
+    expected = torch.log_softmax(torch.tensor(LOGITS, dtype=torch.float64), -1).numpy()
+    np.testing.assert_allclose(logprobs, expected, atol=1e-9)
+    chosen = sampling.TokenLogprob.of(token, logprobs, 3)
+    ranked = np.argsort(-expected)[:3]
+    assert chosen.token == ranked[0] and [t for t, _ in chosen.top] == list(ranked)
+    assert chosen.logprob == pytest.approx(expected[ranked[0]])
+
+
+def test_sampled_logprobs_are_the_distribution_drawn_from():
+    """At temperature 2 with top_k 3: log-softmax of the 3 best logits / 2; every other token -inf."""
+    sampler = sampling.Sampler(GenerationConfig(temperature=2.0, top_k=3, seed=0, logprobs=True))
+    token, logprobs = sampler.choose(LOGITS, want_logprobs=True)
+    best = np.argsort(-LOGITS)[:3]
+    expected = torch.log_softmax(torch.tensor(LOGITS[best], dtype=torch.float64) / 2, -1).numpy()
+    np.testing.assert_allclose(logprobs[best], expected, atol=1e-9)
+    assert np.isneginf(np.delete(logprobs, best)).all() and token in best
+    assert len(sampling.TokenLogprob.of(token, logprobs, 5).top) == 3  # no -inf alternatives

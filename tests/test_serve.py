@@ -106,18 +106,35 @@ def test_content_parts_user_and_max_completion_tokens_as_openai_clients_send_the
     assert (reply.choices[0].message.content, reply.usage.completion_tokens) == (expected.text, 9)
 
 
-def test_ignore_eos_as_an_extra_field_keeps_generating_past_the_models_eos(chain_llama):
+@pytest.fixture(scope="module")
+def chain_server(chain_llama):
+    """A server of the llama that spells CHAIN_TEXT (multi-byte characters one byte a token), then EOS."""
     process, url = start(chain_llama[0], "--provider", "cpu")
-    try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        model = chain_llama[0].name
-        plain = client.completions.create(model=model, prompt=[1], max_tokens=30)
-        assert (plain.choices[0].text, plain.choices[0].finish_reason) == ("".join(CHAIN_TEXT), "stop")  # the model's EOS
-        past = client.completions.create(model=model, prompt=[1], max_tokens=30, extra_body={"ignore_eos": True})
-        assert (past.choices[0].finish_reason, past.usage.completion_tokens) == ("length", 30)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), chain_llama[0].name
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def test_ignore_eos_as_an_extra_field_keeps_generating_past_the_models_eos(chain_server):
+    client, model = chain_server
+    plain = client.completions.create(model=model, prompt=[1], max_tokens=30)
+    assert (plain.choices[0].text, plain.choices[0].finish_reason) == ("".join(CHAIN_TEXT), "stop")  # the model's EOS
+    past = client.completions.create(model=model, prompt=[1], max_tokens=30, extra_body={"ignore_eos": True})
+    assert (past.choices[0].finish_reason, past.usage.completion_tokens) == ("length", 30)
+
+
+def test_logprob_bytes_join_to_the_text_where_characters_span_tokens(chain_llama):
+    """Chat's logprobs as the server shapes them, on the llama that spells multi-byte characters one
+    byte a token: each token's bytes, joined, are the text's bytes."""
+    from edgeinfer.serve.protocol import Reply
+
+    engine = Engine.load(chain_llama[0], provider="cpu")
+    result = engine.generate([1], max_new_tokens=30, logprobs=True, top_logprobs=2)
+    content = Reply(True, "m", engine.constraints.token_bytes).whole(result)["choices"][0]["logprobs"]["content"]
+    assert result.text == "".join(CHAIN_TEXT) and len(content) == len(result.token_ids)
+    assert b"".join(bytes(c["bytes"]) for c in content) == result.text.encode()
+    assert any(len(c["bytes"]) == 1 and c["bytes"][0] >= 0x80 for c in content)  # part of a character
+    assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)  # the chain's token is the most likely
 
 
 def test_seeded_sampling_is_reproducible_and_equals_the_sdk(server, client, engine):
@@ -148,8 +165,12 @@ def test_the_stream_is_what_openai_clients_parse(server, engine):
 
 @pytest.mark.parametrize("asked, status, message", [
     ({"n": 2}, 400, "n=2 is not supported"),
-    ({"presence_penalty": 0.5}, 400, "'presence_penalty' is not supported by edgeinfer yet"),
-    ({"logprobs": True}, 400, "'logprobs' is not supported by edgeinfer yet"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported by edgeinfer yet"),
+    ({"presence_penalty": 5}, 400, r"presence_penalty must be a number in \[-2, 2\]"),
+    ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    ({"logit_bias": {"99999": 1}}, 400, r"logit_bias \[99999\] are outside the vocabulary"),
+    ({"response_format": {"type": "regex", "pattern": "[a-"}}, 400, "the regex cannot be used"),
+    ({"response_format": {"type": "json_schema"}}, 400, r"response_format json_schema needs"),
     ({"top_p": 3}, 400, r"top_p must be a number in \(0, 1\]"),
     ({"bogus": 1}, 400, "unknown parameter 'bogus'"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -162,6 +183,50 @@ def test_bad_requests_get_openai_errors_that_name_the_problem(server, asked, sta
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert __import__("re").search(message, error["message"]), error
+
+
+def test_constraints_through_the_openai_client(server, client, engine):
+    """response_format (OpenAI's json_schema, edgeinfer's regex) and choice, on both endpoints;
+    each answer is the SDK's for the same settings."""
+    schema = {"enum": ["red", "green", "blue"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema, "strict": True}}
+    for seed in range(4):
+        reply = client.chat.completions.create(model=server[1], messages=CHAT, temperature=1.0, seed=seed, response_format=fmt)
+        assert json.loads(reply.choices[0].message.content) in schema["enum"]
+        assert reply.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), temperature=1.0, seed=seed,
+                                                                   response_format=fmt).text
+    regex = {"type": "regex", "pattern": "[0-9]{3}"}
+    text = client.completions.create(model=server[1], prompt="Edge boxes", temperature=1.0, seed=3,
+                                     extra_body={"response_format": regex}).choices[0].text
+    assert __import__("re").fullmatch("[0-9]{3}", text) and text == engine.generate("Edge boxes", temperature=1.0, seed=3,
+                                                                                     response_format=regex).text
+    picked = client.completions.create(model=server[1], prompt="Edge boxes", extra_body={"choice": ["yes", "no"]})
+    assert picked.choices[0].text in ("yes", "no") and picked.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_in_openais_shapes(server, client, engine):
+    expected = engine.generate(engine.chat_prompt(CHAT), max_new_tokens=8, logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(model=server[1], messages=CHAT, max_tokens=8, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert [round(c.logprob, 5) for c in content] == [round(c.logprob, 5) for c in expected.logprobs]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    legacy = client.completions.create(model=server[1], prompt="Edge boxes", max_tokens=6, logprobs=2).choices[0].logprobs
+    alone = engine.generate("Edge boxes", max_new_tokens=6, logprobs=True, top_logprobs=2)
+    assert [round(v, 5) for v in legacy.token_logprobs] == [round(c.logprob, 5) for c in alone.logprobs]
+    assert len(legacy.tokens) == len(alone.token_ids) and all(len(top) == 2 for top in legacy.top_logprobs)
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(len(legacy.tokens))]
+    body = {"model": server[1], "messages": CHAT, "max_tokens": 8, "stream": True, "logprobs": True}
+    with httpx.stream("POST", f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [c for chunk in chunks for choice in chunk["choices"] if choice["logprobs"] for c in choice["logprobs"]["content"]]
+    assert [round(c["logprob"], 5) for c in streamed] == [round(c.logprob, 5) for c in expected.logprobs]
+
+
+def test_penalties_and_bias_equal_the_sdk(server, client, engine):
+    asked = dict(max_tokens=12, presence_penalty=0.8, frequency_penalty=0.6, logit_bias={"5": 3.0})
+    reply = client.completions.create(model=server[1], prompt="Edge boxes", **asked)
+    alone = engine.generate("Edge boxes", max_new_tokens=12, presence_penalty=0.8, frequency_penalty=0.6, logit_bias={5: 3.0})
+    assert reply.choices[0].text == alone.text != engine.generate("Edge boxes", max_new_tokens=12).text
 
 
 def test_context_key_size_and_unknown_paths(server, client):

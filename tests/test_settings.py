@@ -1,5 +1,7 @@
 """Generation settings: every bad value is refused with its name, its rule and the value given;
 a call's settings come from the model's defaults, a config and keywords, in that order."""
+import json
+
 import pytest
 
 from edgeinfer import GenerationConfig
@@ -24,6 +26,26 @@ BAD = [
     ({"ignore_eos": "yes"}, r"ignore_eos must be True or False, got 'yes'"),
     ({"truncate": "right"}, r"truncate must be 'left' \(keep the end of a long prompt\) or None, got 'right'"),
     ({"truncate": ["left"]}, r"truncate must be 'left' .* or None, got \['left'\]"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\] \(0 turns it off\), got 2.5"),
+    ({"frequency_penalty": -3}, r"frequency_penalty must be a number in \[-2, 2\] .*, got -3"),
+    ({"logit_bias": {5: 101}}, r"logit_bias\[5\] must be a number in \[-100, 100\], got 101"),
+    ({"logit_bias": {"x": 1}}, r"logit_bias keys must be token ids \(integers of at least 0\), got 'x'"),
+    ({"logit_bias": [3]}, r"logit_bias must map token ids to numbers in \[-100, 100\], got \[3\]"),
+    ({"top_logprobs": 21, "logprobs": True}, r"top_logprobs must be at most 20, got 21"),
+    ({"top_logprobs": 3}, r"top_logprobs needs logprobs=True"),
+    ({"logprobs": 1}, r"logprobs must be True or False, got 1"),
+    ({"choice": []}, r"choice must be a non-empty list of non-empty strings, got \[\]"),
+    ({"choice": ["a", ""]}, r"choice must be a non-empty list of non-empty strings"),
+    ({"response_format": {"type": "xml"}}, r"response_format must be a dict whose type is one of text, json_object, "
+                                           r"json_schema, regex, grammar, got 'xml'"),
+    ({"response_format": "json"}, r"response_format must be a dict whose type is one of .*, got 'json'"),
+    ({"response_format": {"type": "json_schema", "schema": {}}}, r"response_format of type 'json_schema' takes "
+                                                                 r"\['json_schema'\], not \['schema'\]"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, r"needs \{\"json_schema\": \{\"schema\""),
+    ({"response_format": {"type": "regex"}}, r"response_format of type 'regex' needs 'pattern', a non-empty string"),
+    ({"response_format": {"type": "grammar", "lark": ""}}, r"type 'grammar' needs 'lark', a non-empty string"),
+    ({"response_format": {"type": "json_object"}, "choice": ["a"]}, r"give response_format or choice, not both"),
+    ({"choice": ["a"], "ignore_eos": True}, r"ignore_eos cannot be used with a response_format or choice"),
 ]
 
 
@@ -41,11 +63,29 @@ def test_settings_are_normalized():
     assert type(config.top_k) is int and type(config.temperature) is float
 
 
+def test_response_formats_become_one_constraint():
+    from edgeinfer.sdk.settings import Constraint
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert GenerationConfig(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                                                      "strict": True}}).constraint == \
+        Constraint("json_schema", json.dumps(schema))
+    assert GenerationConfig(response_format={"type": "json_object"}).constraint == Constraint("json_schema", '{"type": "object"}')
+    assert GenerationConfig(response_format={"type": "regex", "pattern": "a+"}).constraint == Constraint("regex", "a+")
+    assert GenerationConfig(response_format={"type": "grammar", "lark": "start: /x/"}).constraint == Constraint("lark", "start: /x/")
+    assert GenerationConfig(choice=["yes", "no"]).constraint == Constraint("choice", '["yes", "no"]')
+    assert GenerationConfig(response_format={"type": "text"}).constraint is None
+    assert GenerationConfig(logit_bias={"7": 2, 3: -1.5}).logit_bias == ((3, -1.5), (7, 2.0))
+
+
 def test_greedy_means_nothing_is_sampled_or_penalized():
     assert GenerationConfig().is_greedy
     assert GenerationConfig(temperature=0.9, top_k=1).is_greedy
     assert not GenerationConfig(temperature=0.9).is_greedy
     assert not GenerationConfig(repetition_penalty=1.2).is_greedy
+    for setting in ({"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logit_bias": {1: 1}}, {"choice": ["a"]},
+                    {"response_format": {"type": "json_object"}}, {"logprobs": True}):
+        assert not GenerationConfig(**setting).is_greedy, setting
 
 
 def test_keywords_override_the_config_which_replaces_the_model_defaults():
