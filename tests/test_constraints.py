@@ -210,3 +210,20 @@ def test_penalties_change_the_greedy_tokens_as_computed_by_hand(engine, eos_llam
     result = engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True, presence_penalty=0.3, frequency_penalty=1.5)
     assert result.token_ids == expected
     assert result.token_ids != engine.generate(PROMPT, max_new_tokens=16, ignore_eos=True).token_ids
+
+
+def test_a_stop_string_inside_a_constrained_output_leaves_it_incomplete(engine):
+    """The match ends with the stop string: the text the caller gets ("Paris") does not match."""
+    result = engine.generate(PROMPT, choice=["Paris is"], stop=[" is"])
+    assert (result.text, result.finish_reason, result.complete) == ("Paris", "stop", False)
+    assert engine.generate(PROMPT, choice=["Paris is"]).complete is True
+
+
+def test_a_finished_constraint_ends_without_another_pass(engine):
+    """Once nothing but the end may follow, generation ends there: one graph pass per token."""
+    from conftest import count_graph_runs
+
+    runs = count_graph_runs(engine)
+    result = engine.generate(PROMPT, choice=["Paris is big"])
+    assert result.finish_reason == "eos" and len(result.token_ids) > 1
+    assert len(runs) == len(result.token_ids)  # the prefill made the first token, each decode one more
