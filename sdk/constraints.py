@@ -3,8 +3,8 @@ a list of strings, with llguidance. At each step the constraint says which token
 (a bitmask over the vocabulary); the others get -inf before the sampler sees the logits, so every
 output that ends on the model's EOS matches.
 
-llguidance builds its view of the tokenizer from the export's tokenizer.json (no torch or
-transformers), once per engine and only when a constraint is first asked for.
+llguidance gets its view of the tokenizer (each token's bytes) from edgeinfer's tokenizer, with no
+torch or transformers, once per engine and only when a constraint is first asked for.
 """
 from __future__ import annotations
 
@@ -16,29 +16,38 @@ import numpy as np
 
 from .errors import SettingsError
 from .settings import Constraint
+from .tokenizer import Tokenizer
 
 
 class Constraints:
-    """An engine's compiler of constraints, and the bytes of each token (logprobs report them)."""
+    """An engine's compiler of constraints, over llguidance's view of the engine's tokenizer."""
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_ids: tuple[int, ...]):
-        self.tokenizer_file, self.vocab_size, self.eos_ids = Path(tokenizer_file), vocab_size, list(eos_ids)
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+        self._source, self.vocab_size, self.eos_ids = tokenizer, vocab_size, list(eos_ids)
         self._tokenizer = None
         self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
-        """llguidance's tokenizer, built at the first use (about a second for a 50k vocabulary)."""
+        """llguidance's tokenizer, built at the first use (about a second for a 50k vocabulary)
+        from each token's bytes as edgeinfer decodes them: llguidance's own reading of a
+        tokenizer.json takes byte-level tokens for text where the decoder is not plain ByteLevel
+        (as in tokenizers converted from GGUF), and would then let through what it should not."""
         with self._lock:
             if self._tokenizer is None:
                 llguidance = _llguidance()
-                try:
-                    self._tokenizer = llguidance.LLTokenizer(self.tokenizer_file.read_text(), n_vocab=self.vocab_size,
-                                                             eos_token=self.eos_ids or None)
-                except Exception as e:  # noqa: BLE001 - llguidance raises bare errors on tokenizers it cannot read
-                    raise SettingsError(f"constrained decoding cannot use this model's tokenizer ({e}): generate without "
-                                        "response_format or choice") from None
+                if not self.eos_ids:
+                    raise SettingsError("this model names no EOS token, which ends a constrained output: generate without "
+                                        "response_format or choice")
+                self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens(self._source, self.vocab_size,
+                                                                                             self.eos_ids)),
+                                                         n_vocab=self.size, eos_token=self.eos_ids)
             return self._tokenizer
+
+    @property
+    def size(self) -> int:
+        """Token ids llguidance knows: the model's vocabulary, or the tokenizer's where it is larger."""
+        return max(self.vocab_size, len(self._source.vocabulary.tokens))
 
     def start(self, constraint: Constraint | None) -> Matcher | None:
         """A fresh matcher for one output, or None without a constraint. A schema, regex or grammar
@@ -50,28 +59,39 @@ class Constraints:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise SettingsError(f"the {_NAMES[constraint.kind]} cannot be used: {matcher.get_error()}")
-        started = Matcher(matcher, self.vocab_size, self.tokenizer.eos_tokens)
+        started = Matcher(matcher, self.vocab_size, self.size, self.eos_ids)
         if not started.allowed().any() or (started.is_finished and not started.is_complete):
             raise SettingsError(f"no output can match the {_NAMES[constraint.kind]} (nothing this model's tokens can spell "
                                 "matches it): check it")
         return started
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes a token adds to the text (a byte-level token may hold part of a character);
-        none for special tokens and ids the tokenizer does not know, which add no text, and for a
-        token of the byte 0xFF (never in UTF-8 text), which llguidance reserves."""
-        tokenizer = self.tokenizer
-        return b"" if tokenizer.is_special_token(token) else tokenizer.decode_bytes([token])
+
+class _Tokens:
+    """The tokenizer as llguidance.TokenizerWrapper reads it: each id's bytes, the special ids
+    (with the ids past the tokenizer's vocabulary, which spell nothing), and encoding."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: list[int]):
+        vocabulary = tokenizer.vocabulary
+        extra = range(len(vocabulary.tokens), vocab_size)
+        self.tokens = [*vocabulary.tokens, *(f"<[{i}]>".encode() for i in extra)]
+        self.special_token_ids = sorted({*vocabulary.special, *extra})
+        self.eos_token_id, self.bos_token_id = eos_ids[0], None
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")
+        return self._encode(text, add_special_tokens=False)
 
 
 class Matcher:
     """Where one output stands in its constraint."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: list[int]):
-        """`eos_ids`: the tokens that end the output where it is complete (the model's EOS, or
-        llguidance's guess from the tokenizer where the export names none)."""
+    def __init__(self, matcher, vocab_size: int, known: int, eos_ids: list[int]):
+        """`vocab_size`: the model's logits; `known`: the ids llguidance knows (at least those);
+        `eos_ids`: the tokens that end the output where it is complete."""
         self._matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, list(eos_ids)
-        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), np.int32)
+        self._bitmask = np.zeros((1, (known + 31) // 32), np.int32)
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens that may come next."""

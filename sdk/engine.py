@@ -50,7 +50,8 @@ class Engine:
         self.graph = self._open_graph(manifest.graph, options)
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
-        self.constraints = Constraints(self.folder / manifest.tokenizer.file, manifest.vocab_size, manifest.eos_token_ids)
+        eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
+        self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
 
     @classmethod
     def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,

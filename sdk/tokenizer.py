@@ -2,7 +2,10 @@
 rendered with jinja2 in a sandbox (no transformers)."""
 from __future__ import annotations
 
+import functools
 import json
+import re
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -32,6 +35,21 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """Each token's bytes, as decoding writes them (constraints and logprobs need them)."""
+        return Vocabulary.of(self._tokenizer)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token adds to the text (a byte-level token may hold part of a character);
+        none for special tokens and ids the tokenizer does not know, which add no text."""
+        vocabulary = self.vocabulary
+        return b"" if token >= len(vocabulary.tokens) or token in vocabulary.special else vocabulary.tokens[token]
+
+    def token_id(self, text: str | None) -> int | None:
+        """The id of a token given by its text (a special token's), or None."""
+        return None if text is None else self._tokenizer.token_to_id(text)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it."""
         if self.chat_template is None:
@@ -51,6 +69,49 @@ class Tokenizer:
 
 def _raise_template_error(message: str):
     raise TemplateError(message)
+
+
+# GPT-2's byte-level alphabet: the printable character that stands for each byte in a vocabulary.
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+_BYTE_OF = {chr(b): b for b in _PRINTABLE} | {chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """`tokens[id]`: the bytes token `id` adds to the text (special tokens: their own text, and
+    listed in `special`). Read from the vocabulary, not from decoding one token at a time, which
+    loses the bytes of a token that holds part of a character."""
+
+    tokens: list[bytes]
+    special: frozenset[int]
+
+    @classmethod
+    def of(cls, tokenizer: _Tokenizer) -> Vocabulary:
+        spec = json.loads(tokenizer.to_str())
+        byte_level = _declares(spec.get("decoder"), "ByteLevel") or _declares(spec.get("pre_tokenizer"), "ByteLevel")
+        added = tokenizer.get_added_tokens_decoder()
+        tokens = [b""] * tokenizer.get_vocab_size(with_added_tokens=True)
+        for text, index in tokenizer.get_vocab(with_added_tokens=True).items():
+            tokens[index] = added[index].content.encode() if index in added else _token_bytes(text, byte_level)
+        return cls(tokens, frozenset(i for i, token in added.items() if token.special))
+
+
+def _token_bytes(text: str, byte_level: bool) -> bytes:
+    if (byte := _BYTE_TOKEN.fullmatch(text)) is not None:  # SentencePiece's byte fallback
+        return bytes([int(byte.group(1), 16)])
+    if byte_level and all(c in _BYTE_OF for c in text):
+        return bytes(_BYTE_OF[c] for c in text)
+    return text.replace("\u2581", " ").encode()  # SentencePiece's word start
+
+
+def _declares(part, kind: str) -> bool:
+    """Whether a tokenizer.json part (a decoder, a pre-tokenizer, or a sequence of them) has `kind`."""
+    if isinstance(part, dict):
+        return part.get("type") == kind or any(_declares(v, kind) for v in part.values())
+    if isinstance(part, list):
+        return any(_declares(v, kind) for v in part)
+    return False
 
 
 class Detokenizer:

@@ -113,7 +113,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name, engine.constraints.token_bytes)
+        reply = Reply(chat, model_name, engine.tokenizer.token_bytes)
         if body.stream:
             return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream")
         result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])

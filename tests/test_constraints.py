@@ -227,3 +227,35 @@ def test_a_finished_constraint_ends_without_another_pass(engine):
     result = engine.generate(PROMPT, choice=["Paris is big"])
     assert result.finish_reason == "eos" and len(result.token_ids) > 1
     assert len(runs) == len(result.token_ids)  # the prefill made the first token, each decode one more
+
+
+GGUF_DECODER = {"type": "Sequence", "decoders": [
+    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+    {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+
+
+@pytest.mark.parametrize("decoder", ["ByteLevel", "as converted from GGUF"])
+def test_token_bytes_join_to_the_text_and_constraints_read_them(tmp_path, decoder):
+    """Each token's bytes, read from the vocabulary, join to the text, also for the decoder
+    transformers writes when it converts a GGUF tokenizer (SmolLM2's offline source), which
+    llguidance's own reader takes for plain text; and a constraint accepts what the tokens spell."""
+    from conftest import CORPUS, build_tokenizer
+
+    from edgeinfer.sdk.constraints import Constraints
+    from edgeinfer.sdk.manifest import TokenizerSpec
+    from edgeinfer.sdk.settings import Constraint
+    from edgeinfer.sdk.tokenizer import Tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    if decoder != "ByteLevel":
+        spec["decoder"] = GGUF_DECODER
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer(tmp_path, TokenizerSpec())
+    for text in [*set(CORPUS), "a\n\tb  c", "東京 🙂 é"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(tokenizer.token_bytes(t) for t in ids) == tokenizer.decode(ids).encode() == text.encode()
+    matcher = Constraints(tokenizer, 320, (EOS_ID,)).start(Constraint("regex", "[a-z ]+\n"))
+    for token in tokenizer.encode("edge boxes run models\n", add_special_tokens=False):
+        matcher.consume(token)
+    assert matcher.is_complete and matcher.is_finished

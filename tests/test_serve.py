@@ -130,7 +130,7 @@ def test_logprob_bytes_join_to_the_text_where_characters_span_tokens(chain_llama
 
     engine = Engine.load(chain_llama[0], provider="cpu")
     result = engine.generate([1], max_new_tokens=30, logprobs=True, top_logprobs=2)
-    content = Reply(True, "m", engine.constraints.token_bytes).whole(result)["choices"][0]["logprobs"]["content"]
+    content = Reply(True, "m", engine.tokenizer.token_bytes).whole(result)["choices"][0]["logprobs"]["content"]
     assert result.text == "".join(CHAIN_TEXT) and len(content) == len(result.token_ids)
     assert b"".join(bytes(c["bytes"]) for c in content) == result.text.encode()
     assert any(len(c["bytes"]) == 1 and c["bytes"][0] >= 0x80 for c in content)  # part of a character
@@ -213,7 +213,9 @@ def test_logprobs_in_openais_shapes(server, client, engine):
     legacy = client.completions.create(model=server[1], prompt="Edge boxes", max_tokens=6, logprobs=2).choices[0].logprobs
     alone = engine.generate("Edge boxes", max_new_tokens=6, logprobs=True, top_logprobs=2)
     assert [round(v, 5) for v in legacy.token_logprobs] == [round(c.logprob, 5) for c in alone.logprobs]
-    assert len(legacy.tokens) == len(alone.token_ids) and all(len(top) == 2 for top in legacy.top_logprobs)
+    # the legacy top_logprobs are keyed by the token's text: two tokens that spell the same (parts of
+    # characters, shown as U+FFFD) share one key
+    assert len(legacy.tokens) == len(alone.token_ids) and all(1 <= len(top) <= 2 for top in legacy.top_logprobs)
     assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(len(legacy.tokens))]
     body = {"model": server[1], "messages": CHAT, "max_tokens": 8, "stream": True, "logprobs": True}
     with httpx.stream("POST", f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
