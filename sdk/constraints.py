@@ -119,7 +119,7 @@ class Matcher:
 # JSON as json.dumps writes it (", " and ": " between items, no newlines): a small model free to
 # add whitespace can spend its whole budget on it. A schema's own "x-guidance" key overrides this,
 # e.g. {"x-guidance": {"whitespace_flexible": true}}.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "choice"}
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edgeinfer import Engine, GenerationConfig
+from edgeinfer.sdk.constraints import JSON_DEFAULTS
 from edgeinfer.sdk.errors import SettingsError
 
 from conftest import EOS_ID, build_llama
@@ -67,6 +68,7 @@ def test_sampled_outputs_that_complete_validate_against_their_schema(engine, nam
         assert result.finish_reason == "eos"
         jsonschema.validate(json.loads(result.text), SCHEMAS[name])
     assert len(complete) >= 20, [(r.finish_reason, r.text) for r in results if not r.complete]
+    assert all(", " in r.text or r.text.count(":") <= 1 for r in complete)  # json.dumps' separators
     assert len({r.text for r in complete}) > 5  # the seeds really sampled
     for result in results:
         if not result.complete:  # cut by max_new_tokens: the raw text, never repaired
@@ -119,14 +121,14 @@ def test_streaming_under_a_constraint_gives_the_same_text(engine):
 
 def test_greedy_tokens_under_a_schema_equal_transformers_with_the_same_mask(engine, eos_llama):
     """A reference loop: transformers' logits, the mask of an independent llguidance matcher (JSON
-    without free whitespace, as edgeinfer compiles schemas), argmax; the engine's greedy
+    as json.dumps writes it, as edgeinfer compiles schemas), argmax; the engine's greedy
     constrained tokens equal it, EOS included."""
     import llguidance
     import torch
 
     model, _ = eos_llama
     schema = SCHEMAS["numbers"]
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
     matcher = llguidance.LLMatcher(engine.constraints.tokenizer, grammar)
     ids, expected = engine.prompt_ids(PROMPT), []
     bitmask = np.zeros((1, (model.config.vocab_size + 31) // 32), np.int32)
