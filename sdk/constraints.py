@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import numpy as np
 
