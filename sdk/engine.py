@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from .constraints import Constraints
 from .errors import ContextLengthError, GenerationError, ManifestError, SettingsError
-from .kv_cache import PAD_ID, InPlaceKVCache, KVCache
+from .kv_cache import PAD_ID, InPlaceKVCache, KVCache, PrefixCache
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
 from .runtime import Graph, GenerationBindings, LogitsHeads, RuntimeOptions, choose_provider
@@ -22,6 +22,9 @@ from .tokenizer import Tokenizer
 # Prefilling in chunks gives bit-identical logits with a smaller memory peak (README, "Chunked
 # prefill", has the figures measured on SmolLM2).
 DEFAULT_PREFILL_CHUNK = 256
+# MiB of prompts' keys and values kept for prompts that start the same way (SmolLM2: 46 KiB a
+# token, so about 1,400 tokens).
+DEFAULT_PREFIX_CACHE_MIB = 64
 # Inputs the engine knows how to fill, besides the KV cache.
 _STEP_INPUTS = {"input_ids", "attention_mask", "position_ids"}
 
@@ -44,19 +47,26 @@ class Engine:
         self.max_context = _serving_context(manifest, limits.max_context)
         self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
-        self.memory = MemoryPlan.of(manifest, self.max_context, limits.max_batch)
+        available = available_bytes(self.provider, limits.memory_limit)
+        plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch)
+        self.memory = MemoryPlan.of(manifest, self.max_context, limits.max_batch,
+                                    _prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
         self._memory_limit = limits.memory_limit
-        self.memory.check(*available_bytes(self.provider, limits.memory_limit))  # before the weights are read
+        self.memory.check(*available)  # before the weights are read
         self.graph = self._open_graph(manifest.graph, options)
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
+        # Prompts' keys and values kept for the next prompt that starts the same way: read and
+        # written on the host, so for caches written in place on the CPU provider.
+        usable = manifest.kv.in_place and manifest.kv.sequence_axis == 2 and self.provider == "cpu"
+        self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
 
     @classmethod
     def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None, max_batch: int = 1,
-             memory_limit: int | None = None, verify: bool = False) -> Engine:
+             memory_limit: int | None = None, verify: bool = False, prefix_cache: int | None = None) -> Engine:
         """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
         Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
@@ -65,9 +75,17 @@ class Engine:
         export's) in batches of `max_batch`; loading refuses, before reading the weights, where
         they and that much KV cache do not fit in `memory_limit` bytes (default: the memory the
         device has free). File sizes are always checked against the manifest; `verify` checks
-        their SHA-256 too (it reads every byte)."""
+        their SHA-256 too (it reads every byte).
+
+        `prefix_cache` MiB of prompts' keys and values are kept (default: 64, or what fits beside
+        the weights and KV cache; none under a `memory_limit`), so a prompt that starts like a recent one (a system prompt, a
+        document, a conversation's earlier turns) prefills only the rest, with the same logits; 0
+        turns it off. It serves single prompts and the Scheduler,
+        on the CPU provider, for exports whose cache is written in place."""
         options = RuntimeOptions(provider=provider, threads=threads)
-        limits = LoadLimits(max_context, max_batch, memory_limit)
+        if prefix_cache is not None and (isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0):
+            raise SettingsError(f"prefix_cache must be a number of MiB of at least 0 (0 turns it off), got {prefix_cache!r}")
+        limits = LoadLimits(max_context, max_batch, memory_limit, None if prefix_cache is None else prefix_cache * 2**20)
         manifest = load_manifest(path)
         if verify:
             verify_files(Path(path), manifest.files)
@@ -211,7 +229,8 @@ class Engine:
         (`kv.in_place`) allocates it, once, at the first prefill."""
         shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
         if self.manifest.kv.in_place:
-            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate)
+            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
+                                  self.prefix_cache, self.graph.host_view)
         return KVCache(self.manifest.kv, shapes)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
@@ -262,6 +281,18 @@ class Engine:
             raise ContextLengthError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the "
                                      "prompt, or pass truncate='left' (--truncate left) to keep its end", longest, self.max_context)
         return room
+
+
+def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, memory_limit: int | None) -> int:
+    """Bytes for the prefix cache: as asked (the memory check then counts it). By default none
+    under a memory limit (an app that sets one asks for the cache too), else up to
+    DEFAULT_PREFIX_CACHE_MIB, within what the device has beside the weights and KV cache."""
+    if asked is not None:
+        return asked
+    if memory_limit is not None:
+        return 0
+    default = DEFAULT_PREFIX_CACHE_MIB * 2**20
+    return default if available is None else max(0, min(default, available - plan.total))
 
 
 def _serving_context(manifest: Manifest, requested: int | None) -> int:

@@ -2,7 +2,10 @@
 of its slots hold real tokens (the attention mask) for every row of a batch."""
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -88,13 +91,17 @@ class InPlaceKVCache(KVCache):
     how many each row has (the graph derives its lengths from it).
     """
 
-    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate):
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate,
+                 prefix: PrefixCache | None = None, host_view=None):
         """`capacity`: slots per row (prompt plus new tokens); `allocate(shape, dtype)` makes an
-        uninitialised buffer on the engine's device."""
+        uninitialised buffer on the engine's device. With `prefix` and `host_view` (a numpy view
+        of a buffer: the CPU provider), a single prompt starts from the cached blocks it begins
+        with, and leaves its own there."""
         super().__init__(spec, past_shapes)
         self.capacity = capacity
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
+        self._prefix, self._host_view = (prefix, host_view) if prefix is not None and prefix.budget else (None, None)
 
     def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
@@ -110,11 +117,21 @@ class InPlaceKVCache(KVCache):
         for row, prompt in enumerate(prompts):
             ids[row, :len(prompt)] = prompt
         final = np.array([len(p) for p in prompts], np.int64)
-        for start in range(0, width, chunk):
+        rows = self._rows() if len(prompts) == 1 else None
+        cached = self._prefix.restore(prompts[0], rows) if rows else 0
+        for start in range(cached, width, chunk):
             end = min(start + chunk, width)
             self.lengths = np.minimum(final, end)
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
             yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions}
+        if rows:
+            self._prefix.store(prompts[0], rows)
+
+    def _rows(self) -> dict[str, np.ndarray] | None:
+        """Row 0 of each buffer on the host, [kv_heads, capacity, head_size], where the prefix cache is on."""
+        if self._prefix is None:
+            return None
+        return {name: self._host_view(value)[0] for name, value in self.past.items()}
 
     def _buffer_shape(self, name: str, batch: int) -> list[int]:
         return _buffer_shape(self.spec, self.past_shapes[name], batch, self.capacity)
@@ -158,12 +175,30 @@ class SlotPool:
     their next prefill chunk or first decode writes again: nothing they hold is disturbed.
     """
 
-    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], max_batch: int, capacity: int, allocate):
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], max_batch: int, capacity: int, allocate,
+                 prefix: PrefixCache | None = None, host_view=None):
+        """With `prefix` and `host_view` (the CPU provider), a prompt starts from the cached blocks
+        it begins with (`restore`), and leaves its own there once prefilled (`store`)."""
         self.spec, self.capacity = spec, capacity
         self.buffers = {past: allocate(_buffer_shape(spec, past_shapes[past], max_batch, capacity), spec.dtype)
                         for past in spec.past}
         self.lengths = np.zeros(max_batch, np.int64)  # tokens each slot holds
         self._free = list(range(max_batch))
+        on = prefix is not None and prefix.budget
+        self._prefix = prefix if on else None
+        self._views = {name: host_view(value) for name, value in self.buffers.items()} if on else None
+
+    def restore(self, slot: int, ids: list[int]) -> int:
+        """Fill `slot` with the cached blocks that start `ids`; returns how many tokens they hold."""
+        if self._prefix is None:
+            return 0
+        self.lengths[slot] = self._prefix.restore(ids, {name: view[slot] for name, view in self._views.items()})
+        return int(self.lengths[slot])
+
+    def store(self, slot: int, ids: list[int]) -> None:
+        """Keep the blocks of a prompt that `slot` holds, prefilled."""
+        if self._prefix is not None:
+            self._prefix.store(ids, {name: view[slot] for name, view in self._views.items()})
 
     @property
     def pooled(self) -> dict:
@@ -211,3 +246,71 @@ class SlotPool:
 
 def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:
     return [capacity if axis == spec.sequence_axis else (dim if isinstance(dim, int) else batch) for axis, dim in enumerate(declared)]
+
+
+@dataclass
+class _Block:
+    id: int
+    kv: dict[str, np.ndarray]  # each past input's keys or values of the block's tokens [kv_heads, block, head_size]
+
+
+@dataclass
+class PrefixCache:
+    """Keys and values of recent prompts, kept on the host in blocks of `block` tokens, so that a
+    prompt that starts like an earlier one prefills only the rest (a system prompt, a document
+    asked about again, a conversation's earlier turns). A block is found by its tokens and the
+    block before it, so it stands for its tokens and every token before them, compared exactly.
+    Blocks used least recently leave first once `budget` bytes are held; 0 turns it off.
+
+    It reads and writes rows of a cache written in place ([rows, kv_heads, capacity, head_size],
+    viewed on the host: the CPU provider)."""
+
+    budget: int
+    block: int = 32
+    hits: int = 0  # prompt tokens that came from the cache
+    misses: int = 0  # prompt tokens that were prefilled
+    held: int = 0  # bytes
+    _blocks: OrderedDict = field(default_factory=OrderedDict)  # (parent id, tokens) -> _Block
+    _next_id: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # an engine serves many threads
+
+    def restore(self, ids: list[int], rows: dict[str, np.ndarray]) -> int:
+        """Copy the cached blocks that start `ids` into `rows` (each past input's row, [kv_heads,
+        capacity, head_size]); returns how many tokens they hold. At least one token is left to
+        prefill, whose logits choose the first new token."""
+        with self._lock:
+            return self._restore(ids, rows)
+
+    def _restore(self, ids: list[int], rows: dict[str, np.ndarray]) -> int:
+        parent, done = 0, 0
+        while self.budget and done + self.block < len(ids):
+            found = self._blocks.get((parent, tuple(ids[done:done + self.block])))
+            if found is None:
+                break
+            self._blocks.move_to_end((parent, tuple(ids[done:done + self.block])))
+            for name, row in rows.items():
+                row[:, done:done + self.block] = found.kv[name]
+            parent, done = found.id, done + self.block
+        self.hits += done
+        self.misses += len(ids) - done
+        return done
+
+    def store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
+        """Keep the whole blocks of `ids`, whose keys and values `rows` now hold."""
+        with self._lock:
+            self._store(ids, rows)
+
+    def _store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
+        parent = 0
+        for start in range(0, len(ids) - self.block + 1, self.block) if self.budget else ():
+            key = (parent, tuple(ids[start:start + self.block]))
+            if key not in self._blocks:
+                kv = {name: row[:, start:start + self.block].copy() for name, row in rows.items()}
+                self._blocks[key] = _Block(self._next_id, kv)
+                self._next_id += 1
+                self.held += sum(a.nbytes for a in kv.values())
+            self._blocks.move_to_end(key)
+            parent = self._blocks[key].id
+        while self.held > self.budget and self._blocks:
+            _, dropped = self._blocks.popitem(last=False)
+            self.held -= sum(a.nbytes for a in dropped.kv.values())

@@ -18,18 +18,19 @@ _CGROUP = Path("/sys/fs/cgroup")
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes an engine holds: its weights (the graph files), and its KV cache for `context`
-    tokens in each of `batch` rows."""
+    """Bytes an engine holds: its weights (the graph files), its KV cache for `context` tokens in
+    each of `batch` rows, and what its prefix cache may hold."""
 
     weights: int
     kv_per_token: int
     context: int
     batch: int
+    prefix_cache: int = 0
 
     @classmethod
-    def of(cls, manifest: Manifest, context: int, batch: int) -> MemoryPlan:
+    def of(cls, manifest: Manifest, context: int, batch: int, prefix_cache: int = 0) -> MemoryPlan:
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
-        return cls(weights, kv_bytes_per_token(manifest), context, batch)
+        return cls(weights, kv_bytes_per_token(manifest), context, batch, prefix_cache)
 
     @property
     def kv(self) -> int:
@@ -37,14 +38,16 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv
+        return self.weights + self.kv + self.prefix_cache
 
     def check(self, available: int | None, where: str) -> None:
         """Refuse, with the figures and what would fit, where the plan needs more than `available`."""
         if available is None or self.total <= available:
             return
         need = f"{size_text(self.weights)} of weights and {size_text(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
-        room = available - self.weights
+        if self.prefix_cache:
+            need += f" and a prefix cache of {size_text(self.prefix_cache)}"
+        room = available - self.weights - self.prefix_cache
         if room < 2 * self.kv_per_token * self.batch:  # not even a context of 2 tokens
             raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
                                 "use a quantized export (edgeinfer export --quantize int4) or free memory")
@@ -111,7 +114,7 @@ def check_generation(plan: MemoryPlan, batch: int, capacity: int, device: str, l
     if free is None:
         return
     if limit is not None:
-        free -= plan.weights
+        free -= plan.weights + plan.prefix_cache
     if need > free:
         rows = free // (plan.kv_per_token * capacity)
         way = f"run at most {rows} prompts at a time, or ask for fewer new tokens" if rows >= 1 else "ask for fewer new tokens, or free memory"
@@ -136,9 +139,10 @@ class LoadLimits:
     max_context: int | None = None
     max_batch: int = 1
     memory_limit: int | None = None
+    prefix_cache: int | None = 0  # bytes the prefix cache may hold (kv_cache.PrefixCache); None: what fits, up to a default
 
     def __post_init__(self):
-        for name, low in (("max_context", 2), ("max_batch", 1), ("memory_limit", 1)):
+        for name, low in (("max_context", 2), ("max_batch", 1), ("memory_limit", 1), ("prefix_cache", 0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise SettingsError(f"{name} must be an integer of at least {low}, got {value!r}")

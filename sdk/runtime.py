@@ -1,6 +1,7 @@
 """The one module that talks to ONNX Runtime: providers, sessions, IO binding, OrtValues."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import tempfile
@@ -155,6 +156,15 @@ class Graph:
     def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
+
+    def host_view(self, value: ort.OrtValue) -> np.ndarray:
+        """A numpy array over a CPU value's own memory (writes go into the value); valid while the
+        value lives."""
+        if self.device != "cpu":
+            raise ProviderError(f"a {self.device} value has no host view: copy it instead")
+        dtype, shape = np.dtype(_NUMPY_TYPES[value.data_type()]), value.shape()
+        memory = (ctypes.c_byte * (int(np.prod(shape)) * dtype.itemsize)).from_address(value.data_ptr())
+        return np.frombuffer(memory, dtype).reshape(shape)
 
     def allocate_output(self, name: str, shape: list[int]) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device for output `name`, of `shape`."""

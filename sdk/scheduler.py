@@ -97,7 +97,8 @@ class Scheduler:
         if self.is_batched:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
             shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
-            self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate)
+            self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
+                                 engine.prefix_cache, engine.graph.host_view)
         self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []
@@ -188,6 +189,8 @@ class Scheduler:
         while self._waiting and self._free_rows():
             row = self._waiting.popleft()
             row.slot = self.pool.acquire() if self.is_batched else 0
+            if self.is_batched:
+                row.prefilled = self.pool.restore(row.slot, row.sequence.prompt_ids)
             self._rows.append(row)
 
     def _drop_cancelled(self) -> None:
@@ -219,6 +222,7 @@ class Scheduler:
         logits = self.engine.graph.run_rows(inputs, self.pool.pooled, row.slot, 1)
         row.prefilled = end
         if row.is_decoding:
+            self.pool.store(row.slot, ids)
             token = self._choose(logits, [row], [0])[0]
             self._add(row, token)
 

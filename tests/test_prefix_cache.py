@@ -1,0 +1,94 @@
+"""The prefix cache: a prompt that starts like an earlier one prefills only the rest, and every
+logit and token equals what the same engine gives with the cache off."""
+import numpy as np
+import pytest
+from conftest import count_graph_runs
+
+from edgeinfer import Engine, Scheduler
+
+SYSTEM = [(11 * i) % 300 + 3 for i in range(150)]  # a long shared start: 4 whole blocks of 32 and part of a fifth
+QUESTIONS = [[40, 41, 42], [50, 51, 52, 53, 54], [60]]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    return Engine.load(tiny_llama[1], provider="cpu", prefix_cache=16), Engine.load(tiny_llama[1], provider="cpu", prefix_cache=0)
+
+
+def prefill_logits(engine, ids):
+    cache = engine.new_cache(len(ids) + 1)
+    return engine.prefill([ids], cache).numpy()
+
+
+def test_prompts_that_share_a_start_reuse_it_with_the_same_logits_and_tokens(engines):
+    cached, plain = engines
+    assert cached.prefix_cache.budget == 16 * 2**20 and plain.prefix_cache.budget == 0
+    cached.generate(SYSTEM + [99], max_new_tokens=1)  # the first prompt: prefilled whole, its blocks kept
+    for question in QUESTIONS:
+        before = cached.prefix_cache.hits
+        ids = SYSTEM + question
+        np.testing.assert_array_equal(prefill_logits(cached, ids), prefill_logits(plain, ids))
+        assert cached.prefix_cache.hits - before == 128  # the 4 whole blocks of the shared start
+        greedy = cached.generate(ids, max_new_tokens=12, ignore_eos=True)
+        assert greedy.token_ids == plain.generate(ids, max_new_tokens=12, ignore_eos=True).token_ids
+        seeded = dict(max_new_tokens=12, temperature=1.0, seed=4)
+        assert cached.generate(ids, **seeded).token_ids == plain.generate(ids, **seeded).token_ids
+    assert cached.prefix_cache.held > 0 and plain.prefix_cache.held == 0
+
+
+def test_a_hit_prefills_only_the_rest(engines):
+    cached, _ = engines
+    ids = SYSTEM + [70, 71]
+    cached.generate(ids, max_new_tokens=1)  # its blocks are cached now
+    with_chunks = Engine.load(cached.folder, provider="cpu", prefill_chunk=16, prefix_cache=16)
+    with_chunks.generate(ids, max_new_tokens=1)  # 10 chunks of 16 for 152 tokens, then cached
+    runs = count_graph_runs(with_chunks)
+    with_chunks.generate(ids, max_new_tokens=1)
+    assert len(runs) == 2  # 24 tokens after the 128 cached: 2 chunks, and the one token needs no decode
+    del with_chunks.graph.session.run_with_iobinding
+
+
+def test_a_prompt_that_shares_only_part_of_a_block_uses_the_whole_blocks_before_it(engines):
+    cached, plain = engines
+    cached.generate(SYSTEM, max_new_tokens=1)
+    ids = SYSTEM[:40] + [90, 91, 92]  # 32 tokens of the first block, then 8 of the second, then others
+    before = cached.prefix_cache.hits
+    assert cached.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids == \
+        plain.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids
+    assert cached.prefix_cache.hits - before == 32
+    changed = [SYSTEM[0] + 1] + SYSTEM[1:]  # one token differs in the first block: nothing matches
+    before = cached.prefix_cache.hits
+    cached.generate(changed, max_new_tokens=1)
+    assert cached.prefix_cache.hits == before
+
+
+def test_the_budget_is_kept_least_recently_used_first(tiny_llama):
+    engine = Engine.load(tiny_llama[1], provider="cpu", prefix_cache=0)
+    block_bytes = engine.memory.kv_per_token * 32
+    engine.prefix_cache.budget = 3 * block_bytes
+    engine.generate(SYSTEM[:64] + [1], max_new_tokens=1)  # 2 blocks
+    engine.generate(QUESTIONS[1] * 13, max_new_tokens=1)  # 65 tokens: 2 more blocks, the oldest goes
+    assert engine.prefix_cache.held == 3 * block_bytes
+    before = engine.prefix_cache.hits
+    engine.generate(SYSTEM[:64] + [1], max_new_tokens=1)
+    assert engine.prefix_cache.hits == before  # its first block left first, so the chain is gone
+
+
+def test_the_scheduler_reuses_prompts_and_answers_as_alone(engines):
+    cached, plain = engines
+    with Scheduler(cached, max_batch=3) as scheduler:
+        first = scheduler.submit(SYSTEM + QUESTIONS[0], max_new_tokens=8, ignore_eos=True).result()
+        before = cached.prefix_cache.hits
+        requests = [scheduler.submit(SYSTEM + q, max_new_tokens=8, ignore_eos=True) for q in QUESTIONS]
+        results = [r.result() for r in requests]
+    assert cached.prefix_cache.hits - before == 3 * 128
+    assert first.token_ids == results[0].token_ids
+    for question, result in zip(QUESTIONS, results):
+        assert result.token_ids == plain.generate(SYSTEM + question, max_new_tokens=8, ignore_eos=True).token_ids
+
+
+def test_a_bad_budget_is_refused(tiny_llama):
+    from edgeinfer.sdk.errors import SettingsError
+
+    with pytest.raises(SettingsError, match=r"prefix_cache must be a number of MiB of at least 0 \(0 turns it off\), got -1"):
+        Engine.load(tiny_llama[1], provider="cpu", prefix_cache=-1)
