@@ -52,7 +52,7 @@ class MaskClock:
 
 def main(export_dir: str, prompts_path: str) -> None:
     ids = json.loads(Path(prompts_path).read_text())["prompts"]["p128"]
-    engine = Engine.load(export_dir, provider="cpu", threads=2)
+    engine = Engine.load(export_dir, provider="cpu", threads=2, prefix_cache=0)  # every run prefills its prompt
     engine.generate(ids, max_new_tokens=4)  # warm-up
     rates = {name: [] for name in [*VARIANTS, *CONSTRAINED]}
     throughput = {size: [] for size in BATCHES}

@@ -12,7 +12,7 @@ while idle, after the load (from /proc).
                                [--server-pid PID]
 
 Every request sends the same prompt, so a server that caches prompts between requests must be told
-not to: for llama-server, `--extra '{"cache_prompt": false}'`. A request on a kept-alive connection
+not to: `edgeinfer serve --prefix-cache 0`, and for llama-server `--extra '{"cache_prompt": false}'`. A request on a kept-alive connection
 that the server had closed is sent again and counted (`retried`).
 
 Raw HTTP (httpx) rather than the openai client, so the client costs the server's 2 cores as little

@@ -53,11 +53,11 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
 @with_options(GENERATION_OPTIONS)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming.")
-def run(prompt, model, provider, threads, max_context, memory_limit, chat, as_json, **params):
+def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cache, chat, as_json, **params):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
     settings = generation_settings(params)
     prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
-    engine = load_engine(model, provider, threads, max_context, memory_limit)
+    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
     if as_json:
         result = engine.generate(ids, **settings)
@@ -97,6 +97,14 @@ def info(folder, architectures):
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
     click.echo(f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
                f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens")
+    if manifest.kv.in_place:
+        from edgeinfer.sdk.engine import DEFAULT_PREFIX_CACHE_MIB
+
+        tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
+        click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default on the CPU provider, {tokens} tokens of prompts "
+                   "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
+    else:
+        click.echo("prefix cache: not available (this export's attention does not write its cache in place)")
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

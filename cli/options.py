@@ -14,6 +14,8 @@ MODEL_OPTIONS = [
     click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core]."),
     click.option("--max-context", default=None, type=int, help="Tokens (prompt and reply) to serve [default: the export's context]."),
     click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV cache may use [default: what is free]."),
+    click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
+                 help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64]."),
 ]
 # Each defaults to None: the model's own default (its generation config) applies.
 GENERATION_OPTIONS = [

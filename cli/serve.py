@@ -24,8 +24,10 @@ from .resolve import resolve_export, say
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
 @click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV pool may use [default: what is free].")
+@click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
+              help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64].")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM.")
-def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, grace):
+def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, prefix_cache, grace):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health and /metrics."""
     try:
@@ -41,7 +43,7 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
 
     def load():
         engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
-                             max_batch=max_batch, memory_limit=limit)
+                             max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache)
         say(f"provider: {engine.provider} ({engine.provider_reason})")
         return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 

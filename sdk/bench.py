@@ -49,7 +49,7 @@ def run_benchmark(path, provider: str = "cpu", threads: int | None = None, promp
     """Load the export at `path` and measure it on `prompts` (name → token ids; default: seeded
     random ids of PROMPT_LENGTHS tokens, those that fit the model's context)."""
     start = time.perf_counter()
-    engine = Engine.load(path, provider=provider, threads=threads)
+    engine = Engine.load(path, provider=provider, threads=threads, prefix_cache=0)  # each repeat prefills its prompt
     result = BenchResult(model=engine.manifest.source, provider=engine.provider, threads=threads, new_tokens=new_tokens,
                          repeats=repeats, load_s=time.perf_counter() - start, rss_after_load_mib=rss_mib())
     prompts = prompts or random_prompts(engine, new_tokens)

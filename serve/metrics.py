@@ -18,6 +18,9 @@ class Metrics:
         self.queue = Gauge("edgeinfer_queue_length", "Requests waiting for a row", registry=self.registry)
         self.running = Gauge("edgeinfer_running_rows", "Requests in the running batch", registry=self.registry)
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=self.registry)
+        self.prefix_hits = Gauge("edgeinfer_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache", registry=self.registry)
+        self.prefix_misses = Gauge("edgeinfer_prefix_cache_miss_tokens", "Prompt tokens prefilled", registry=self.registry)
+        self.prefix_bytes = Gauge("edgeinfer_prefix_cache_bytes", "Bytes the prefix cache holds", registry=self.registry)
         self.inter_token = Histogram("edgeinfer_inter_token_latency_seconds", "Mean time between tokens, per generation",
                                      buckets=_LATENCY, registry=self.registry)
 
@@ -32,4 +35,8 @@ class Metrics:
         if scheduler is not None:
             self.queue.set(scheduler.waiting)
             self.running.set(scheduler.running)
+            cache = scheduler.engine.prefix_cache
+            self.prefix_hits.set(cache.hits)
+            self.prefix_misses.set(cache.misses)
+            self.prefix_bytes.set(cache.held)
         return generate_latest(self.registry)

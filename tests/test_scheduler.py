@@ -46,7 +46,8 @@ def test_rows_decode_together_in_one_pass(engine):
     fewer times than the 256 tokens made (alone: one run per token, plus the prefills)."""
     runs = count_graph_runs(engine)
     with Scheduler(engine, max_batch=8) as scheduler:
-        requests = [scheduler.submit([5 + i, 6, 7], max_new_tokens=32, ignore_eos=True) for i in range(8)]
+        with scheduler._wake:  # the step loop waits here, so all eight are queued before its first step
+            requests = [scheduler.submit([5 + i, 6, 7], max_new_tokens=32, ignore_eos=True) for i in range(8)]
         made = sum(len(r.result().token_ids) for r in requests)
     assert made == 256
     assert len(runs) <= 8 + 32 + 8  # 8 prefills, and about one decode pass per token position

@@ -304,6 +304,18 @@ def test_a_full_queue_is_a_429_with_retry_after_and_a_disconnect_frees_the_row(l
         process.wait(timeout=30)
 
 
+def test_a_repeated_start_comes_from_the_prefix_cache(server, client, engine):
+    """The server's rows reuse the blocks an earlier request left, with the same answer, and
+    /metrics counts the tokens."""
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]
+    before = metric(server[0], "edgeinfer_prefix_cache_hit_tokens")
+    first = client.completions.create(model=server[1], prompt=prompt + [5], max_tokens=6).choices[0].text
+    second = client.completions.create(model=server[1], prompt=prompt + [6], max_tokens=6).choices[0].text
+    assert metric(server[0], "edgeinfer_prefix_cache_hit_tokens") - before == 96  # 3 whole blocks of 32
+    assert metric(server[0], "edgeinfer_prefix_cache_bytes") > 0
+    assert (first, second) == (engine.generate(prompt + [5], max_new_tokens=6).text, engine.generate(prompt + [6], max_new_tokens=6).text)
+
+
 def test_the_metrics_add_up(server, client):
     before = {name: metric(server[0], name) for name in ("edgeinfer_generated_tokens_total", "edgeinfer_prompt_tokens_total")}
     statuses = metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}')
