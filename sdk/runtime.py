@@ -1,6 +1,7 @@
 """The one module that talks to ONNX Runtime: providers, sessions, IO binding, OrtValues."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import os
@@ -17,6 +18,9 @@ from .errors import GraphError, ManifestError, NotAnExportError, ProviderError
 from .heads import load_head
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+# Set to a path prefix, ONNX Runtime profiles every run of the model graph and writes PREFIX_<time>.json
+# at exit (benchmarks/gpu_check.sh reads the host-device copies from it).
+PROFILE_ENV = "EDGEINFER_PROFILE"
 _LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
                 ort_state.InvalidArgument, ort_state.RuntimeException)
 # What ONNX Runtime raises when a run fails: run_with_iobinding raises RuntimeError("Error in
@@ -101,6 +105,9 @@ class Graph:
         options.intra_op_num_threads = threads or 0
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        profile = os.environ.get(PROFILE_ENV)
+        if profile and not isinstance(source, bytes):  # the model graph, not the heads
+            options.enable_profiling, options.profile_file_prefix = True, profile
         providers = [PROVIDERS[provider]] + ([PROVIDERS["cpu"]] if provider != "cpu" else [])
         name = "a built-in head graph" if isinstance(source, bytes) else str(source)
         if not isinstance(source, bytes) and not Path(source).is_file():
@@ -112,6 +119,8 @@ class Graph:
             raise NotAnExportError(f"ONNX Runtime cannot load {name} ({e}): the file is damaged, export the model again") from None
         if PROVIDERS[provider] not in self.session.get_providers():
             raise ProviderError(f"ONNX Runtime did not start {PROVIDERS[provider]} for {name}: use provider 'cpu'")
+        if options.enable_profiling:
+            atexit.register(self.session.end_profiling)  # ONNX Runtime writes the profile then
         self.name = name
         self.device = provider
         self.inputs = {i.name: i for i in self.session.get_inputs()}

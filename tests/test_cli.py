@@ -317,3 +317,19 @@ def test_the_benchmark_prompts_ship_with_the_repository():
     assert {name: len(ids) for name, ids in prompts.items()} == {"p16": 16, "p128": 128, "p512": 512, "p1024": 1024}
     assert all(ids == prompts["p1024"][:len(ids)] for ids in prompts.values())  # prefixes of one text
     assert all(isinstance(t, int) and 0 <= t < 49152 for t in prompts["p1024"])  # SmolLM2's vocabulary
+
+
+def test_edgeinfer_profile_writes_one_profile_of_the_model_graphs_runs(tiny_llama, tmp_path):
+    """EDGEINFER_PROFILE (benchmarks/gpu_check.sh) profiles the model graph: the prefill and one
+    run per decode step, and benchmarks/profile_copies.py reads it (no copies on the CPU)."""
+    from pathlib import Path
+
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "cpu", "--max-new-tokens", "6", "--ignore-eos", "Hi",
+                     env={**os.environ, "EDGEINFER_PROFILE": str(tmp_path / "profile")})
+    assert done.returncode == 0, done.stderr
+    (profile,) = tmp_path.glob("profile_*.json")
+    runs = [e for e in json.loads(profile.read_text()) if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    assert len(runs) == 6  # the prefill made the first token, 5 decode steps the rest
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_copies.py"
+    read = subprocess.run([sys.executable, str(script), str(profile)], capture_output=True, text=True, timeout=60)
+    assert read.returncode == 0 and read.stdout.startswith("6 graph runs; Memcpy nodes run 0 times"), read.stdout + read.stderr

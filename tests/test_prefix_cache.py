@@ -92,3 +92,15 @@ def test_a_bad_budget_is_refused(tiny_llama):
 
     with pytest.raises(SettingsError, match=r"prefix_cache must be a number of MiB of at least 0 \(0 turns it off\), got -1"):
         Engine.load(tiny_llama[1], provider="cpu", prefix_cache=-1)
+
+
+def test_a_conversations_next_turn_reuses_the_turns_before_it(engines):
+    cached, plain = engines
+    turns = [{"role": "system", "content": "You are an edge box. " * 6}, {"role": "user", "content": "Hi"}]
+    first = cached.chat(turns, max_new_tokens=8)
+    asked = len(cached.chat_prompt(turns))
+    turns += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    before = cached.prefix_cache.hits
+    second = cached.chat(turns, max_new_tokens=8)
+    assert cached.prefix_cache.hits - before == asked // 32 * 32  # every whole block of the first turn's prompt
+    assert asked >= 64 and second.token_ids == plain.chat(turns, max_new_tokens=8).token_ids
