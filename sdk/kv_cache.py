@@ -24,13 +24,15 @@ class KVCache:
     inputs. Prompts of a batch are left-padded, so every row's newest token is at the end.
     """
 
-    def __init__(self, spec: KVSpec, past_shapes: dict[str, list]):
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], prefix: PrefixCache | None = None):
         """`past_shapes`: each past input's shape as the graph declares it (numbers, and names for
-        the batch and the past's length)."""
+        the batch and the past's length). With `prefix`, a single prompt starts from the cached
+        blocks it begins with, and leaves its own there."""
         self.spec = spec
         self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
+        self._prefix = prefix if prefix is not None and prefix.budget else None
 
     @property
     def length(self) -> int:
@@ -49,10 +51,16 @@ class KVCache:
             mask[row, width - len(prompt):] = 1
         positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
         self.past = {name: self._empty(name, len(prompts)) for name in self.spec.past}
-        for start in range(0, width, chunk):
+        cached = 0
+        if self._prefix is not None and len(prompts) == 1:
+            cached, blocks = self._prefix.take(prompts[0])
+            self.past.update({name: value[None] for name, value in blocks.items()})
+        for start in range(cached, width, chunk):
             end = min(start + chunk, width)
             self.mask = mask[:, :end]
             yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end]}
+        if self._prefix is not None and len(prompts) == 1:
+            self._prefix.store(prompts[0], {name: _host(value)[0] for name, value in self.past.items()})
 
     def _empty(self, name: str, batch: int) -> np.ndarray:
         """A past of zero tokens, for prefill: the declared shape with the batch filled in."""
@@ -244,6 +252,11 @@ class SlotPool:
         return inputs
 
 
+def _host(value) -> np.ndarray:
+    """A past on the host: an OrtValue the runtime kept on the device (copied), or an array."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
+
+
 def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:
     return [capacity if axis == spec.sequence_axis else (dim if isinstance(dim, int) else batch) for axis, dim in enumerate(declared)]
 
@@ -279,21 +292,34 @@ class PrefixCache:
         capacity, head_size]); returns how many tokens they hold. At least one token is left to
         prefill, whose logits choose the first new token."""
         with self._lock:
-            return self._restore(ids, rows)
-
-    def _restore(self, ids: list[int], rows: dict[str, np.ndarray]) -> int:
-        parent, done = 0, 0
-        while self.budget and done + self.block < len(ids):
-            found = self._blocks.get((parent, tuple(ids[done:done + self.block])))
-            if found is None:
-                break
-            self._blocks.move_to_end((parent, tuple(ids[done:done + self.block])))
+            blocks = self._match(ids)
+        for i, found in enumerate(blocks):  # a stored block is never written again: no lock needed
             for name, row in rows.items():
-                row[:, done:done + self.block] = found.kv[name]
-            parent, done = found.id, done + self.block
-        self.hits += done
-        self.misses += len(ids) - done
-        return done
+                row[:, i * self.block:(i + 1) * self.block] = found.kv[name]
+        return len(blocks) * self.block
+
+    def take(self, ids: list[int]) -> tuple[int, dict[str, np.ndarray]]:
+        """The cached blocks that start `ids`, joined: how many tokens, and each past input's keys
+        or values of them [kv_heads, tokens, head_size] (a cache that grows from its past)."""
+        with self._lock:
+            blocks = self._match(ids)
+        if not blocks:
+            return 0, {}
+        return len(blocks) * self.block, {name: np.concatenate([b.kv[name] for b in blocks], axis=1) for name in blocks[0].kv}
+
+    def _match(self, ids: list[int]) -> list[_Block]:
+        found, parent = [], 0
+        while self.budget and (len(found) + 1) * self.block < len(ids):
+            key = (parent, tuple(ids[len(found) * self.block:(len(found) + 1) * self.block]))
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            self._blocks.move_to_end(key)
+            found.append(block)
+            parent = block.id
+        self.hits += len(found) * self.block
+        self.misses += len(ids) - len(found) * self.block
+        return found
 
     def store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
         """Keep the whole blocks of `ids`, whose keys and values `rows` now hold."""

@@ -11,8 +11,21 @@ QUESTIONS = [[40, 41, 42], [50, 51, 52, 53, 54], [60]]
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama):
-    return Engine.load(tiny_llama[1], provider="cpu", prefix_cache=16), Engine.load(tiny_llama[1], provider="cpu", prefix_cache=0)
+def exports(tiny_llama, tmp_path_factory):
+    """The tiny llama with its cache written in place, and without the rewrite (optimum-onnx's
+    attention: a cache that grows from its past)."""
+    from edgeinfer.export import ExportOptions, export_model
+
+    growing = tmp_path_factory.mktemp("growing") / "export"
+    export_model(str(tiny_llama[0]), growing, ExportOptions(fuse=False))
+    return {"in place": tiny_llama[1], "growing": growing}
+
+
+@pytest.fixture(scope="module", params=["in place", "growing"])
+def engines(exports, request):
+    cached, plain = (Engine.load(exports[request.param], provider="cpu", prefix_cache=budget) for budget in (16, 0))
+    assert cached.manifest.kv.in_place == (request.param == "in place")
+    return cached, plain
 
 
 def prefill_logits(engine, ids):
@@ -63,6 +76,7 @@ def test_a_prompt_that_shares_only_part_of_a_block_uses_the_whole_blocks_before_
 
 
 def test_the_budget_is_kept_least_recently_used_first(tiny_llama):
+    """(One layout: eviction is the cache's own business.)"""
     engine = Engine.load(tiny_llama[1], provider="cpu", prefix_cache=0)
     block_bytes = engine.memory.kv_per_token * 32
     engine.prefix_cache.budget = 3 * block_bytes
