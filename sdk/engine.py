@@ -56,10 +56,10 @@ class Engine:
         self.graph = self._open_graph(manifest.graph, options)
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
-        # Prompts' keys and values kept for the next prompt that starts the same way, on the host:
-        # a cache written in place is read and written through host views (the CPU provider); one
-        # that grows from its past is copied, on any provider.
-        usable = manifest.kv.sequence_axis == 2 and (not manifest.kv.in_place or self.provider == "cpu")
+        # Prompts' keys and values kept for the next prompt that starts the same way, on the host
+        # (kv_cache.PrefixCache): read and written through host views of the buffers on the CPU
+        # provider, copied elsewhere.
+        usable = manifest.kv.sequence_axis == 2
         self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
@@ -81,8 +81,7 @@ class Engine:
         `prefix_cache` MiB of prompts' keys and values are kept (default: 64, or what fits beside
         the weights and KV cache; none under a `memory_limit`), so a prompt that starts like a recent one (a system prompt, a
         document, a conversation's earlier turns) prefills only the rest, with the same logits; 0
-        turns it off. It serves single prompts and the Scheduler: on the CPU provider where the
-        cache is written in place, on any provider where it grows from its past."""
+        turns it off. It serves single prompts, and the Scheduler's rows on the CPU provider."""
         options = RuntimeOptions(provider=provider, threads=threads)
         if prefix_cache is not None and (isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0):
             raise SettingsError(f"prefix_cache must be a number of MiB of at least 0 (0 turns it off), got {prefix_cache!r}")
@@ -231,7 +230,7 @@ class Engine:
         shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
         if self.manifest.kv.in_place:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
-                                  self.prefix_cache, self.graph.host_view)
+                                  self.prefix_cache, self.graph, views=self.provider == "cpu")
         return KVCache(self.manifest.kv, shapes, self.prefix_cache)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:

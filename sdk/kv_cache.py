@@ -100,16 +100,18 @@ class InPlaceKVCache(KVCache):
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate,
-                 prefix: PrefixCache | None = None, host_view=None):
+                 prefix: PrefixCache | None = None, host=None, views: bool = True):
         """`capacity`: slots per row (prompt plus new tokens); `allocate(shape, dtype)` makes an
-        uninitialised buffer on the engine's device. With `prefix` and `host_view` (a numpy view
-        of a buffer: the CPU provider), a single prompt starts from the cached blocks it begins
-        with, and leaves its own there."""
+        uninitialised buffer on the engine's device. With `prefix` and `host` (the graph: it views
+        or copies device buffers on the host), a single prompt starts from the cached blocks it
+        begins with, and leaves its own there: through views of the buffers where `views` (the
+        CPU provider), else by copying each buffer whole, once in and once out."""
         super().__init__(spec, past_shapes)
         self.capacity = capacity
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
-        self._prefix, self._host_view = (prefix, host_view) if prefix is not None and prefix.budget else (None, None)
+        self._prefix = prefix if prefix is not None and prefix.budget and host is not None else None
+        self._host, self._views = host, views
 
     def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
@@ -125,21 +127,30 @@ class InPlaceKVCache(KVCache):
         for row, prompt in enumerate(prompts):
             ids[row, :len(prompt)] = prompt
         final = np.array([len(p) for p in prompts], np.int64)
-        rows = self._rows() if len(prompts) == 1 else None
-        cached = self._prefix.restore(prompts[0], rows) if rows else 0
+        cached = self._restore(prompts[0]) if self._prefix is not None and len(prompts) == 1 else 0
         for start in range(cached, width, chunk):
             end = min(start + chunk, width)
             self.lengths = np.minimum(final, end)
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
             yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions}
-        if rows:
+        if self._prefix is not None and len(prompts) == 1:
+            rows = self._rows() if self._views else {name: self._host.read(value)[0] for name, value in self.past.items()}
             self._prefix.store(prompts[0], rows)
 
-    def _rows(self) -> dict[str, np.ndarray] | None:
-        """Row 0 of each buffer on the host, [kv_heads, capacity, head_size], where the prefix cache is on."""
-        if self._prefix is None:
-            return None
-        return {name: self._host_view(value)[0] for name, value in self.past.items()}
+    def _restore(self, prompt: list[int]) -> int:
+        """The cached start of `prompt` written into the buffers; how many tokens it holds."""
+        if self._views:
+            return self._prefix.restore(prompt, self._rows())
+        cached, blocks = self._prefix.take(prompt)
+        for name, value in self.past.items() if cached else ():
+            whole = np.zeros(value.shape(), blocks[name].dtype)
+            whole[0, :, :cached] = blocks[name]
+            self._host.write(value, whole)
+        return cached
+
+    def _rows(self) -> dict[str, np.ndarray]:
+        """Row 0 of each buffer, viewed on the host, [kv_heads, capacity, head_size]."""
+        return {name: self._host.host_view(value)[0] for name, value in self.past.items()}
 
     def _buffer_shape(self, name: str, batch: int) -> list[int]:
         return _buffer_shape(self.spec, self.past_shapes[name], batch, self.capacity)

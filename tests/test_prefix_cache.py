@@ -118,3 +118,23 @@ def test_a_conversations_next_turn_reuses_the_turns_before_it(engines):
     second = cached.chat(turns, max_new_tokens=8)
     assert cached.prefix_cache.hits - before == asked // 32 * 32  # every whole block of the first turn's prompt
     assert asked >= 64 and second.token_ids == plain.chat(turns, max_new_tokens=8).token_ids
+
+
+def test_where_buffers_have_no_host_view_the_cache_is_copied_with_the_same_logits(exports):
+    """CUDA's path, run on the CPU: each buffer is copied whole to the device with the cached
+    blocks in it, and back to the host to keep the prompt's blocks."""
+    from edgeinfer.sdk.kv_cache import InPlaceKVCache
+
+    engine, plain = (Engine.load(exports["in place"], provider="cpu", prefix_cache=budget) for budget in (16, 0))
+    shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
+
+    def copying(ids):
+        cache = InPlaceKVCache(engine.manifest.kv, shapes, len(ids) + 1, engine.graph.allocate, engine.prefix_cache,
+                               engine.graph, views=False)
+        return engine.prefill([ids], cache).numpy()
+
+    copying(SYSTEM + [99])
+    for question in QUESTIONS:
+        before = engine.prefix_cache.hits
+        np.testing.assert_array_equal(copying(SYSTEM + question), prefill_logits(plain, SYSTEM + question))
+        assert engine.prefix_cache.hits - before == 128
