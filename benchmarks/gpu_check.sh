@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA path on a machine with an NVIDIA GPU, from a fresh clone, in a few minutes:
+# The CUDA path on a machine with an NVIDIA GPU, from a fresh clone (it has not run on one yet):
 #   bash benchmarks/gpu_check.sh
 # Installs the project, exports SmolLM2 in fp16, runs the CUDA tests, prints `edgeinfer bench` on
 # CUDA next to the CPU, the host-device copies per decode step (ONNX Runtime's profiler) and where

@@ -97,14 +97,11 @@ def info(folder, architectures):
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
     click.echo(f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
                f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens")
-    if manifest.kv.in_place:
-        from edgeinfer.sdk.engine import DEFAULT_PREFIX_CACHE_MIB
+    from edgeinfer.sdk.engine import DEFAULT_PREFIX_CACHE_MIB
 
-        tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
-        click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default on the CPU provider, {tokens} tokens of prompts "
-                   "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
-    else:
-        click.echo("prefix cache: not available (this export's attention does not write its cache in place)")
+    tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
+    click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
+               "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

@@ -21,14 +21,14 @@ def say_timings(piece) -> None:
 
 
 def load_engine(model: str | None, provider: str, threads: int | None, max_context: int | None = None,
-                memory_limit: int | None = None, prefix_cache: int | None = None):
+                memory_limit: int | None = None, prefix_cache: int | None = None, max_batch: int = 1):
     """The engine for `--model`, saying which provider runs it and why. `memory_limit` and
     `prefix_cache` are in MiB."""
     from edgeinfer.sdk import Engine
 
     limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
     engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
-                         memory_limit=limit, prefix_cache=prefix_cache)
+                         max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache)
     say(f"provider: {engine.provider} ({engine.provider_reason})")
     return engine
 

@@ -10,7 +10,7 @@ import click
 from edgeinfer.models import DEFAULT_MODEL
 from edgeinfer.sdk.errors import EdgeInferError
 
-from .resolve import resolve_export, say
+from .resolve import load_engine
 
 
 @click.command()
@@ -34,17 +34,14 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
         from edgeinfer.serve import run_server
     except ImportError as e:
         raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
-    from edgeinfer.sdk import Engine, Scheduler
+    from edgeinfer.sdk import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     path = Path(model).expanduser() if model else None
     name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL)
-    limit = memory_limit * 2**20 if memory_limit else None
 
-    def load():
-        engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
-                             max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache)
-        say(f"provider: {engine.provider} ({engine.provider_reason})")
+    def load():  # --memory-limit 0: no limit, as before
+        engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch)
         return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
     run_server(load, name, host, port, api_key, grace)

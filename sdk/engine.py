@@ -1,6 +1,7 @@
 """The engine: load an export, then prefill once and decode one token at a time."""
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 import warnings
@@ -49,8 +50,7 @@ class Engine:
         self.provider, self.provider_reason = choose_provider(options.provider)
         available = available_bytes(self.provider, limits.memory_limit)
         plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch)
-        self.memory = MemoryPlan.of(manifest, self.max_context, limits.max_batch,
-                                    _prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
+        self.memory = dataclasses.replace(plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
         self._memory_limit = limits.memory_limit
         self.memory.check(*available)  # before the weights are read
         self.graph = self._open_graph(manifest.graph, options)
@@ -231,7 +231,7 @@ class Engine:
         if self.manifest.kv.in_place:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
                                   self.prefix_cache, self.graph, views=self.provider == "cpu")
-        return KVCache(self.manifest.kv, shapes, self.prefix_cache)
+        return KVCache(self.manifest.kv, shapes, self.prefix_cache, self.graph)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
         """Run the graph over the prompts (one batch), `prefill_chunk` positions at a time, the

@@ -24,15 +24,17 @@ class KVCache:
     inputs. Prompts of a batch are left-padded, so every row's newest token is at the end.
     """
 
-    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], prefix: PrefixCache | None = None):
+    def __init__(self, spec: KVSpec, past_shapes: dict[str, list], prefix: PrefixCache | None = None, host=None):
         """`past_shapes`: each past input's shape as the graph declares it (numbers, and names for
-        the batch and the past's length). With `prefix`, a single prompt starts from the cached
-        blocks it begins with, and leaves its own there."""
+        the batch and the past's length). With `prefix` and `host` (the graph, which copies device
+        values to the host), a single prompt starts from the cached blocks it begins with, and
+        leaves its own there."""
         self.spec = spec
         self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
-        self._prefix = prefix if prefix is not None and prefix.budget else None
+        self._prefix = prefix if prefix is not None and prefix.budget and host is not None else None
+        self._host = host
 
     @property
     def length(self) -> int:
@@ -60,7 +62,7 @@ class KVCache:
             self.mask = mask[:, :end]
             yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end]}
         if self._prefix is not None and len(prompts) == 1:
-            self._prefix.store(prompts[0], {name: _host(value)[0] for name, value in self.past.items()})
+            self._prefix.store(prompts[0], {name: self._host.read(value)[0] for name, value in self.past.items()})
 
     def _empty(self, name: str, batch: int) -> np.ndarray:
         """A past of zero tokens, for prefill: the declared shape with the batch filled in."""
@@ -106,12 +108,11 @@ class InPlaceKVCache(KVCache):
         or copies device buffers on the host), a single prompt starts from the cached blocks it
         begins with, and leaves its own there: through views of the buffers where `views` (the
         CPU provider), else by copying each buffer whole, once in and once out."""
-        super().__init__(spec, past_shapes)
+        super().__init__(spec, past_shapes, prefix, host)
         self.capacity = capacity
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
-        self._prefix = prefix if prefix is not None and prefix.budget and host is not None else None
-        self._host, self._views = host, views
+        self._views = views
 
     def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
@@ -195,17 +196,18 @@ class SlotPool:
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], max_batch: int, capacity: int, allocate,
-                 prefix: PrefixCache | None = None, host_view=None):
-        """With `prefix` and `host_view` (the CPU provider), a prompt starts from the cached blocks
-        it begins with (`restore`), and leaves its own there once prefilled (`store`)."""
+                 prefix: PrefixCache | None = None, host=None):
+        """With `prefix` and `host` (the graph, whose buffers it views on the host: the CPU
+        provider), a prompt starts from the cached blocks it begins with (`restore`), and leaves
+        its own there once prefilled (`store`)."""
         self.spec, self.capacity = spec, capacity
         self.buffers = {past: allocate(_buffer_shape(spec, past_shapes[past], max_batch, capacity), spec.dtype)
                         for past in spec.past}
         self.lengths = np.zeros(max_batch, np.int64)  # tokens each slot holds
         self._free = list(range(max_batch))
-        on = prefix is not None and prefix.budget
+        on = prefix is not None and prefix.budget and host is not None
         self._prefix = prefix if on else None
-        self._views = {name: host_view(value) for name, value in self.buffers.items()} if on else None
+        self._views = {name: host.host_view(value) for name, value in self.buffers.items()} if on else None
 
     def restore(self, slot: int, ids: list[int]) -> int:
         """Fill `slot` with the cached blocks that start `ids`; returns how many tokens they hold."""
@@ -263,11 +265,6 @@ class SlotPool:
         return inputs
 
 
-def _host(value) -> np.ndarray:
-    """A past on the host: an OrtValue the runtime kept on the device (copied), or an array."""
-    return value if isinstance(value, np.ndarray) else value.numpy()
-
-
 def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:
     return [capacity if axis == spec.sequence_axis else (dim if isinstance(dim, int) else batch) for axis, dim in enumerate(declared)]
 
@@ -286,8 +283,9 @@ class PrefixCache:
     block before it, so it stands for its tokens and every token before them, compared exactly.
     Blocks used least recently leave first once `budget` bytes are held; 0 turns it off.
 
-    It reads and writes rows of a cache written in place ([rows, kv_heads, capacity, head_size],
-    viewed on the host: the CPU provider)."""
+    `restore` writes blocks into rows of a cache written in place ([kv_heads, capacity, head_size]
+    each); `take` joins them into the first past of a cache that grows from it; `store` keeps a
+    prefilled prompt's blocks."""
 
     budget: int
     block: int = 32

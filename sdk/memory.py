@@ -28,9 +28,9 @@ class MemoryPlan:
     prefix_cache: int = 0
 
     @classmethod
-    def of(cls, manifest: Manifest, context: int, batch: int, prefix_cache: int = 0) -> MemoryPlan:
+    def of(cls, manifest: Manifest, context: int, batch: int) -> MemoryPlan:
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
-        return cls(weights, kv_bytes_per_token(manifest), context, batch, prefix_cache)
+        return cls(weights, kv_bytes_per_token(manifest), context, batch)
 
     @property
     def kv(self) -> int:

@@ -42,7 +42,7 @@ class Sampler:
     def __init__(self, config: GenerationConfig):
         self.config = config
         self.is_greedy = config.temperature == 0 or config.top_k == 1
-        self.rng = np.random.default_rng(config.seed)
+        self.rng = None if self.is_greedy else np.random.default_rng(config.seed)
         self.bias_ids = np.array([t for t, _ in config.logit_bias], np.int64)
         self.bias = np.array([b for _, b in config.logit_bias], np.float32)
 
@@ -78,10 +78,6 @@ class Sampler:
         with np.errstate(divide="ignore"):
             logprobs[ids] = np.log(weights / weights.sum())
         return token, logprobs
-
-    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
-        """The next token for `logits` after `history` (no constraint, no logprobs)."""
-        return self.choose(self.adjust(logits, history, ()))[0]
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:

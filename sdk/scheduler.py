@@ -98,7 +98,7 @@ class Scheduler:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
             shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
             self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
-                                 engine.prefix_cache if engine.provider == "cpu" else None, engine.graph.host_view)
+                                 engine.prefix_cache if engine.provider == "cpu" else None, engine.graph)
         self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []

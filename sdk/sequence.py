@@ -37,8 +37,8 @@ class GenerationResult:
     (tokens that spelled a stop string are kept; the text ends before the stop string).
     `finish_reason` is "eos", "stop" or "length". `prompt_tokens` were read; `truncated_tokens`
     were dropped from the prompt's start (`truncate="left"`). With `logprobs`, one TokenLogprob per
-token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
-stands (False where `max_new_tokens` or a stop string cut it short of a match); None without one."""
+    token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
+    stands (False where `max_new_tokens` or a stop string cut it short of a match); None without one."""
 
     text: str
     token_ids: list[int]
@@ -131,7 +131,6 @@ class Sequence:
         return piece
 
     def _end(self, reason: str, text: str, stopped: bool = False) -> Piece:
-        cut = stopped
         if not stopped:  # what the detokenizer and the stop strings still hold
             tail, stopped = self.stops.add(self.detokenizer.flush())
             text += tail if stopped else tail + self.stops.flush()
@@ -140,7 +139,7 @@ class Sequence:
         piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = self.finish_reason, self.times[0] - self.start, _rate(self.times)
         piece.prompt_tokens, piece.truncated_tokens = len(self.prompt_ids), self.truncated
         if self.constraint is not None:
-            piece.complete = self.constraint.is_complete and not (cut or stopped)
+            piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text
         return piece
 
 

@@ -95,7 +95,7 @@ def test_info_prints_the_manifest_and_providers(tiny_llama):
     # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
     assert memory == f"memory: weights {weights:.1f} KiB, KV cache 0.5 KiB per token and row, 128.0 KiB for the whole context of 256 tokens"
     assert providers.startswith("providers: cpu: usable; cuda: ")
-    assert prefix.startswith("prefix cache: 64 MiB by default on the CPU provider, 131072 tokens of prompts")  # 64 MiB / 512 B
+    assert prefix.startswith("prefix cache: 64 MiB by default, 131072 tokens of prompts")  # 64 MiB / 512 B
 
 
 def test_run_with_an_unknown_provider(tiny_llama):
@@ -333,3 +333,12 @@ def test_edgeinfer_profile_writes_one_profile_of_the_model_graphs_runs(tiny_llam
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_copies.py"
     read = subprocess.run([sys.executable, str(script), str(profile)], capture_output=True, text=True, timeout=60)
     assert read.returncode == 0 and read.stdout.startswith("6 graph runs; Memcpy nodes run 0 times"), read.stdout + read.stderr
+
+
+def test_run_takes_the_prefix_cache_budget(tiny_llama):
+    off = edgeinfer("run", "--model", str(tiny_llama[1]), "--prefix-cache", "0", "--json", "--max-new-tokens", "6", "The capital")
+    assert off.returncode == 0, off.stderr
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=6)
+    assert json.loads(off.stdout)["token_ids"] == expected.token_ids
+    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--prefix-cache", "-1", "x")
+    assert bad.returncode == 2 and "--prefix-cache" in bad.stderr and "-1" in bad.stderr

@@ -13,9 +13,14 @@ from edgeinfer.sdk import sampling
 LOGITS = np.random.default_rng(0).normal(0, 3, 1000).astype(np.float32)
 
 
+def pick(sampler, logits, history=()) -> int:
+    """The sampler's next token, as a Sequence asks for it (no constraint, no logprobs)."""
+    return sampler.choose(sampler.adjust(logits, history, ()))[0]
+
+
 def draws(config, n=50, logits=LOGITS):
-    sample = sampling.Sampler(config)
-    return [sample(logits, []) for _ in range(n)]
+    sampler = sampling.Sampler(config)
+    return [pick(sampler, logits) for _ in range(n)]
 
 
 def test_greedy_picks_the_largest_logit_whatever_the_seed():
@@ -103,7 +108,7 @@ def test_repetition_penalty_equals_transformers():
 def test_repetition_penalty_changes_the_greedy_pick():
     logits = np.array([5.0, 4.9, 0.0], np.float32)
     sample = sampling.Sampler(GenerationConfig(repetition_penalty=1.5))
-    assert sample(logits, []) == 0 and sample(logits, [0]) == 1
+    assert pick(sample, logits) == 0 and pick(sample, logits, [0]) == 1
 
 
 def test_presence_and_frequency_penalties_follow_openais_definition():
@@ -121,9 +126,9 @@ def test_logit_bias_is_added_and_can_ban_or_force_a_token():
     logits = np.array([1.0, 2.0, 3.0], np.float32)
     sampler = sampling.Sampler(GenerationConfig(logit_bias={0: 10.0, 2: -100}))
     np.testing.assert_allclose(sampler.adjust(logits, [], []), [11.0, 2.0, -97.0])
-    assert sampler(logits, []) == 0
+    assert pick(sampler, logits) == 0
     drawn = sampling.Sampler(GenerationConfig(temperature=1.0, seed=3, logit_bias={2: -100}))
-    assert 2 not in {drawn(logits, []) for _ in range(200)}
+    assert 2 not in {pick(drawn, logits) for _ in range(200)}
 
 
 def test_greedy_logprobs_are_the_log_softmax_and_the_top_is_ranked():

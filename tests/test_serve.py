@@ -316,6 +316,20 @@ def test_a_repeated_start_comes_from_the_prefix_cache(server, client, engine):
     assert (first, second) == (engine.generate(prompt + [5], max_new_tokens=6).text, engine.generate(prompt + [6], max_new_tokens=6).text)
 
 
+def test_a_server_without_the_prefix_cache_keeps_nothing(tiny_llama, engine):
+    process, url = start(tiny_llama[1], "--prefix-cache", "0", "--provider", "cpu")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        prompt = [(7 * i) % 300 + 3 for i in range(100)] + [5]
+        answers = [client.completions.create(model=tiny_llama[1].name, prompt=prompt, max_tokens=6).choices[0].text for _ in range(2)]
+        assert answers == [engine.generate(prompt, max_new_tokens=6).text] * 2
+        assert metric(url, "edgeinfer_prefix_cache_hit_tokens") == 0 and metric(url, "edgeinfer_prefix_cache_bytes") == 0
+        assert metric(url, "edgeinfer_prefix_cache_miss_tokens") == 0  # the cache is off: nothing is looked up
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
 def test_the_metrics_add_up(server, client):
     before = {name: metric(server[0], name) for name in ("edgeinfer_generated_tokens_total", "edgeinfer_prompt_tokens_total")}
     statuses = metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}')
