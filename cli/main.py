@@ -128,7 +128,8 @@ def verify(folder):
 @click.option("--new-tokens", default=16, show_default=True, type=click.IntRange(1, 4096))
 def check(folder, source, prompt, new_tokens):
     """Check the export in FOLDER against its PyTorch source: greedy tokens, prefill and decode
-    logits, and a batch of two prompts against single runs. Exits 1 if any differs."""
+    logits, those of several tokens in one pass (extend), and a batch of two prompts against
+    single runs. Exits 1 if any differs."""
     _exporter()  # a clear error where the export extra is missing
     from edgeinfer.export.check import DEFAULT_PROMPT, check_export
     from edgeinfer.export.source import load_model, resolve_source
@@ -139,7 +140,7 @@ def check(folder, source, prompt, new_tokens):
     click.echo(f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'")
     if not result.tokens_equal:
         click.echo(f"  transformers: {result.expected_tokens}\n  export:       {result.tokens}")
-    for stage in ("prefill", "decode"):
+    for stage in ("prefill", "decode", "extend"):
         difference = getattr(result, f"max_abs_diff_{stage}")
         verdict = "within" if difference <= result.tolerance else "ABOVE"
         click.echo(f"{stage} logits: largest difference {difference:.2e}, {verdict} tolerance {result.tolerance:.2e}")

@@ -10,8 +10,8 @@ and reads the cache where it is, so its cost no longer grows with copies of the 
 
 The rows of a batch are right-padded in that layout (each row's tokens start at slot 0), so the
 graph takes the attention mask as each row's length: `seqlens_k` and `total_sequence_length` are
-computed from it inside the graph, and the last-position slice before the lm_head becomes a gather
-of each row's last real position. The graph keeps its inputs and outputs; the manifest's
+computed from it inside the graph, and the last-positions slice before the lm_head becomes a gather
+of each row's last `logits_to_keep` real positions. The graph keeps its inputs and outputs; the manifest's
 `kv.in_place` tells the runtime which layout it serves.
 
 Where the query and key are rotated by one `RotaryEmbedding` right after their projections, the
@@ -28,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .attention_pattern import GraphView, LayerAttention, PatternError, find_layer, key_value_pairs
-from .graphs import LAST_POSITION_NODE, PAST_PREFIX, PRESENT_PREFIX
+from .graphs import LAST_POSITION_NODE, LOGITS_TO_KEEP, PAST_PREFIX, PRESENT_PREFIX
 
 __all__ = ["PatternError", "layer_windows", "rewrite_attention"]
 
@@ -150,9 +150,10 @@ def _add_lengths(graph) -> None:
 
 
 def _gather_last_positions(graph) -> None:
-    """Replace the slice of the last position by a gather of each row's last real position:
-    min(row length - 1, chunk length - 1), which is the row's last token in a right-padded first
-    prompt, and the chunk's last one in decode and in later chunks of one prompt."""
+    """Replace the slice of the last positions by a gather of each row's last `logits_to_keep`
+    real positions, the last of them min(row length - 1, chunk length - 1): the row's last token in
+    a right-padded first prompt, and the chunk's last one in decode and in later chunks of one
+    prompt (those before it clamped at the chunk's first)."""
     node = next(n for n in graph.node if n.name == LAST_POSITION_NODE)
     hidden, out = node.input[0], node.output[0]
     graph.node.remove(node)
@@ -163,12 +164,17 @@ def _gather_last_positions(graph) -> None:
         helper.make_node("Gather", [f"{g}_ids_shape", _Shared.ZERO], [f"{g}_batch"]),
         helper.make_node("Sub", [f"{g}_chunk", _Shared.ONE], [f"{g}_chunk_last"]),
         helper.make_node("Min", [_Shared.LAST, f"{g}_chunk_last"], [f"{g}_index"]),
+        helper.make_node("Sub", [_Shared.ONE, LOGITS_TO_KEEP], [f"{g}_first_offset"]),
+        helper.make_node("Range", [f"{g}_first_offset", _Shared.ONE, _Shared.ONE], [f"{g}_offsets"]),  # 1 - n .. 0
+        helper.make_node("Unsqueeze", [f"{g}_index", _Shared.AXIS1], [f"{g}_index_column"]),
+        helper.make_node("Add", [f"{g}_index_column", f"{g}_offsets"], [f"{g}_unclamped"]),
+        helper.make_node("Max", [f"{g}_unclamped", _Shared.ZERO], [f"{g}_positions"]),  # [batch, n]
         helper.make_node("Range", [_Shared.ZERO, f"{g}_batch", _Shared.ONE], [f"{g}_rows"]),
         helper.make_node("Mul", [f"{g}_rows", f"{g}_chunk"], [f"{g}_row_starts"]),
-        helper.make_node("Add", [f"{g}_row_starts", f"{g}_index"], [f"{g}_flat_index"]),
+        helper.make_node("Unsqueeze", [f"{g}_row_starts", _Shared.AXIS1], [f"{g}_row_starts_column"]),
+        helper.make_node("Add", [f"{g}_row_starts_column", f"{g}_positions"], [f"{g}_flat_index"]),
         helper.make_node("Flatten", [hidden], [f"{g}_flat_hidden"], axis=2),
-        helper.make_node("Gather", [f"{g}_flat_hidden", f"{g}_flat_index"], [f"{g}_rows_hidden"], axis=0),
-        helper.make_node("Unsqueeze", [f"{g}_rows_hidden", _Shared.AXIS1], [out]),
+        helper.make_node("Gather", [f"{g}_flat_hidden", f"{g}_flat_index"], [out], axis=0),  # [batch, n, hidden]
     ])
 
 

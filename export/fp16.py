@@ -28,10 +28,11 @@ def convert_to_fp16(folder: Path, model, manifest: Manifest) -> tuple[Manifest, 
     manifest = dataclasses.replace(manifest, dtype="float16", kv=dataclasses.replace(manifest.kv, dtype="float16"))
     manifest.save(folder)
     result = check_export(folder, model, CHECK_PROMPT, new_tokens=8)
-    worst = max(result.max_abs_diff_prefill, result.max_abs_diff_decode)
+    worst = result.worst
     if worst > result.tolerance or not result.batch_rows_equal_single:
         raise ExportError(f"the float16 graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"
                           + ("" if result.batch_rows_equal_single else " and its batch rows differ from single prompts")
                           + ": this model does not run in float16, export it in fp32")
     return manifest, {"max_abs_diff_prefill": result.max_abs_diff_prefill, "max_abs_diff_decode": result.max_abs_diff_decode,
+                      "max_abs_diff_extend": result.max_abs_diff_extend,
                       "tolerance": result.tolerance, "greedy_tokens_equal": result.tokens_equal}

@@ -118,7 +118,7 @@ def _check(fused: Path, model) -> str | None:
         result = check_export(fused, model, CHECK_PROMPT, new_tokens=8)
     except _DOES_NOT_RUN as e:
         return f"the fused graph fails to run: {first_line(e)}"
-    worst = max(result.max_abs_diff_prefill, result.max_abs_diff_decode)
+    worst = result.worst
     if worst > result.tolerance:
         return f"the fused graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"
     if not result.tokens_equal:

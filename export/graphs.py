@@ -7,9 +7,10 @@ separate no-past graph (checked on every family in tests/test_architectures.py),
 means one session: one copy of the weights in memory, one set of pre-packed weights, and half the
 load time of two.
 
-After export the graph computes logits for the last position only: a prompt's other positions
-would cost a [batch, prompt, vocab] product that nothing reads (a fifth of prefill's arithmetic on
-SmolLM2), and decode has one position anyway.
+After export the graph computes logits for the last `logits_to_keep` positions only (an int64
+scalar input; the runtime passes 1): a prompt's other positions would cost a [batch, prompt, vocab]
+product that nothing reads (a fifth of prefill's arithmetic on SmolLM2). Speculative decoding
+verifies k proposed tokens in one pass and passes k + 1.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .source import first_line
 
 GRAPH_FILE = "model.onnx"
 LAST_POSITION_NODE = "edgeinfer_last_position"  # the Slice before the lm_head (attention.py replaces it)
+LOGITS_TO_KEEP = "logits_to_keep"  # the graph input: how many of the last positions get logits
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 # What tracing a model can raise (torch.onnx's own errors derive from RuntimeError).
 _TRACE_ERRORS = (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError, NotImplementedError)
@@ -86,24 +88,28 @@ def _lm_head(graph: onnx.GraphProto):
 
 
 def last_position_logits(graph: onnx.GraphProto) -> None:
-    """Make the graph compute logits for the last position only: the hidden states going into
-    the lm_head MatMul are sliced to their last position first."""
+    """Make the graph compute logits for its last `logits_to_keep` positions only (a new int64
+    scalar input): the hidden states going into the lm_head MatMul are sliced to those first."""
     node = _lm_head(graph)
     hidden = node.input[0]
-    names = {"starts": "edgeinfer_last_start", "ends": "edgeinfer_last_end", "axes": "edgeinfer_last_axis",
-             "out": "edgeinfer_last_hidden"}
-    graph.initializer.extend([helper.make_tensor(names["starts"], onnx.TensorProto.INT64, [1], [-1]),
-                              helper.make_tensor(names["ends"], onnx.TensorProto.INT64, [1], [2**62]),
-                              helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1])])
+    names = {"count": "edgeinfer_last_count", "starts": "edgeinfer_last_start", "ends": "edgeinfer_last_end",
+             "axes": "edgeinfer_last_axis", "axis0": "edgeinfer_last_axis0", "out": "edgeinfer_last_hidden"}
+    graph.input.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, onnx.TensorProto.INT64, []))
+    graph.initializer.extend([helper.make_tensor(names["ends"], onnx.TensorProto.INT64, [1], [2**62]),
+                              helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1]),
+                              helper.make_tensor(names["axis0"], onnx.TensorProto.INT64, [1], [0])])
     node.input[0] = names["out"]
-    slice_node = helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]],
-                                  name=LAST_POSITION_NODE)
+    nodes = [helper.make_node("Unsqueeze", [LOGITS_TO_KEEP, names["axis0"]], [names["count"]]),
+             helper.make_node("Neg", [names["count"]], [names["starts"]]),
+             helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]],
+                              name=LAST_POSITION_NODE)]
     position = list(graph.node).index(node)
-    graph.node.insert(position, slice_node)
-    for output in graph.output:  # the logits' sequence axis is now 1
+    for offset, new in enumerate(nodes):
+        graph.node.insert(position + offset, new)
+    for output in graph.output:  # the logits' sequence axis is now logits_to_keep
         if output.name == "logits":
             output.type.tensor_type.shape.dim[1].Clear()
-            output.type.tensor_type.shape.dim[1].dim_value = 1
+            output.type.tensor_type.shape.dim[1].dim_param = LOGITS_TO_KEEP
 
 
 def tied_embedding(graph: onnx.GraphProto):

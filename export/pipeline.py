@@ -22,7 +22,7 @@ from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quantize_graph
 from .source import first_line, load_model, resolve_source
-from .validate import validate
+from .validate import EXTEND_TOKENS, validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
 DTYPES = ("fp32", "fp16")
@@ -145,7 +145,8 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     with stage("validate"):
         validation = validate(torch_model, work)
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
-            f"decode {validation['max_abs_diff_decode']:.2e} (tolerance {validation['tolerance']:.2e})")
+            f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
+            f"(tolerance {validation['tolerance']:.2e})")
     if options.fuse:
         with stage("fuse"):
             fusion, manifest = fuse_graph(work, torch_model, manifest)

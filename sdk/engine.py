@@ -18,6 +18,7 @@ from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
 from .runtime import Graph, GenerationBindings, LogitsHeads, RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig, resolve_settings
+from .speculative import DraftModel, PromptLookup, Speculation
 from .tokenizer import Tokenizer
 
 # Prefilling in chunks gives bit-identical logits with a smaller memory peak (README, "Chunked
@@ -27,7 +28,7 @@ DEFAULT_PREFILL_CHUNK = 256
 # token, so about 1,400 tokens).
 DEFAULT_PREFIX_CACHE_MIB = 64
 # Inputs the engine knows how to fill, besides the KV cache.
-_STEP_INPUTS = {"input_ids", "attention_mask", "position_ids"}
+_STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}
 
 Prompt = str | list[int]
 
@@ -63,11 +64,13 @@ class Engine:
         self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
+        self.draft: Engine | None = None
 
     @classmethod
     def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None, max_batch: int = 1,
-             memory_limit: int | None = None, verify: bool = False, prefix_cache: int | None = None) -> Engine:
+             memory_limit: int | None = None, verify: bool = False, prefix_cache: int | None = None,
+             draft: str | Path | None = None) -> Engine:
         """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
         Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
@@ -81,7 +84,10 @@ class Engine:
         `prefix_cache` MiB of prompts' keys and values are kept (default: 64, or what fits beside
         the weights and KV cache; none under a `memory_limit`), so a prompt that starts like a recent one (a system prompt, a
         document, a conversation's earlier turns) prefills only the rest, with the same logits; 0
-        turns it off. It serves single prompts, and the Scheduler's rows on the CPU provider."""
+        turns it off. It serves single prompts, and the Scheduler's rows on the CPU provider.
+
+        `draft` is the export folder of a smaller model with the same tokenizer, loaded beside
+        this one, for `speculative="draft"` (speculative.py)."""
         options = RuntimeOptions(provider=provider, threads=threads)
         if prefix_cache is not None and (isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0):
             raise SettingsError(f"prefix_cache must be a number of MiB of at least 0 (0 turns it off), got {prefix_cache!r}")
@@ -89,7 +95,19 @@ class Engine:
         manifest = load_manifest(path)
         if verify:
             verify_files(Path(path), manifest.files)
-        return cls(Path(path), manifest, options, prefill_chunk, limits)
+        engine = cls(Path(path), manifest, options, prefill_chunk, limits)
+        if draft is not None:
+            engine.attach_draft(cls.load(draft, provider=engine.provider, threads=threads, max_context=engine.max_context,
+                                         max_batch=max_batch, verify=verify, prefix_cache=0))
+        return engine
+
+    def attach_draft(self, draft: Engine) -> None:
+        """Use `draft` (an engine of a smaller model with the same tokenizer) to propose tokens
+        for `speculative="draft"`. Refused where its vocabulary differs from this model's."""
+        if draft.manifest.vocab_size != self.manifest.vocab_size or draft.tokenizer.vocabulary.tokens != self.tokenizer.vocabulary.tokens:
+            raise ManifestError(f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
+                                f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer")
+        self.draft = draft
 
     def _open_graph(self, spec, options: RuntimeOptions) -> Graph:
         graph = Graph(self.folder / spec.file, self.provider, options.threads)
@@ -172,6 +190,8 @@ class Engine:
         """The generation loop for rows already checked, once their KV cache is known to fit."""
         capacity = max(len(row.prompt_ids) + row.budget for row in rows)
         check_generation(self.memory, len(rows), capacity, self.provider, self._memory_limit)
+        if any(row.speculation for row in rows):
+            return self._speculative_loop(rows, is_greedy, capacity)
         return self._loop(rows, is_greedy, capacity)
 
     def _sequences(self, prompts: list[Prompt], config, settings: dict) -> tuple[list[Sequence], bool]:
@@ -192,7 +212,25 @@ class Engine:
         rows = [Sequence(row, c, min(c.max_new_tokens, room), self.manifest.eos_token_ids, self.tokenizer, start,
                          len(full) - len(row), self.constraints.start(c.constraint))
                 for row, full, c in zip(ids, given, configs)]
+        for row, c in zip(rows, configs):
+            row.speculation = self._speculation(c, len(rows), len(row.prompt_ids) + row.budget)
         return rows, all(c.is_greedy for c in configs)
+
+    def _speculation(self, config: GenerationConfig, batch: int, capacity: int) -> Speculation | None:
+        """A row's speculative decoding as its settings ask, or None; raises where this engine cannot."""
+        if config.speculative is None:
+            return None
+        if "logits_to_keep" not in self.graph.inputs:
+            raise SettingsError("this export gives the logits of the last position only, and speculative decoding checks "
+                                "several: export the model again with this edgeinfer (`edgeinfer export`)")
+        if batch > 1 and not self.manifest.kv.in_place:
+            raise SettingsError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
+                                "prompt at a time: generate the prompts one by one")
+        if config.speculative == "draft" and self.draft is None:
+            raise SettingsError("speculative='draft' needs a draft model: load the engine with Engine.load(path, draft=DRAFT_DIR) "
+                                "(--draft DIR), or use speculative='prompt_lookup'")
+        proposer = DraftModel(self.draft, capacity) if config.speculative == "draft" else PromptLookup()
+        return Speculation(proposer, config.num_speculative_tokens)
 
     def _truncate(self, ids: list[int], config: GenerationConfig) -> list[int]:
         """With `truncate="left"`, the end of a prompt that leaves too little room for
@@ -214,6 +252,46 @@ class Engine:
             if all(row.is_done for row in rows):
                 return
             logits = self._run(cache.decode_inputs([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)]), cache, kept)
+
+    def _speculative_loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
+        """Prefill once, choose each row's first token; then, row by row, propose → check in one
+        pass → keep what the model agrees with, until every row has ended."""
+        cache, kept = self.new_cache(capacity), GenerationBindings()
+        logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
+        for index, (row, token) in enumerate(zip(rows, self._choose(logits, rows, is_greedy, kept))):
+            piece = row.add(token)
+            if piece is not None:
+                yield index, piece
+        while not all(row.is_done for row in rows):
+            for index, row in enumerate(rows):
+                if not row.is_done:
+                    yield from ((index, piece) for piece in self._speculate(index, row, cache, kept))
+
+    def _speculate(self, index: int, row: Sequence, cache: KVCache, kept: GenerationBindings) -> Iterator[Piece]:
+        """One step of one row: its newest token (not yet in the cache) and the proposed ones run
+        in one pass; each position's choice is taken while it equals the proposal, and the first
+        that differs (or the one after the last proposal) is the step's last. The cache then
+        forgets the rejected proposals."""
+        speculation = row.speculation
+        proposal = speculation.propose(row.history, row.budget - row.made - 1) if speculation else []
+        logits = self.extend([row.history[-1], *proposal], cache, index, kept)
+        greedy = self.heads.tokens(logits)[0] if row.is_plain_greedy else None
+        every = None if row.is_plain_greedy else self.heads.every(logits)[0]
+        accepted = 0
+        for i in range(len(proposal) + 1):
+            guess = proposal[i] if i < len(proposal) else None
+            token = int(greedy[i]) if greedy is not None else row.choose(every[i], guess)
+            if token == guess:
+                accepted += 1
+                speculation.accepted += 1  # before `add`, whose last piece carries the counts
+            piece = row.add(token)
+            if piece is not None:
+                yield piece
+            if row.is_done or token != guess:
+                break
+        if speculation:
+            speculation.record(len(proposal), accepted)
+        cache.drop(index, len(proposal) - accepted)
 
     def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool, kept: GenerationBindings) -> list[int]:
         """The next token of every row. Greedy needs only the ids, so ArgMax runs on the device
@@ -243,6 +321,24 @@ class Engine:
         """Run the graph for one new token per row on top of `cache`; returns the logits
         [batch, 1, vocab], left on the device. Each call returns a new logits value."""
         return self._run(cache.decode_inputs(tokens), cache, None)
+
+    def extend(self, tokens: list[int], cache: KVCache, row: int = 0, kept: GenerationBindings | None = None) -> ort.OrtValue:
+        """Run the graph for several new tokens of one row on top of `cache`; returns the logits of
+        each, [1, len(tokens), vocab], left on the device (speculative decoding checks proposed
+        tokens so). With `kept`, the row's binding is kept there for the next call."""
+        if "logits_to_keep" not in self.graph.inputs:
+            raise GenerationError("this export gives the logits of the last position only: export the model again with this "
+                                  "edgeinfer (`edgeinfer export`)")
+        inputs = cache.extend_inputs(row, tokens)
+        if not self.manifest.kv.in_place:
+            return self._run(inputs, cache, None)
+        binding = kept.rows.get(row) if kept is not None else None
+        if binding is None:
+            binding = self.graph.bind_rows(cache.pooled, row, 1)
+            if kept is not None:
+                kept.rows[row] = binding
+        binding.run(inputs, fresh=("logits",))
+        return binding.outputs()[-1]
 
     def _prefill(self, prompts: list[list[int]], cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
         for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):

@@ -2,9 +2,11 @@
 full [batch, sequence, vocab] logits never have to come to the host:
 
 - `last`: the last position's logits, [batch, vocab], for sampling on the host;
-- `argmax`: the id of the largest logit at the last position, [batch], for greedy decoding.
+- `argmax`: the id of the largest logit at the last position, [batch], for greedy decoding;
+- `tokens`: the id of the largest logit at every position, [batch, sequence], for checking the
+  tokens speculative decoding proposed, all in one pass.
 
-The graphs give logits for each row's last token only, so `last` is position -1 of every row.
+The graphs give logits for each row's last tokens only, so `last` is position -1 of every row.
 
 The serialized heads ship with the package (head_graphs/), so loading an engine does not import
 the onnx package (0.1 s); `python -m edgeinfer.sdk.heads` writes them again from `head_model`,
@@ -21,19 +23,22 @@ IR_VERSION = 8  # old enough for every onnxruntime edgeinfer supports
 
 
 def head_model(kind: str, logits_type: int) -> bytes:
-    """The serialized model of head `kind` ("last" or "argmax") for logits of ONNX element type
+    """The serialized model of head `kind` ("last", "argmax" or "tokens") for logits of ONNX element type
     `logits_type` (float, float16, ...)."""
     from onnx import TensorProto, helper
 
     last_index = helper.make_tensor("last_index", TensorProto.INT64, [], [-1])
     nodes = [helper.make_node("Gather", ["logits", "last_index"], ["last"], axis=1)]
-    if kind == "argmax":
+    if kind == "tokens":
+        nodes = [helper.make_node("ArgMax", ["logits"], ["tokens"], axis=-1, keepdims=0)]
+        output = helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "sequence"])
+    elif kind == "argmax":
         nodes.append(helper.make_node("ArgMax", ["last"], ["argmax"], axis=-1, keepdims=0))
         output = helper.make_tensor_value_info("argmax", TensorProto.INT64, ["batch"])
     else:
         output = helper.make_tensor_value_info("last", logits_type, ["batch", "vocab"])
     logits = helper.make_tensor_value_info("logits", logits_type, ["batch", "sequence", "vocab"])
-    graph = helper.make_graph(nodes, f"edgeinfer_{kind}", [logits], [output], initializer=[last_index])
+    graph = helper.make_graph(nodes, f"edgeinfer_{kind}", [logits], [output], initializer=[] if kind == "tokens" else [last_index])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
     return model.SerializeToString()
 
@@ -50,5 +55,5 @@ def load_head(kind: str, logits_type: int) -> bytes:
 if __name__ == "__main__":
     FOLDER.mkdir(exist_ok=True)
     for element_type in TYPES:
-        for head in ("argmax", "last"):
+        for head in ("argmax", "last", "tokens"):
             head_file(head, element_type).write_bytes(head_model(head, element_type))

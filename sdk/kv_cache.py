@@ -13,6 +13,7 @@ from .errors import GenerationError
 from .manifest import KVSpec
 
 PAD_ID = 0  # fed where a row has no token: left padding, and rows that have already ended
+LAST_ONLY = np.array(1, np.int64)  # `logits_to_keep` of a pass whose last position alone is read
 
 
 class KVCache:
@@ -60,7 +61,8 @@ class KVCache:
         for start in range(cached, width, chunk):
             end = min(start + chunk, width)
             self.mask = mask[:, :end]
-            yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end]}
+            yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end],
+                   "logits_to_keep": LAST_ONLY}
         if self._prefix is not None and len(prompts) == 1:
             self._prefix.store(prompts[0], {name: self._host.read(value)[0] for name, value in self.past.items()})
 
@@ -74,7 +76,31 @@ class KVCache:
         """Inputs of the decode graph for one new token per row, on top of the cache."""
         positions = self.mask.sum(axis=1, keepdims=True)
         self.mask = np.concatenate([self.mask, np.ones((len(tokens), 1), np.int64)], axis=1)
-        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions}
+        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions,
+                "logits_to_keep": LAST_ONLY}
+
+    def extend_inputs(self, row: int, tokens: list[int]) -> dict[str, np.ndarray]:
+        """Inputs for several new tokens of one row on top of the cache, with logits for each
+        (speculative decoding's check). This layout serves it for a batch of one."""
+        if self.mask.shape[0] != 1:
+            raise GenerationError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
+                                  "one prompt at a time: generate the prompts one by one")
+        start = self.length
+        self.mask = np.ones((1, start + len(tokens)), np.int64)
+        return {"input_ids": np.array([tokens], np.int64), "attention_mask": self.mask,
+                "position_ids": np.arange(start, start + len(tokens), dtype=np.int64)[None, :],
+                "logits_to_keep": np.array(len(tokens), np.int64)}
+
+    def drop(self, row: int, count: int) -> None:
+        """Forget the row's last `count` tokens (proposed tokens the model rejected): the past is
+        cut to the rest (a copy through the host in this layout)."""
+        if count <= 0:
+            return
+        keep = self.length - count
+        cut = (slice(None),) * self.spec.sequence_axis + (slice(0, keep),)
+        self.past = {name: np.ascontiguousarray((value if isinstance(value, np.ndarray) else self._host.read(value))[cut])
+                     for name, value in self.past.items()}
+        self.mask = self.mask[:, :keep]
 
     @property
     def keep(self) -> list[str]:
@@ -133,7 +159,8 @@ class InPlaceKVCache(KVCache):
             end = min(start + chunk, width)
             self.lengths = np.minimum(final, end)
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
-            yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions}
+            yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions,
+                   "logits_to_keep": LAST_ONLY}
         if self._prefix is not None and len(prompts) == 1:
             rows = self._rows() if self._views else {name: self._host.read(value)[0] for name, value in self.past.items()}
             self._prefix.store(prompts[0], rows)
@@ -169,7 +196,28 @@ class InPlaceKVCache(KVCache):
         if self.length > self.capacity:
             raise GenerationError(f"the cache's {self.capacity} slots are full: make the cache with a larger capacity")
         self.mask = self._mask(self.length)
-        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions}
+        return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions,
+                "logits_to_keep": LAST_ONLY}
+
+    def extend_inputs(self, row: int, tokens: list[int]) -> dict[str, np.ndarray]:
+        """Inputs for several new tokens of one row on top of its slots, with logits for each, run
+        on that row alone (`pooled`): GroupQueryAttention takes several tokens on a filled cache
+        only for a batch of one."""
+        start, end = int(self.lengths[row]), int(self.lengths[row]) + len(tokens)
+        if end > self.capacity:
+            raise GenerationError(f"the cache's {self.capacity} slots are full: make the cache with a larger capacity")
+        self.lengths[row] = end
+        return {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, end), np.int64),
+                "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(len(tokens), np.int64)}
+
+    def drop(self, row: int, count: int) -> None:
+        """Forget the row's last `count` tokens: its length goes back, and the next pass writes over them."""
+        self.lengths[row] -= max(count, 0)
+
+    @property
+    def pooled(self) -> dict:
+        """Each past input's buffer with the present output written into it (`Graph.bind_rows`)."""
+        return {past: (self.past[past], present) for past, present in zip(self.spec.past, self.spec.present)}
 
     @property
     def keep(self) -> list[str]:
@@ -247,7 +295,7 @@ class SlotPool:
             raise GenerationError(f"a prompt of {end} tokens does not fit the pool's {self.capacity} slots per row")
         self.lengths[slot] = end
         return {"input_ids": np.array([ids[start:end]], np.int64), "attention_mask": np.ones((1, end), np.int64),
-                "position_ids": np.arange(start, end, dtype=np.int64)[None, :]}
+                "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": LAST_ONLY}
 
     def decode_inputs(self, rows: int, tokens: dict[int, int]) -> dict[str, np.ndarray]:
         """Inputs for one decode pass on the first `rows` slots: `tokens` maps each decoding slot to
@@ -259,7 +307,7 @@ class SlotPool:
         for slot, token in tokens.items():
             ids[slot, 0] = token
         mask = (np.arange(int(lengths.max()) + 1)[None, :] <= lengths[:, None]).astype(np.int64)
-        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": lengths[:, None].copy()}
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": lengths[:, None].copy(), "logits_to_keep": LAST_ONLY}
         for slot in tokens:
             self.lengths[slot] += 1
         return inputs

@@ -7,7 +7,7 @@ import functools
 import os
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -224,17 +224,21 @@ class Binding:
     present again."""
 
     def __init__(self, graph: Graph, inputs: dict, outputs: dict):
-        self._session, self._name, self._takes = graph.session, graph.name, set(graph.inputs)
+        self._session, self._name, self._takes, self._device = graph.session, graph.name, set(graph.inputs), graph.device
         self.io = graph.session.io_binding()
         for name, value in inputs.items():
             self.io.bind_ortvalue_input(name, value)
         for name, value in outputs.items():
             self.io.bind_ortvalue_output(name, value)
 
-    def run(self, inputs: dict[str, np.ndarray]) -> None:
+    def run(self, inputs: dict[str, np.ndarray], fresh: tuple[str, ...] = ()) -> None:
+        """Run with `inputs` bound anew. Outputs named in `fresh` get a new value of this run's
+        shape (ONNX Runtime otherwise writes into the value the last run allocated)."""
         for name, value in inputs.items():
             if name in self._takes:
                 self.io.bind_cpu_input(name, value)
+        for name in fresh:
+            self.io.bind_output(name, self._device)
         _run(self._session, self.io, self._name)
 
     def outputs(self) -> list[ort.OrtValue]:
@@ -257,13 +261,16 @@ class GenerationBindings:
     dropped with it: the model graph bound to the KV cache's buffers and to one `logits` value
     that every step overwrites, and the argmax head bound to that value (`argmax_logits`) and to a
     host array, `token_ids`, that receives each step's greedy tokens. Empty until the first step
-    fills it; a step on a cache that is not written in place binds anew every time instead."""
+    fills it; a step on a cache that is not written in place binds anew every time instead.
+    `rows` holds, per row, a binding of that row of the cache alone, for passes of several tokens
+    on one row (speculative decoding's checks), whose logits ONNX Runtime allocates at each run."""
 
     graph: Binding | None = None
     logits: ort.OrtValue | None = None
     argmax: Binding | None = None
     argmax_logits: ort.OrtValue | None = None
     token_ids: np.ndarray | None = None
+    rows: dict[int, Binding] = field(default_factory=dict)
 
 
 class LogitsHeads:
@@ -277,6 +284,7 @@ class LogitsHeads:
             raise ManifestError(f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again")
         self._argmax = Graph(load_head("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._last = Graph(load_head("last", _ONNX_TYPES[logits_type]), provider, threads=1)
+        self._tokens = Graph(load_head("tokens", _ONNX_TYPES[logits_type]), provider, threads=1)
 
     def argmax(self, logits: ort.OrtValue, kept: GenerationBindings | None = None) -> list[int]:
         """Each row's greedy token: the largest logit of its last position. Given a generation's
@@ -293,3 +301,12 @@ class LogitsHeads:
     def last(self, logits: ort.OrtValue) -> np.ndarray:
         """Each row's last-position logits on the host, [batch, vocab] float32."""
         return self._last.run({"logits": logits}, keep=[], fetch=["last"])[1]["last"].astype(np.float32, copy=False)
+
+    def tokens(self, logits: ort.OrtValue) -> np.ndarray:
+        """The greedy token of every position, [batch, positions] (on the device that holds them)."""
+        return self._tokens.run({"logits": logits}, keep=[], fetch=["tokens"])[1]["tokens"]
+
+    @staticmethod
+    def every(logits: ort.OrtValue) -> np.ndarray:
+        """Every position's logits on the host, [batch, positions, vocab] float32."""
+        return logits.numpy().astype(np.float32, copy=False)

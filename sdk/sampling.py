@@ -57,27 +57,49 @@ class Sampler:
             scores[self.bias_ids] += self.bias
         return scores
 
-    def choose(self, scores: np.ndarray, want_logprobs: bool = False) -> tuple[int, np.ndarray | None]:
+    def choose(self, scores: np.ndarray, want_logprobs: bool = False, proposal: int | None = None) -> tuple[int, np.ndarray | None]:
         """The next token and, if asked, the log-probabilities [vocab] it was chosen under: for a
         greedy pick, log-softmax of `scores`; for a draw, the distribution drawn from (temperature
-        applied, the tokens the filters dropped at -inf)."""
+        applied, the tokens the filters dropped at -inf).
+
+        With a `proposal` (speculative decoding's drafted token), a draw keeps it with its
+        probability p under that distribution and otherwise draws from the distribution without it:
+        the rejection rule for a proposer that puts all its mass on one token, which leaves the
+        distribution of the chosen token exactly p. A greedy pick ignores the proposal (the caller
+        compares)."""
         if self.is_greedy:
             token = int(np.argmax(scores))
             return token, log_softmax(scores) if want_logprobs else None
-        config = self.config
-        scores = scores.astype(np.float64)
-        with np.errstate(over="ignore"):  # at most 0: a tiny temperature gives -inf, never inf - inf = nan
-            scores = (scores - scores.max()) / config.temperature
-        ids = top_k(scores, config.top_k)
-        probs = softmax(scores[ids])
-        weights = np.where(top_p(probs, config.top_p) & min_p(probs, config.min_p), probs, 0.0)
-        token = int(ids[draw(weights, self.rng)])
+        ids, weights = self.distribution(scores)
+        token = self._draw(ids, weights, proposal)
         if not want_logprobs:
             return token, None
         logprobs = np.full(scores.size, -np.inf)
         with np.errstate(divide="ignore"):
             logprobs[ids] = np.log(weights / weights.sum())
         return token, logprobs
+
+    def distribution(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a draw can pick and their weights (unnormalized probabilities): temperature,
+        top-k, then top-p and min-p."""
+        config = self.config
+        scores = scores.astype(np.float64)
+        with np.errstate(over="ignore"):  # at most 0: a tiny temperature gives -inf, never inf - inf = nan
+            scores = (scores - scores.max()) / config.temperature
+        ids = top_k(scores, config.top_k)
+        probs = softmax(scores[ids])
+        return ids, np.where(top_p(probs, config.top_p) & min_p(probs, config.min_p), probs, 0.0)
+
+    def _draw(self, ids: np.ndarray, weights: np.ndarray, proposal: int | None) -> int:
+        if proposal is not None:
+            where = np.flatnonzero(ids == proposal)
+            kept = float(weights[where[0]]) / weights.sum() if where.size else 0.0
+            if self.rng.random() < kept:
+                return proposal
+            if where.size and kept < 1.0:
+                weights = weights.copy()
+                weights[where[0]] = 0.0
+        return int(ids[draw(weights, self.rng)])
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:

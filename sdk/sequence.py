@@ -29,6 +29,8 @@ class Piece:
     truncated_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     complete: bool | None = None
+    proposed_tokens: int | None = None
+    accepted_tokens: int | None = None
 
 
 @dataclass
@@ -49,6 +51,8 @@ class GenerationResult:
     truncated_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     complete: bool | None = None
+    proposed_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
@@ -57,7 +61,8 @@ class GenerationResult:
         return cls(text="".join(p.text for p in pieces), token_ids=[t for p in pieces for t in p.token_ids],
                    prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
                    decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens,
-                   logprobs=logprobs, complete=last.complete)
+                   logprobs=logprobs, complete=last.complete, proposed_tokens=last.proposed_tokens,
+                   accepted_tokens=last.accepted_tokens)
 
 
 class Sequence:
@@ -70,6 +75,8 @@ class Sequence:
         self.budget = budget
         self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
         self.sampler = Sampler(config)
+        self.is_plain_greedy = config.is_greedy  # the device's argmax is the choice
+        self.speculation = None  # speculative.Speculation, set by the engine where asked for
         self.constraint = constraint
         if constraint is not None:  # the constraint's end is the output's end
             self.end_ids |= {t: "eos" for t in constraint.eos_ids if t not in self.end_ids}
@@ -85,13 +92,14 @@ class Sequence:
     def is_done(self) -> bool:
         return self.finish_reason is not None
 
-    def choose(self, logits: np.ndarray) -> int:
+    def choose(self, logits: np.ndarray, proposal: int | None = None) -> int:
         """The next token from this row's last-position logits (host side): penalties and bias,
-        the constraint's mask, then the sampler."""
+        the constraint's mask, then the sampler (which keeps a speculative `proposal` by the
+        rejection rule when it draws)."""
         scores = self.sampler.adjust(logits, self.history, self.generated)
         if self.constraint is not None:
             scores = self.constraint.mask(scores)
-        token, logprobs = self.sampler.choose(scores, self.want_logprobs)
+        token, logprobs = self.sampler.choose(scores, self.want_logprobs, proposal)
         self.chosen = None if logprobs is None else TokenLogprob.of(token, logprobs, self.top_logprobs)
         return token
 
@@ -140,6 +148,8 @@ class Sequence:
         piece.prompt_tokens, piece.truncated_tokens = len(self.prompt_ids), self.truncated
         if self.constraint is not None:
             piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text
+        if self.speculation is not None:
+            piece.proposed_tokens, piece.accepted_tokens = self.speculation.proposed, self.speculation.accepted
         return piece
 
 

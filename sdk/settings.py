@@ -14,6 +14,8 @@ from .errors import SettingsError
 DEFAULT_MAX_NEW_TOKENS = 256
 TRUNCATE = (None, "left")
 MAX_TOP_LOGPROBS = 20
+SPECULATIVE = (None, "prompt_lookup", "draft")
+MAX_SPECULATIVE_TOKENS = 32
 # response_format types: OpenAI's (text: no constraint) and edgeinfer's own.
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 
@@ -43,7 +45,11 @@ class GenerationConfig:
     {"type": "json_schema", "json_schema": {"schema": ...}}, or edgeinfer's {"type": "regex",
     "pattern": ...} and {"type": "grammar", "lark": ...}) or `choice` (a list of strings) constrains
     the output (constraints.py). `logprobs` puts each new token's log-probability on the result,
-    with its `top_logprobs` (at most 20) most likely alternatives."""
+    with its `top_logprobs` (at most 20) most likely alternatives.
+
+    `speculative` ("prompt_lookup", or "draft" with an engine loaded with a draft model) proposes
+    up to `num_speculative_tokens` tokens at a time and checks them in one pass (speculative.py):
+    greedy output is the same tokens, sampled output the same distribution, usually sooner."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -63,6 +69,8 @@ class GenerationConfig:
     choice: tuple[str, ...] | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    speculative: str | None = None
+    num_speculative_tokens: int = 5
 
     def __post_init__(self):
         checked = {
@@ -84,6 +92,8 @@ class GenerationConfig:
             "response_format": _response_format(self.response_format),
             "choice": None if self.choice is None else _choices(self.choice),
             "top_logprobs": _integer("top_logprobs", self.top_logprobs, low=0, hint=f" and at most {MAX_TOP_LOGPROBS}"),
+            "num_speculative_tokens": _integer("num_speculative_tokens", self.num_speculative_tokens, low=1,
+                                               hint=f" and at most {MAX_SPECULATIVE_TOKENS}"),
         }
         if self.truncate not in TRUNCATE:
             raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}")
@@ -91,6 +101,10 @@ class GenerationConfig:
             raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if not isinstance(self.logprobs, bool):
             raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}")
+        if self.speculative not in SPECULATIVE:
+            raise SettingsError(f"speculative must be 'prompt_lookup', 'draft' (with a draft model) or None, got {self.speculative!r}")
+        if checked["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
+            raise SettingsError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
         if checked["top_logprobs"] > MAX_TOP_LOGPROBS:
             raise SettingsError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if checked["top_logprobs"] and not self.logprobs:

@@ -32,9 +32,9 @@ def build_llama(folder, eos_token_id=None, seed=0, context=256, **overrides):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                         initializer_range=0.2, bos_token_id=1, eos_token_id=eos_token_id, **overrides)
+    config = LlamaConfig(**{**dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                                   initializer_range=0.2, bos_token_id=1, eos_token_id=eos_token_id), **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=eos_token_id)

@@ -47,9 +47,10 @@ def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     past = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
     assert manifest["kv"]["in_place"]  # GroupQueryAttention rotates by each row's slots: no position ids
-    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *past]
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *past, "logits_to_keep"]
     assert [o.name for o in graph.output] == ["logits", *(p.replace("past_key_values", "present") for p in past)]
-    assert [d.dim_value for d in graph.output[0].type.tensor_type.shape.dim][1:] == [1, 320]  # the last position only
+    logits = graph.output[0].type.tensor_type.shape.dim
+    assert (logits[1].dim_param, logits[2].dim_value) == ("logits_to_keep", 320)  # the last positions only
     assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
 
 

@@ -1,0 +1,131 @@
+"""Speculative decoding: a cheap proposer guesses the next few tokens, and one pass of the model
+over all of them checks every guess at once (decode reads every weight once per pass, so checking
+k tokens costs little more than making one). The tokens kept are exactly those plain decoding
+would choose: greedy keeps a guess where it is the model's argmax; sampling keeps a guess with its
+probability under the model's distribution and otherwise draws from the rest (sampling.Sampler).
+
+Two proposers:
+- `PromptLookup`: the tokens that followed the latest earlier occurrence of the last few tokens,
+  in the prompt or the output (n-gram lookup, as transformers' `prompt_lookup_num_tokens` and
+  llama.cpp's lookup decoding). No second model; it shines where the output copies its input
+  (summaries, edits, answers quoting a document) and proposes nothing elsewhere.
+- `DraftModel`: a smaller export with the same tokenizer proposes its greedy tokens, from its own
+  KV cache of the row.
+
+`Speculation` is one row's controller: how many tokens to propose now, and a pause after guesses
+that failed (a check of k tokens costs more than a plain step, so a row whose guesses keep failing
+proposes less often, and text where lookup finds nothing costs nothing extra).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_NGRAM = 3  # the longest n-gram prompt lookup matches; shorter ones are tried after it
+MIN_NGRAM = 2  # a single repeated token predicts little, and a wrong guess costs a longer pass
+MAX_PAUSE = 16  # steps a row waits, at most, after guesses that failed in a row
+
+
+class PromptLookup:
+    """Proposes the tokens that followed the most recent earlier occurrence of the sequence's
+    last n tokens (n from MAX_NGRAM down to MIN_NGRAM)."""
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        return lookup(tokens, count)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Nothing to update: the next lookup reads the sequence as it stands."""
+
+
+def lookup(tokens: list[int], count: int, longest: int = MAX_NGRAM, shortest: int = MIN_NGRAM) -> list[int]:
+    """Up to `count` tokens that followed the latest earlier occurrence of the last n of `tokens`,
+    for the longest n from `longest` down to `shortest` that occurs earlier; [] if none does."""
+    if count < 1:
+        return []
+    sequence = np.asarray(tokens, np.int64)
+    for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+        pattern = sequence[-n:]
+        starts = np.flatnonzero(sequence[: len(tokens) - n] == pattern[0])  # earlier starts of the n-gram
+        for start in starts[::-1]:
+            if np.array_equal(sequence[start:start + n], pattern):
+                follows = sequence[start + n: start + n + count]
+                return follows.tolist()
+    return []
+
+
+class DraftModel:
+    """Proposes the greedy tokens of a draft engine (a smaller export with the same vocabulary),
+    which keeps its own KV cache of one row: each call feeds it what it has not seen yet, and
+    `record` drops the guesses the model rejected from it."""
+
+    def __init__(self, engine, capacity: int):
+        from .runtime import GenerationBindings
+
+        self.engine, self.capacity = engine, capacity
+        self.cache, self.kept = None, GenerationBindings()
+        self.seen = 0  # tokens of the sequence in the draft's cache
+        self._guesses_in_cache = 0  # of the last proposal, the ones fed back into the cache
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        if count < 1:
+            return []
+        engine, new = self.engine, tokens[self.seen:]
+        if self.cache is None:
+            self.cache = engine.new_cache(self.capacity)
+            logits = engine.prefill([new], self.cache)
+        else:
+            logits = engine.extend(new, self.cache, 0, self.kept)
+        self.seen = len(tokens)
+        guesses = []
+        for i in range(count):
+            guesses.append(int(engine.heads.tokens(logits)[0, -1]))
+            if i + 1 < count:
+                logits = engine.extend(guesses[-1:], self.cache, 0, self.kept)
+        self._guesses_in_cache = count - 1
+        return guesses
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Keep the guesses the model accepted in the draft's cache, and drop the others."""
+        kept = min(accepted, self._guesses_in_cache)
+        self.cache.drop(0, self._guesses_in_cache - kept)
+        self.seen += kept
+        self._guesses_in_cache = 0
+
+
+@dataclass
+class Speculation:
+    """One row's speculative decoding: its proposer, how many tokens it proposes now (`count`,
+    up to `most`), and what it proposed and the model accepted in all."""
+
+    proposer: PromptLookup | DraftModel
+    most: int
+    count: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    _pause: int = 0
+    _misses: int = 0
+
+    def __post_init__(self):
+        self.count = self.count or self.most
+
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        """The tokens to check after `tokens` (the sequence so far, prompt included), at most
+        `room`; none while paused."""
+        if self._pause:
+            self._pause -= 1
+            return []
+        proposal = self.proposer.propose(tokens, min(self.count, room))
+        self.proposed += len(proposal)
+        return proposal
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Adapt to the last check (the engine has counted each accepted token in `accepted` as
+        it took it): all guesses kept, propose 2 more next time; some failed, 1 fewer; none kept,
+        pause for 1, 3, 7, 15 steps as the misses run on."""
+        if not proposed:
+            return
+        self.proposer.record(proposed, accepted)
+        self.count = min(self.count + 2, self.most) if accepted == proposed else max(1, self.count - 1)
+        self._misses = 0 if accepted else self._misses + 1
+        self._pause = min(2 ** self._misses - 1, MAX_PAUSE)
