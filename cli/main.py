@@ -53,11 +53,11 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
 @with_options(GENERATION_OPTIONS)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming.")
-def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cache, chat, as_json, **params):
+def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat, as_json, **params):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
-    settings = generation_settings(params)
+    settings = generation_settings(params, draft)
     prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
-    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache)
+    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
     if as_json:
         result = engine.generate(ids, **settings)

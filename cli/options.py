@@ -16,6 +16,8 @@ MODEL_OPTIONS = [
     click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV cache may use [default: what is free]."),
     click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
                  help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64]."),
+    click.option("--draft", default=None, metavar="MODEL",
+                 help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (--speculative draft)."),
 ]
 # Each defaults to None: the model's own default (its generation config) applies.
 GENERATION_OPTIONS = [
@@ -42,6 +44,10 @@ GENERATION_OPTIONS = [
     click.option("--choice", multiple=True, help="The output is one of these strings; repeatable."),
     click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
                  help="With --json: each token's log-probability and its K most likely alternatives."),
+    click.option("--speculative", type=click.Choice(["prompt-lookup", "draft"]), default=None,
+                 help="Propose tokens (from the prompt and output so far, or from --draft) and check them in one pass: "
+                      "the same output, usually faster [default: off; draft where --draft is given]."),
+    click.option("--num-speculative-tokens", type=int, default=None, help="Most tokens proposed at a time [default: 5]."),
 ]
 
 
@@ -53,10 +59,10 @@ def with_options(options):
     return decorate
 
 
-def generation_settings(params: dict) -> dict:
+def generation_settings(params: dict, draft: str | None = None) -> dict:
     """Take the generation flags out of a command's `params`; those given become keyword
     settings for the engine (the flags are named after GenerationConfig's fields, but for the
-    constraint flags, which become `response_format`)."""
+    constraint flags, which become `response_format`). A `draft` model implies `--speculative draft`."""
     response_format = _response_format(params.pop("json_schema", None), params.pop("regex", None), params.pop("grammar", None))
     given = {name: params.pop(name) for name in FIELDS if name in params}
     settings = {name: value for name, value in given.items() if value not in (None, ())}
@@ -66,6 +72,10 @@ def generation_settings(params: dict) -> dict:
         settings["logit_bias"] = dict(_bias(pair) for pair in settings["logit_bias"])
     if response_format is not None:
         settings["response_format"] = response_format
+    if "speculative" in settings:
+        settings["speculative"] = settings["speculative"].replace("-", "_")
+    elif draft is not None:
+        settings["speculative"] = "draft"
     return settings
 
 

@@ -17,18 +17,20 @@ def say(message: str) -> None:
 
 def say_timings(piece) -> None:
     say(f"time to first token {piece.ttft_s * 1000:.0f} ms, {piece.decode_tokens_per_s:.1f} tokens/s, "
-        f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}")
+        f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}"
+        + ("" if piece.proposed_tokens is None else f", speculative: {piece.accepted_tokens} of {piece.proposed_tokens} proposed tokens kept"))
 
 
 def load_engine(model: str | None, provider: str, threads: int | None, max_context: int | None = None,
-                memory_limit: int | None = None, prefix_cache: int | None = None, max_batch: int = 1):
-    """The engine for `--model`, saying which provider runs it and why. `memory_limit` and
-    `prefix_cache` are in MiB."""
+                memory_limit: int | None = None, prefix_cache: int | None = None, max_batch: int = 1, draft: str | None = None):
+    """The engine for `--model` (and its `--draft`), saying which provider runs it and why.
+    `memory_limit` and `prefix_cache` are in MiB."""
     from edgeinfer.sdk import Engine
 
     limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
     engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
-                         max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache)
+                         max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache,
+                         draft=None if draft is None else resolve_export(draft, say))
     say(f"provider: {engine.provider} ({engine.provider_reason})")
     return engine
 

@@ -1,6 +1,7 @@
 """`edgeinfer serve`: the OpenAI-compatible server (edgeinfer.serve) with the CLI's model resolution."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -26,8 +27,13 @@ from .resolve import load_engine
 @click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV pool may use [default: what is free].")
 @click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
               help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64].")
+@click.option("--draft", default=None, metavar="MODEL",
+              help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (speculative: draft).")
+@click.option("--speculative", type=click.Choice(["prompt-lookup", "draft"]), default=None,
+              help="Speculative decoding for requests that do not ask themselves [default: off; draft where --draft is given].")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM.")
-def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, prefix_cache, grace):
+def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, prefix_cache, draft,
+          speculative, grace):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health and /metrics."""
     try:
@@ -41,7 +47,11 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
     name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL)
 
     def load():  # --memory-limit 0: no limit, as before
-        engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch)
+        engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)
+        mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
+        if mode:  # the default of requests that do not say
+            engine.default_config = dataclasses.replace(engine.default_config, speculative=mode)
+            engine._speculation(engine.default_config, 1, engine.max_context)  # refused now, not at every request
         return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
     run_server(load, name, host, port, api_key, grace)

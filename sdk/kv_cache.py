@@ -203,12 +203,7 @@ class InPlaceKVCache(KVCache):
         """Inputs for several new tokens of one row on top of its slots, with logits for each, run
         on that row alone (`pooled`): GroupQueryAttention takes several tokens on a filled cache
         only for a batch of one."""
-        start, end = int(self.lengths[row]), int(self.lengths[row]) + len(tokens)
-        if end > self.capacity:
-            raise GenerationError(f"the cache's {self.capacity} slots are full: make the cache with a larger capacity")
-        self.lengths[row] = end
-        return {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, end), np.int64),
-                "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(len(tokens), np.int64)}
+        return _extend_row(self.lengths, row, tokens, self.capacity)
 
     def drop(self, row: int, count: int) -> None:
         """Forget the row's last `count` tokens: its length goes back, and the next pass writes over them."""
@@ -297,6 +292,14 @@ class SlotPool:
         return {"input_ids": np.array([ids[start:end]], np.int64), "attention_mask": np.ones((1, end), np.int64),
                 "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": LAST_ONLY}
 
+    def extend_inputs(self, slot: int, tokens: list[int]) -> dict[str, np.ndarray]:
+        """Inputs for several new tokens of `slot` (speculative decoding's check), run on that row alone."""
+        return _extend_row(self.lengths, slot, tokens, self.capacity)
+
+    def drop(self, slot: int, count: int) -> None:
+        """Forget the slot's last `count` tokens (proposed tokens the model rejected)."""
+        self.lengths[slot] -= max(count, 0)
+
     def decode_inputs(self, rows: int, tokens: dict[int, int]) -> dict[str, np.ndarray]:
         """Inputs for one decode pass on the first `rows` slots: `tokens` maps each decoding slot to
         its newest token; the others get a pad token that writes just past their own."""
@@ -311,6 +314,17 @@ class SlotPool:
         for slot in tokens:
             self.lengths[slot] += 1
         return inputs
+
+
+def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int) -> dict[str, np.ndarray]:
+    """Inputs for `tokens` on top of the `lengths[row]` slots row `row` holds (run on that row
+    alone), with the logits of each; the row's length grows by them."""
+    start, end = int(lengths[row]), int(lengths[row]) + len(tokens)
+    if end > capacity:
+        raise GenerationError(f"the cache's {capacity} slots per row are full: make the cache with a larger capacity")
+    lengths[row] = end
+    return {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, end), np.int64),
+            "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(len(tokens), np.int64)}
 
 
 def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:

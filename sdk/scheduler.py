@@ -4,8 +4,9 @@ Callers in any thread `submit` a prompt and iterate the `Request` they get back.
 the running batch at the next step and leaves it when it ends, so a short request never waits for
 a long one; an idle scheduler sleeps. Each step admits waiting requests into free rows of the KV
 pool (kv_cache.SlotPool), prefills one chunk of one new prompt (alone in its row), then decodes one
-token for every row past its prefill, in one pass. Exports whose attention does not write its cache
-in place (`kv.in_place` false) are served one request at a time.
+token for every row past its prefill, in one pass; a row with speculative decoding checks its
+proposed tokens in a pass of its own. Exports whose attention does not write its cache in place
+(`kv.in_place` false) are served one request at a time.
 
     scheduler = Scheduler(engine, max_batch=8)
     request = scheduler.submit("The capital of France is", max_new_tokens=16)   # from any thread
@@ -100,6 +101,7 @@ class Scheduler:
             self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
                                  engine.prefix_cache if engine.provider == "cpu" else None, engine.graph)
         self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
+        self._speculation_bindings = GenerationBindings()  # each row's own passes (speculative decoding)
         self._waiting: deque[_Row] = deque()
         self._rows: list[_Row] = []
         self._wake = threading.Condition()
@@ -211,9 +213,19 @@ class Scheduler:
         prefilling = next((row for row in self._rows if not row.is_decoding), None)
         if prefilling is not None:
             self._prefill_chunk(prefilling)
-        decoding = [row for row in self._rows if row.is_decoding]
+        decoding = [row for row in self._rows if row.is_decoding and not row.sequence.speculation]
         if decoding:
             self._decode(decoding)
+        for row in [row for row in self._rows if row.is_decoding and row.sequence.speculation]:
+            self._speculate(row)
+
+    def _speculate(self, row: _Row) -> None:
+        """A row with speculative decoding proposes and checks its tokens in a pass of its own
+        (the engine's step, on the pool's row)."""
+        for piece in self.engine._speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
+            row.request._put(piece)
+        if row.sequence.is_done:
+            self._end(row, _END)
 
     def _prefill_chunk(self, row: _Row) -> None:
         ids = row.sequence.prompt_ids

@@ -132,7 +132,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
                 if piece.finish_reason is not None:
                     yield _sse(reply.last_chunk(piece.finish_reason))
                     if include_usage:
-                        yield _sse(reply.usage_chunk(piece.prompt_tokens, made))
+                        yield _sse(reply.usage_chunk(piece.prompt_tokens, made, piece))
                     _finished(reply.id, piece.prompt_tokens, made, piece.ttft_s, piece.decode_tokens_per_s, piece.finish_reason)
                     ended = True
             yield "data: [DONE]\n\n"

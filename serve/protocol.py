@@ -64,6 +64,8 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # checked by GenerationConfig: OpenAI's types and edgeinfer's regex, grammar
+    speculative: str | None = None  # "prompt_lookup", or "draft" where the server has a --draft model
+    num_speculative_tokens: int | None = None
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
     tools: Any = None
     tool_choice: Any = None
@@ -84,7 +86,8 @@ class _Request(BaseModel):
                   "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "top_k": self.top_k, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos, "choice": self.choice,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "logit_bias": self.logit_bias, "response_format": self.response_format, **self.logprob_settings()}
+                  "logit_bias": self.logit_bias, "response_format": self.response_format, "speculative": self.speculative,
+                  "num_speculative_tokens": self.num_speculative_tokens, **self.logprob_settings()}
         return {name: value for name, value in chosen.items() if value is not None}
 
     def logprob_settings(self) -> dict:
@@ -167,7 +170,7 @@ class Reply:
         choice = {"index": 0, "finish_reason": FINISH[result.finish_reason], "logprobs": self._logprobs(result.logprobs)}
         choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(result.prompt_tokens, len(result.token_ids))}
+                "usage": usage(result.prompt_tokens, len(result.token_ids), result)}
 
     def first_chunk(self) -> dict | None:
         """Chat streams open with the assistant's role."""
@@ -198,8 +201,8 @@ class Reply:
         return {"tokens": [token(c.token) for c in logprobs], "token_logprobs": [c.logprob for c in logprobs],
                 "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs], "text_offset": offsets}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {**self._chunk_head(), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, last: Piece | None = None) -> dict:
+        return {**self._chunk_head(), "choices": [], "usage": usage(prompt_tokens, completion_tokens, last)}
 
     def _chunk(self, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -212,5 +215,11 @@ class Reply:
                 "model": self.model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, last: GenerationResult | Piece | None = None) -> dict:
+    """OpenAI's usage; with speculative decoding, the proposed tokens kept and rejected as OpenAI's
+    `completion_tokens_details` reports those of a prediction."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if last is not None and last.proposed_tokens is not None:
+        counts["completion_tokens_details"] = {"accepted_prediction_tokens": last.accepted_tokens,
+                                               "rejected_prediction_tokens": last.proposed_tokens - last.accepted_tokens}
+    return counts

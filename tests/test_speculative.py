@@ -238,3 +238,81 @@ def test_a_row_whose_guesses_fail_pauses():
             speculation.record(len(proposal), 0)
     assert made == [4, 0, 3, 0, 0, 0, 2, 0, 0, 0, 0, 0]  # pauses of 1, 3, 7 steps; a shorter guess each time
     assert speculation.proposed == 9
+
+
+def test_the_scheduler_serves_speculating_rows_beside_plain_ones(exports):
+    """Requests from threads, some with speculation and some without, greedy and sampled: each gets
+    what it gets alone (greedy: the plain tokens)."""
+    from conftest import in_threads
+
+    from edgeinfer import Scheduler
+
+    engine = Engine.load(exports["in place"], provider="cpu", prefix_cache=0)
+    jobs = [(PROMPTS[i % 3], {"speculative": "prompt_lookup"} if i % 2 else {}) for i in range(8)]
+    jobs.append((PROMPTS[0], {"speculative": "prompt_lookup", "temperature": 0.8, "seed": 5}))
+    expected = [engine.generate(prompt, max_new_tokens=30, ignore_eos=True, **settings) for prompt, settings in jobs]
+    results = [None] * len(jobs)
+
+    def call(job):
+        prompt, settings = jobs[job]
+        results[job] = scheduler.submit(prompt, max_new_tokens=30, ignore_eos=True, **settings).result()
+
+    with Scheduler(engine, max_batch=4) as scheduler:
+        assert in_threads(call, len(jobs)) == []
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert [(r.proposed_tokens, r.accepted_tokens) for r in results] == [(e.proposed_tokens, e.accepted_tokens) for e in expected]
+    plain = engine.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True)
+    assert [r.token_ids for r in results[:3]] == [plain.token_ids, *(e.token_ids for e in expected[1:3])]
+    assert sum(r.accepted_tokens or 0 for r in results) > 0
+
+
+def test_the_server_speculates_by_default_or_per_request_and_reports_it_in_usage(exports):
+    import openai
+    from test_serve import start
+
+    folder = exports["in place"]
+    engine = Engine.load(folder, provider="cpu", prefix_cache=0)
+    expected = engine.generate(PROMPTS[0], max_new_tokens=30, ignore_eos=True, speculative="prompt_lookup")
+    for flags, extra in ((["--speculative", "prompt-lookup"], {}), ([], {"speculative": "prompt_lookup"})):
+        process, url = start(folder, "--provider", "cpu", *flags)
+        try:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            answer = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30,
+                                               extra_body={"ignore_eos": True, **extra})
+            assert answer.choices[0].text == expected.text
+            details = answer.usage.completion_tokens_details
+            assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+                expected.accepted_tokens, expected.proposed_tokens - expected.accepted_tokens)
+            stream = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30, stream=True,
+                                               stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra})
+            chunks = list(stream)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+            assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == expected.accepted_tokens
+            plain = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30,
+                                              extra_body={"ignore_eos": True, "speculative": None})
+            assert plain.choices[0].text == expected.text
+        finally:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_the_cli_takes_speculation_and_a_draft(exports):
+    import re
+
+    from test_cli import edgeinfer
+
+    folder = exports["in place"]
+    engine = Engine.load(folder, provider="cpu", prefix_cache=0)
+    prompt = engine.tokenizer.decode(PROMPTS[0])
+    expected = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
+    base = ["run", "--model", str(folder), "--max-new-tokens", "30", "--ignore-eos"]
+    plain = edgeinfer(*base, prompt)
+    lookup_run = edgeinfer(*base, "--speculative", "prompt-lookup", "--num-speculative-tokens", "3", prompt)
+    draft_run = edgeinfer(*base, "--draft", str(folder), prompt)
+    assert plain.returncode == lookup_run.returncode == draft_run.returncode == 0, lookup_run.stderr + draft_run.stderr
+    assert lookup_run.stdout == draft_run.stdout == plain.stdout == expected.text + "\n"
+    assert "speculative:" not in plain.stderr and "proposed tokens kept" in lookup_run.stderr
+    kept = re.search(r"speculative: (\d+) of (\d+) proposed tokens kept", draft_run.stderr)
+    assert kept and kept[1] == kept[2] != "0"  # the model as its own draft: every greedy guess is right
+    refused = edgeinfer(*base, "--speculative", "draft", prompt)
+    assert refused.returncode == 1 and "needs a draft model" in refused.stderr and "Traceback" not in refused.stderr
