@@ -332,6 +332,10 @@ class Engine:
         inputs = cache.extend_inputs(row, tokens)
         if not self.manifest.kv.in_place:
             return self._run(inputs, cache, None)
+        return self._run_row(inputs, cache, row, kept)
+
+    def _run_row(self, inputs: dict, cache: KVCache, row: int, kept: GenerationBindings | None) -> ort.OrtValue:
+        """One pass on one row of a cache written in place, bound alone (kept in `kept.rows`)."""
         binding = kept.rows.get(row) if kept is not None else None
         if binding is None:
             binding = self.graph.bind_rows(cache.pooled, row, 1)
@@ -341,6 +345,10 @@ class Engine:
         return binding.outputs()[-1]
 
     def _prefill(self, prompts: list[list[int]], cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
+        if cache.prefills_by_row(prompts):  # a batch with rows in the prefix cache
+            for row, chunk in cache.prefill_rows(prompts, self.prefill_chunk):
+                logits = self._run(chunk, cache, kept) if row is None else self._run_row(chunk, cache, row, kept)
+            return logits
         for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):
             logits = self._run(chunk, cache, kept)
         return logits

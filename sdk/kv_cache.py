@@ -66,6 +66,11 @@ class KVCache:
         if self._prefix is not None and len(prompts) == 1:
             self._prefix.store(prompts[0], {name: self._host.read(value)[0] for name, value in self.past.items()})
 
+    def prefills_by_row(self, prompts: list[list[int]]) -> bool:
+        """Whether `prefill_rows` serves these prompts (a batch whose rows start from the prefix
+        cache) instead of `prefill_chunks`."""
+        return False
+
     def _empty(self, name: str, batch: int) -> np.ndarray:
         """A past of zero tokens, for prefill: the declared shape with the batch filled in."""
         shape = [0 if axis == self.spec.sequence_axis else (dim if isinstance(dim, int) else batch)
@@ -161,9 +166,35 @@ class InPlaceKVCache(KVCache):
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
             yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions,
                    "logits_to_keep": LAST_ONLY}
-        if self._prefix is not None and len(prompts) == 1:
-            rows = self._rows() if self._views else {name: self._host.read(value)[0] for name, value in self.past.items()}
-            self._prefix.store(prompts[0], rows)
+        if self._prefix is not None:
+            self._store(prompts)
+
+    def prefills_by_row(self, prompts: list[list[int]]) -> bool:
+        return len(prompts) > 1 and self._prefix is not None and self._views and any(self._prefix.has_start(p) for p in prompts)
+
+    def prefill_rows(self, prompts: list[list[int]], chunk: int) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
+        """A batch whose rows start from the prefix cache: (row, inputs) for each chunk of each row
+        but its last token, run on that row alone after its cached blocks are copied in
+        (GroupQueryAttention takes several tokens on a filled cache only for a batch of one), then
+        (None, inputs) for every row's last token in one pass, whose logits choose the first new
+        tokens. Each row leaves its whole blocks in the prefix cache."""
+        if max(len(p) for p in prompts) > self.capacity:
+            raise GenerationError(f"a prompt of {max(len(p) for p in prompts)} tokens does not fit a cache of {self.capacity} "
+                                  "slots: make the cache with a larger capacity")
+        self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
+        self.lengths = np.zeros(len(prompts), np.int64)
+        for row, prompt in enumerate(prompts):
+            self.lengths[row] = self._prefix.restore(prompt, self._rows(row))
+            for start in range(int(self.lengths[row]), len(prompt) - 1, chunk):
+                yield row, _extend_row(self.lengths, row, prompt[start:min(start + chunk, len(prompt) - 1)], self.capacity, keep=1)
+        yield None, self.decode_inputs([p[-1] for p in prompts])
+        self._store(prompts)
+
+    def _store(self, prompts: list[list[int]]) -> None:
+        """Keep each prefilled row's whole blocks (rows are right-padded: a row's tokens start at slot 0)."""
+        copies = None if self._views else {name: self._host.read(value) for name, value in self.past.items()}
+        for row, prompt in enumerate(prompts):
+            self._prefix.store(prompt, self._rows(row) if copies is None else {name: copy[row] for name, copy in copies.items()})
 
     def _restore(self, prompt: list[int]) -> int:
         """The cached start of `prompt` written into the buffers; how many tokens it holds."""
@@ -176,9 +207,9 @@ class InPlaceKVCache(KVCache):
             self._host.write(value, whole)
         return cached
 
-    def _rows(self) -> dict[str, np.ndarray]:
-        """Row 0 of each buffer, viewed on the host, [kv_heads, capacity, head_size]."""
-        return {name: self._host.host_view(value)[0] for name, value in self.past.items()}
+    def _rows(self, row: int = 0) -> dict[str, np.ndarray]:
+        """One row of each buffer, viewed on the host, [kv_heads, capacity, head_size]."""
+        return {name: self._host.host_view(value)[row] for name, value in self.past.items()}
 
     def _buffer_shape(self, name: str, batch: int) -> list[int]:
         return _buffer_shape(self.spec, self.past_shapes[name], batch, self.capacity)
@@ -316,15 +347,15 @@ class SlotPool:
         return inputs
 
 
-def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int) -> dict[str, np.ndarray]:
+def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int, keep: int | None = None) -> dict[str, np.ndarray]:
     """Inputs for `tokens` on top of the `lengths[row]` slots row `row` holds (run on that row
-    alone), with the logits of each; the row's length grows by them."""
+    alone), with the logits of each (of the last `keep`); the row's length grows by them."""
     start, end = int(lengths[row]), int(lengths[row]) + len(tokens)
     if end > capacity:
         raise GenerationError(f"the cache's {capacity} slots per row are full: make the cache with a larger capacity")
     lengths[row] = end
     return {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, end), np.int64),
-            "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(len(tokens), np.int64)}
+            "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(keep or len(tokens), np.int64)}
 
 
 def _buffer_shape(spec: KVSpec, declared: list, batch: int, capacity: int) -> list[int]:
@@ -357,6 +388,11 @@ class PrefixCache:
     _blocks: OrderedDict = field(default_factory=OrderedDict)  # (parent id, tokens) -> _Block
     _next_id: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock)  # an engine serves many threads
+
+    def has_start(self, ids: list[int]) -> bool:
+        """Whether the first block of `ids` is cached (counted neither as hit nor as miss)."""
+        with self._lock:
+            return bool(self.budget) and len(ids) > self.block and (0, tuple(ids[:self.block])) in self._blocks
 
     def restore(self, ids: list[int], rows: dict[str, np.ndarray]) -> int:
         """Copy the cached blocks that start `ids` into `rows` (each past input's row, [kv_heads,

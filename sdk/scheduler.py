@@ -280,13 +280,14 @@ class Scheduler:
             self._end(row, _END)
 
     def _end(self, row: _Row, last) -> None:
-        """Give the request its last item (a final piece, an error, or nothing more) and free its row."""
-        if last is not _END:
-            row.request._put(last)
-        row.request._put(_END)
+        """Free the request's row, then give it its last item (a final piece, an error, or nothing
+        more): a caller that sees its request end no longer counts it as running."""
         if row in self._rows:
             self._rows.remove(row)
             if self.is_batched:
                 self.pool.release(row.slot)
             elif row.events is not None:
                 row.events.close()
+        if last is not _END:
+            row.request._put(last)
+        row.request._put(_END)

@@ -101,6 +101,27 @@ def test_the_scheduler_reuses_prompts_and_answers_as_alone(engines):
         assert result.token_ids == plain.generate(SYSTEM + question, max_new_tokens=8, ignore_eos=True).token_ids
 
 
+def test_a_batch_whose_rows_start_from_the_cache_prefills_each_row_from_its_blocks(exports):
+    """A batch leaves its rows' blocks in the cache. A later batch with cached starts prefills each
+    row alone from its cached blocks (a row with none from its first token), then every row's last
+    prompt token in one pass: the logits and tokens equal the cache off."""
+    cached, plain = (Engine.load(exports["in place"], provider="cpu", prefix_cache=budget, prefill_chunk=16) for budget in (16, 0))
+    first = [SYSTEM + q for q in QUESTIONS] + [[250 - i for i in range(45)]]
+    logits = [engine.prefill(first, engine.new_cache(200)).numpy() for engine in (cached, plain)]  # nothing cached yet: one pass
+    np.testing.assert_array_equal(*logits)
+    assert cached.prefix_cache.hits == 0 and cached.prefix_cache.held > 0
+    batch = first + [[260 - i for i in range(40)]]  # a row whose start is not cached
+    runs = count_graph_runs(cached)
+    np.testing.assert_allclose(cached.prefill(batch, cached.new_cache(200)).numpy(),
+                               plain.prefill(batch, plain.new_cache(200)).numpy(), atol=1e-5)
+    assert cached.prefix_cache.hits == 3 * 128 + 32
+    assert len(runs) == 3 * 2 + 1 + 3 + 1  # the rest before the last token, 16 at a time: 22-26 tokens, 12, 39; then the last tokens
+    del cached.graph.session.run_with_iobinding
+    settings = dict(max_new_tokens=10, ignore_eos=True)
+    assert [r.token_ids for r in cached.generate_batch(batch, **settings)] == \
+        [r.token_ids for r in plain.generate_batch(batch, **settings)] == [plain.generate(p, **settings).token_ids for p in batch]
+
+
 def test_a_bad_budget_is_refused(tiny_llama):
     from edgeinfer.sdk.errors import SettingsError
 
