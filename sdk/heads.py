@@ -4,7 +4,9 @@ full [batch, sequence, vocab] logits never have to come to the host:
 - `last`: the last position's logits, [batch, vocab], for sampling on the host;
 - `argmax`: the id of the largest logit at the last position, [batch], for greedy decoding;
 - `tokens`: the id of the largest logit at every position, [batch, sequence], for checking the
-  tokens speculative decoding proposed, all in one pass.
+  tokens speculative decoding proposed, all in one pass;
+- `copy`: its input as its output, bound at addresses inside KV buffers to copy part of a row
+  between host and device (the prefix cache where the buffers have no host view).
 
 The graphs give logits for each row's last tokens only, so `last` is position -1 of every row.
 
@@ -23,12 +25,18 @@ IR_VERSION = 8  # old enough for every onnxruntime edgeinfer supports
 
 
 def head_model(kind: str, logits_type: int) -> bytes:
-    """The serialized model of head `kind` ("last", "argmax" or "tokens") for logits of ONNX element type
+    """The serialized model of head `kind` ("last", "argmax", "tokens" or "copy") for logits of ONNX element type
     `logits_type` (float, float16, ...)."""
     from onnx import TensorProto, helper
 
     last_index = helper.make_tensor("last_index", TensorProto.INT64, [], [-1])
     nodes = [helper.make_node("Gather", ["logits", "last_index"], ["last"], axis=1)]
+    if kind == "copy":
+        nodes = [helper.make_node("Identity", ["x"], ["y"])]
+        x = helper.make_tensor_value_info("x", logits_type, ["tokens", "width"])
+        y = helper.make_tensor_value_info("y", logits_type, ["tokens", "width"])
+        graph = helper.make_graph(nodes, "edgeinfer_copy", [x], [y])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION).SerializeToString()
     if kind == "tokens":
         nodes = [helper.make_node("ArgMax", ["logits"], ["tokens"], axis=-1, keepdims=0)]
         output = helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", "sequence"])
@@ -55,5 +63,5 @@ def load_head(kind: str, logits_type: int) -> bytes:
 if __name__ == "__main__":
     FOLDER.mkdir(exist_ok=True)
     for element_type in TYPES:
-        for head in ("argmax", "last", "tokens"):
+        for head in ("argmax", "last", "tokens", "copy"):
             head_file(head, element_type).write_bytes(head_model(head, element_type))

@@ -270,30 +270,41 @@ class SlotPool:
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], max_batch: int, capacity: int, allocate,
-                 prefix: PrefixCache | None = None, host=None):
-        """With `prefix` and `host` (the graph, whose buffers it views on the host: the CPU
-        provider), a prompt starts from the cached blocks it begins with (`restore`), and leaves
-        its own there once prefilled (`store`)."""
+                 prefix: PrefixCache | None = None, host=None, copy=None):
+        """With `prefix`, a prompt starts from the cached blocks it begins with (`restore`), and
+        leaves its own there once prefilled (`store`): through views of the buffers given `host`
+        (the graph, on the CPU provider), or through `copy` (runtime.RowCopy) on other devices."""
         self.spec, self.capacity = spec, capacity
         self.buffers = {past: allocate(_buffer_shape(spec, past_shapes[past], max_batch, capacity), spec.dtype)
                         for past in spec.past}
         self.lengths = np.zeros(max_batch, np.int64)  # tokens each slot holds
         self._free = list(range(max_batch))
-        on = prefix is not None and prefix.budget and host is not None
-        self._prefix = prefix if on else None
-        self._views = {name: host.host_view(value) for name, value in self.buffers.items()} if on else None
+        on = prefix is not None and prefix.budget and (host is not None or copy is not None)
+        self._prefix, self._copy = (prefix if on else None), copy
+        self._views = {name: host.host_view(value) for name, value in self.buffers.items()} if on and copy is None else None
 
     def restore(self, slot: int, ids: list[int]) -> int:
         """Fill `slot` with the cached blocks that start `ids`; returns how many tokens they hold."""
         if self._prefix is None:
             return 0
-        self.lengths[slot] = self._prefix.restore(ids, {name: view[slot] for name, view in self._views.items()})
+        if self._views is not None:
+            self.lengths[slot] = self._prefix.restore(ids, {name: view[slot] for name, view in self._views.items()})
+        else:
+            self.lengths[slot], blocks = self._prefix.take(ids)
+            for name, values in blocks.items():
+                self._copy.write(self.buffers[name], slot, values)
         return int(self.lengths[slot])
 
     def store(self, slot: int, ids: list[int]) -> None:
         """Keep the blocks of a prompt that `slot` holds, prefilled."""
-        if self._prefix is not None:
+        if self._prefix is None:
+            return
+        if self._views is not None:
             self._prefix.store(ids, {name: view[slot] for name, view in self._views.items()})
+            return
+        whole = len(ids) // self._prefix.block * self._prefix.block
+        if whole:
+            self._prefix.store(ids, {name: self._copy.read(buffer, slot, whole) for name, buffer in self.buffers.items()})
 
     @property
     def pooled(self) -> dict:

@@ -255,6 +255,41 @@ def _run(session: ort.InferenceSession, binding, name: str) -> None:
                          "max_context or batch; otherwise check the export with `edgeinfer check`, or export it again") from e
 
 
+class RowCopy:
+    """Copies the first tokens of one row of KV buffers [rows, kv_heads, capacity, head_size] between
+    the host and the buffers' device, head by head (a head's tokens are contiguous), through an
+    Identity graph bound at their addresses: how the prefix cache reads and writes a row of the
+    server's pool where the buffers have no host view (CUDA)."""
+
+    def __init__(self, dtype: str, provider: str):
+        self._graph = Graph(load_head("copy", {"float32": 1, "float16": 10}[dtype]), provider, threads=1)
+        self._dtype = np.dtype(dtype)
+
+    def write(self, buffer: ort.OrtValue, row: int, values: np.ndarray) -> None:
+        """Write `values` [kv_heads, tokens, head_size] into the first tokens of `row`."""
+        for head, part in enumerate(values):
+            binding = self._graph.session.io_binding()
+            binding.bind_cpu_input("x", np.ascontiguousarray(part, self._dtype))
+            binding.bind_output("y", self._graph.device, 0, self._dtype, list(part.shape), self._address(buffer, row, head))
+            _run(self._graph.session, binding, self._graph.name)
+
+    def read(self, buffer: ort.OrtValue, row: int, tokens: int) -> np.ndarray:
+        """A host copy of the first `tokens` of `row`, [kv_heads, tokens, head_size]."""
+        _, heads, _, width = buffer.shape()
+        out = np.empty((heads, tokens, width), self._dtype)
+        for head in range(heads):
+            binding = self._graph.session.io_binding()
+            binding.bind_input("x", self._graph.device, 0, self._dtype, [tokens, width], self._address(buffer, row, head))
+            binding.bind_output("y", "cpu")
+            _run(self._graph.session, binding, self._graph.name)
+            out[head] = binding.get_outputs()[0].numpy()
+        return out
+
+    def _address(self, buffer: ort.OrtValue, row: int, head: int) -> int:
+        _, heads, capacity, width = buffer.shape()
+        return buffer.data_ptr() + (row * heads + head) * capacity * width * self._dtype.itemsize
+
+
 @dataclass
 class GenerationBindings:
     """What one generation keeps bound from one step to the next, made by the generation loop and

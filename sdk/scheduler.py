@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .errors import BusyError
 from .kv_cache import SlotPool
 from .memory import check_generation
-from .runtime import GenerationBindings
+from .runtime import GenerationBindings, RowCopy
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 
@@ -98,8 +98,9 @@ class Scheduler:
         if self.is_batched:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
             shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
+            copy = None if engine.provider == "cpu" else RowCopy(engine.manifest.kv.dtype, engine.provider)
             self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
-                                 engine.prefix_cache if engine.provider == "cpu" else None, engine.graph)
+                                 engine.prefix_cache, engine.graph, copy)
         self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
         self._speculation_bindings = GenerationBindings()  # each row's own passes (speculative decoding)
         self._waiting: deque[_Row] = deque()

@@ -159,3 +159,28 @@ def test_where_buffers_have_no_host_view_the_cache_is_copied_with_the_same_logit
         before = engine.prefix_cache.hits
         np.testing.assert_array_equal(copying(SYSTEM + question), prefill_logits(plain, SYSTEM + question))
         assert engine.prefix_cache.hits - before == 128
+
+
+def test_where_the_pool_has_no_host_view_its_rows_are_copied_head_by_head(exports):
+    """The server's pool on CUDA, run on the CPU: cached blocks are copied into a row, and a
+    prefilled row's blocks out of it, through an Identity graph bound at the row's addresses."""
+    from edgeinfer.sdk.kv_cache import SlotPool
+    from edgeinfer.sdk.runtime import RowCopy
+
+    engine, plain = (Engine.load(exports["in place"], provider="cpu", prefix_cache=budget) for budget in (16, 0))
+    kv = engine.manifest.kv
+    shapes = {name: engine.graph.inputs[name].shape for name in kv.past}
+    pool = SlotPool(kv, shapes, 3, 256, engine.graph.allocate, engine.prefix_cache, engine.graph, RowCopy(kv.dtype, "cpu"))
+
+    def prefill(slot, ids):
+        start = pool.restore(slot, ids)
+        for begin in range(start, len(ids), 64):
+            logits = engine.graph.run_rows(pool.prefill_inputs(slot, ids, begin, min(begin + 64, len(ids))), pool.pooled, slot, 1)
+        pool.store(slot, ids)
+        return start, logits.numpy()
+
+    assert prefill(0, SYSTEM + [99])[0] == 0 and engine.prefix_cache.held > 0
+    for slot, question in enumerate(QUESTIONS):  # into rows 0, 1 and 2
+        start, logits = prefill(slot, SYSTEM + question)
+        assert start == 128
+        np.testing.assert_allclose(logits, prefill_logits(plain, SYSTEM + question), atol=1e-5)

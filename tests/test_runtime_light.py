@@ -40,5 +40,5 @@ def test_the_shipped_logits_heads_are_the_ones_heads_builds():
     from edgeinfer.sdk import heads
 
     for element_type in heads.TYPES:
-        for kind in ("argmax", "last"):
+        for kind in ("argmax", "last", "tokens", "copy"):
             assert heads.load_head(kind, element_type) == heads.head_model(kind, element_type), (kind, element_type)
