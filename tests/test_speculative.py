@@ -316,3 +316,28 @@ def test_the_cli_takes_speculation_and_a_draft(exports):
     assert kept and kept[1] == kept[2] != "0"  # the model as its own draft: every greedy guess is right
     refused = edgeinfer(*base, "--speculative", "draft", prompt)
     assert refused.returncode == 1 and "needs a draft model" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_row_never_checks_past_its_budget(chain_llama):
+    """Lookup could propose the whole chain; a row proposes at most what its budget leaves (its
+    cache holds exactly prompt + max_new_tokens slots), and stops at the budget."""
+    folder, chain = chain_llama
+    engine = Engine.load(folder, provider="cpu", prefix_cache=0)
+    for limit in range(1, 9):
+        fast = engine.generate(chain + [1], max_new_tokens=limit, speculative="prompt_lookup", num_speculative_tokens=8)
+        assert fast.token_ids == chain[1:limit + 1] and fast.finish_reason == "length"
+
+
+def test_a_draft_forgets_its_rejected_guesses(exports):
+    """After a check, the draft's cache holds the sequence as it now stands: its next guesses are
+    those of a fresh draft given the same tokens."""
+    from edgeinfer.sdk.speculative import DraftModel
+
+    draft = Engine.load(exports["in place"], provider="cpu", prefix_cache=0)
+    kept = DraftModel(draft, capacity=128)
+    tokens = list(PROMPTS[1])
+    for accepted, other in ((1, 7), (0, 9), (3, 11), (2, 13)):
+        guesses = kept.propose(tokens, 4)
+        assert guesses == DraftModel(draft, capacity=128).propose(tokens, 4)
+        kept.record(4, accepted)
+        tokens += guesses[:accepted] + [other]  # the model kept `accepted` guesses, then chose `other`
