@@ -102,6 +102,10 @@ def info(folder, architectures):
     tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
     click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
                "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
+    if "logits_to_keep" in manifest.graph.inputs:
+        click.echo("speculative decoding: yes (--speculative prompt-lookup, or --draft MODEL)")
+    else:
+        click.echo("speculative decoding: no, the graph gives the last position's logits only (export it again)")
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

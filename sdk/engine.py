@@ -84,7 +84,7 @@ class Engine:
         `prefix_cache` MiB of prompts' keys and values are kept (default: 64, or what fits beside
         the weights and KV cache; none under a `memory_limit`), so a prompt that starts like a recent one (a system prompt, a
         document, a conversation's earlier turns) prefills only the rest, with the same logits; 0
-        turns it off. It serves single prompts, and the Scheduler's rows on the CPU provider.
+        turns it off. It serves single prompts, batches and the Scheduler's rows.
 
         `draft` is the export folder of a smaller model with the same tokenizer, loaded beside
         this one, for `speculative="draft"` (speculative.py)."""

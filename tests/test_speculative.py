@@ -219,6 +219,9 @@ def test_an_export_without_logits_to_keep_is_refused_for_speculation(tiny_llama,
     assert engine.generate(PROMPTS[0], max_new_tokens=8).token_ids == expected
     with pytest.raises(SettingsError, match="export the model again"):
         engine.generate(PROMPTS[0], speculative="prompt_lookup")
+    from test_cli import edgeinfer
+
+    assert "speculative decoding: no, the graph gives the last position's logits only" in edgeinfer("info", str(old)).stdout
 
 
 def test_a_row_whose_guesses_fail_pauses():
