@@ -222,7 +222,8 @@ class Engine:
             return None
         if "logits_to_keep" not in self.graph.inputs:
             raise SettingsError("this export gives the logits of the last position only, and speculative decoding checks "
-                                "several: export the model again with this edgeinfer (`edgeinfer export`)")
+                                f"several: export the model again with this edgeinfer (`edgeinfer export MODEL -o {self.folder} "
+                                "--force`)")
         if batch > 1 and not self.manifest.kv.in_place:
             raise SettingsError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
                                 "prompt at a time: generate the prompts one by one")

@@ -137,3 +137,15 @@ def test_the_real_model_chooses_and_matches_a_regex(engine):
     date = engine.generate(engine.chat_prompt([{"role": "user", "content": "When did the Berlin wall fall?"}]),
                            response_format={"type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
     assert __import__("re").fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text) and date.complete
+
+
+def test_speculative_decoding_on_the_real_model_gives_the_plain_greedy_tokens(engine):
+    """A task whose answer copies the prompt: prompt lookup keeps most of its guesses, and the
+    tokens equal plain greedy decoding (fp32)."""
+    text = ("The lighthouse keeper woke before dawn, as he had every morning for thirty years. He climbed the narrow "
+            "stairs with a lamp in one hand and a kettle in the other.")
+    ids = engine.chat_prompt([{"role": "user", "content": f"Repeat this text exactly: {text}"}])
+    plain = engine.generate(ids, max_new_tokens=64)
+    fast = engine.generate(ids, max_new_tokens=64, speculative="prompt_lookup")
+    assert fast.token_ids == plain.token_ids and fast.text == plain.text
+    assert fast.accepted_tokens > len(fast.token_ids) // 3 and fast.accepted_tokens <= fast.proposed_tokens
