@@ -97,6 +97,11 @@ class Engine:
             verify_files(Path(path), manifest.files)
         engine = cls(Path(path), manifest, options, prefill_chunk, limits)
         if draft is not None:
+            context = load_manifest(draft).max_context
+            if context < engine.max_context:
+                raise SettingsError(f"the draft model {draft} serves {context} tokens, fewer than this engine's {engine.max_context}: "
+                                    f"load the engine with max_context={context} (--max-context {context}), or export the draft "
+                                    "with a larger --max-context")
             engine.attach_draft(cls.load(draft, provider=engine.provider, threads=threads, max_context=engine.max_context,
                                          max_batch=max_batch, verify=verify, prefix_cache=0))
         return engine

@@ -180,13 +180,18 @@ def test_a_draft_model_gives_plain_greedy_tokens(exports, tmp_path):
         assert [r.token_ids for r in rows] == [plain.generate(p, max_new_tokens=30, ignore_eos=True).token_ids for p in PROMPTS]
 
 
-def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
-    from edgeinfer.export import export_model
+def test_a_draft_with_another_vocabulary_or_a_shorter_context_is_refused(tiny_llama, tmp_path):
+    from edgeinfer.export import ExportOptions, export_model
 
     build_llama(tmp_path / "hf", vocab_size=384)
     export_model(str(tmp_path / "hf"), tmp_path / "wide")
     with pytest.raises(ManifestError, match="another vocabulary"):
         Engine.load(tiny_llama[1], provider="cpu", draft=tmp_path / "wide")
+    export_model(str(tiny_llama[0]), tmp_path / "short", ExportOptions(max_context=64))
+    with pytest.raises(SettingsError, match="serves 64 tokens, fewer than this engine's 256: load the engine with max_context=64"):
+        Engine.load(tiny_llama[1], provider="cpu", draft=tmp_path / "short")
+    engine = Engine.load(tiny_llama[1], provider="cpu", max_context=64, draft=tmp_path / "short")
+    assert engine.draft.max_context == 64 and engine.generate([5, 6], speculative="draft", max_new_tokens=8).proposed_tokens > 0
 
 
 def test_bad_settings_are_refused(tiny_llama):
