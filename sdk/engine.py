@@ -15,7 +15,7 @@ from .errors import ContextLengthError, GenerationError, ManifestError, Settings
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache, PrefixCache
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
-from .runtime import Graph, GenerationBindings, LogitsHeads, RuntimeOptions, choose_provider
+from .runtime import Graph, GenerationBindings, LogitsHeads, RowCopy, RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig, resolve_settings
 from .speculative import DraftModel, PromptLookup, Speculation
@@ -59,9 +59,12 @@ class Engine:
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
         # Prompts' keys and values kept for the next prompt that starts the same way, on the host
         # (kv_cache.PrefixCache): read and written through host views of the buffers on the CPU
-        # provider, copied elsewhere.
+        # provider, copied (runtime.RowCopy) elsewhere.
         usable = manifest.kv.sequence_axis == 2
         self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
+        # Where the cache's buffers have no host view, the prefix cache copies a row's cached tokens.
+        copies = manifest.kv.in_place and self.provider != "cpu" and manifest.kv.dtype in ("float32", "float16")
+        self.row_copy = RowCopy(manifest.kv.dtype, self.provider) if copies else None
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
         self.draft: Engine | None = None
@@ -314,7 +317,7 @@ class Engine:
         shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
         if self.manifest.kv.in_place:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
-                                  self.prefix_cache, self.graph, views=self.provider == "cpu")
+                                  self.prefix_cache, self.graph, self.row_copy)
         return KVCache(self.manifest.kv, shapes, self.prefix_cache, self.graph)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:

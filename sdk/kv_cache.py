@@ -133,17 +133,17 @@ class InPlaceKVCache(KVCache):
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate,
-                 prefix: PrefixCache | None = None, host=None, views: bool = True):
+                 prefix: PrefixCache | None = None, host=None, copy=None):
         """`capacity`: slots per row (prompt plus new tokens); `allocate(shape, dtype)` makes an
-        uninitialised buffer on the engine's device. With `prefix` and `host` (the graph: it views
-        or copies device buffers on the host), a single prompt starts from the cached blocks it
-        begins with, and leaves its own there: through views of the buffers where `views` (the
-        CPU provider), else by copying each buffer whole, once in and once out."""
+        uninitialised buffer on the engine's device. With `prefix`, a prompt (or each row of a
+        batch) starts from the cached blocks it begins with, and leaves its own there: through
+        views of the buffers given `host` (the graph, on the CPU provider), or through `copy`
+        (runtime.RowCopy: the row's cached tokens, head by head) on other devices."""
         super().__init__(spec, past_shapes, prefix, host)
         self.capacity = capacity
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
-        self._views = views
+        self._copy = copy
 
     def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
         """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
@@ -170,7 +170,7 @@ class InPlaceKVCache(KVCache):
             self._store(prompts)
 
     def prefills_by_row(self, prompts: list[list[int]]) -> bool:
-        return len(prompts) > 1 and self._prefix is not None and self._views and any(self._prefix.has_start(p) for p in prompts)
+        return len(prompts) > 1 and self._prefix is not None and any(self._prefix.has_start(p) for p in prompts)
 
     def prefill_rows(self, prompts: list[list[int]], chunk: int) -> Iterator[tuple[int | None, dict[str, np.ndarray]]]:
         """A batch whose rows start from the prefix cache: (row, inputs) for each chunk of each row
@@ -184,7 +184,7 @@ class InPlaceKVCache(KVCache):
         self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
         self.lengths = np.zeros(len(prompts), np.int64)
         for row, prompt in enumerate(prompts):
-            self.lengths[row] = self._prefix.restore(prompt, self._rows(row))
+            self.lengths[row] = self._restore(prompt, row)
             for start in range(int(self.lengths[row]), len(prompt) - 1, chunk):
                 yield row, _extend_row(self.lengths, row, prompt[start:min(start + chunk, len(prompt) - 1)], self.capacity, keep=1)
         yield None, self.decode_inputs([p[-1] for p in prompts])
@@ -192,19 +192,20 @@ class InPlaceKVCache(KVCache):
 
     def _store(self, prompts: list[list[int]]) -> None:
         """Keep each prefilled row's whole blocks (rows are right-padded: a row's tokens start at slot 0)."""
-        copies = None if self._views else {name: self._host.read(value) for name, value in self.past.items()}
         for row, prompt in enumerate(prompts):
-            self._prefix.store(prompt, self._rows(row) if copies is None else {name: copy[row] for name, copy in copies.items()})
+            if self._copy is None:
+                self._prefix.store(prompt, self._rows(row))
+            elif len(prompt) >= self._prefix.block:
+                whole = len(prompt) // self._prefix.block * self._prefix.block
+                self._prefix.store(prompt, {name: self._copy.read(value, row, whole) for name, value in self.past.items()})
 
-    def _restore(self, prompt: list[int]) -> int:
-        """The cached start of `prompt` written into the buffers; how many tokens it holds."""
-        if self._views:
-            return self._prefix.restore(prompt, self._rows())
+    def _restore(self, prompt: list[int], row: int = 0) -> int:
+        """The cached start of `prompt` written into `row` of the buffers; how many tokens it holds."""
+        if self._copy is None:
+            return self._prefix.restore(prompt, self._rows(row))
         cached, blocks = self._prefix.take(prompt)
-        for name, value in self.past.items() if cached else ():
-            whole = np.zeros(value.shape(), blocks[name].dtype)
-            whole[0, :, :cached] = blocks[name]
-            self._host.write(value, whole)
+        for name, values in blocks.items():
+            self._copy.write(self.past[name], row, values)
         return cached
 
     def _rows(self, row: int = 0) -> dict[str, np.ndarray]:

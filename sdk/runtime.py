@@ -180,11 +180,6 @@ class Graph:
         """A copy of a value on the host."""
         return value.numpy()
 
-    @staticmethod
-    def write(value: ort.OrtValue, array: np.ndarray) -> None:
-        """Copy `array` (the value's shape and type) into the value, on its device."""
-        value.update_inplace(np.ascontiguousarray(array))
-
     def allocate_output(self, name: str, shape: list[int]) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device for output `name`, of `shape`."""
         return self.allocate(shape, _NUMPY_TYPES[self.output_types[name]])

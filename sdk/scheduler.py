@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .errors import BusyError
 from .kv_cache import SlotPool
 from .memory import check_generation
-from .runtime import GenerationBindings, RowCopy
+from .runtime import GenerationBindings
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 
@@ -98,9 +98,9 @@ class Scheduler:
         if self.is_batched:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
             shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
-            copy = None if engine.provider == "cpu" else RowCopy(engine.manifest.kv.dtype, engine.provider)
+            prefix = engine.prefix_cache if engine.provider == "cpu" or engine.row_copy else None
             self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
-                                 engine.prefix_cache, engine.graph, copy)
+                                 prefix, engine.graph, engine.row_copy)
         self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
         self._speculation_bindings = GenerationBindings()  # each row's own passes (speculative decoding)
         self._waiting: deque[_Row] = deque()

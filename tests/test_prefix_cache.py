@@ -142,23 +142,29 @@ def test_a_conversations_next_turn_reuses_the_turns_before_it(engines):
 
 
 def test_where_buffers_have_no_host_view_the_cache_is_copied_with_the_same_logits(exports):
-    """CUDA's path, run on the CPU: each buffer is copied whole to the device with the cached
-    blocks in it, and back to the host to keep the prompt's blocks."""
+    """CUDA's path, run on the CPU: a row's cached tokens are copied into the buffers, and a
+    prefilled row's blocks out of them, head by head (runtime.RowCopy), for a single prompt and
+    for each row of a batch."""
     from edgeinfer.sdk.kv_cache import InPlaceKVCache
+    from edgeinfer.sdk.runtime import RowCopy
 
     engine, plain = (Engine.load(exports["in place"], provider="cpu", prefix_cache=budget) for budget in (16, 0))
-    shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
+    kv = engine.manifest.kv
+    shapes = {name: engine.graph.inputs[name].shape for name in kv.past}
 
-    def copying(ids):
-        cache = InPlaceKVCache(engine.manifest.kv, shapes, len(ids) + 1, engine.graph.allocate, engine.prefix_cache,
-                               engine.graph, views=False)
-        return engine.prefill([ids], cache).numpy()
+    def copying(prompts):
+        cache = InPlaceKVCache(kv, shapes, 200, engine.graph.allocate, engine.prefix_cache, engine.graph, RowCopy(kv.dtype, "cpu"))
+        return engine.prefill(prompts, cache).numpy()
 
-    copying(SYSTEM + [99])
+    copying([SYSTEM + [99]])
     for question in QUESTIONS:
         before = engine.prefix_cache.hits
-        np.testing.assert_array_equal(copying(SYSTEM + question), prefill_logits(plain, SYSTEM + question))
+        np.testing.assert_array_equal(copying([SYSTEM + question]), prefill_logits(plain, SYSTEM + question))
         assert engine.prefix_cache.hits - before == 128
+    batch = [SYSTEM + q for q in QUESTIONS] + [[250 - i for i in range(45)]]
+    before = engine.prefix_cache.hits
+    np.testing.assert_allclose(copying(batch), plain.prefill(batch, plain.new_cache(200)).numpy(), atol=1e-5)
+    assert engine.prefix_cache.hits - before == 3 * 128
 
 
 def test_where_the_pool_has_no_host_view_its_rows_are_copied_head_by_head(exports):
