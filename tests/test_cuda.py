@@ -47,3 +47,23 @@ def test_the_memory_plan_reads_the_gpus_free_memory(engines, tiny_llama):
     assert where == "the GPU" and free is not None and 0 < free < 2**40
     with pytest.raises(SettingsError, match="the memory limit has .*max_context="):
         Engine.load(tiny_llama[1], provider="cuda", memory_limit=engines[0].memory.weights + 1000)
+
+
+def test_cuda_speculation_and_the_prefix_cache_give_the_cpu_tokens(engines, tiny_llama):
+    """Speculative checks (rows bound alone by address) and the prefix cache's row copies
+    (runtime.RowCopy) on the GPU: the tokens of plain decoding on the CPU."""
+    from edgeinfer import Scheduler
+
+    _, cpu = engines
+    gpu = Engine.load(tiny_llama[1], provider="cuda", prefix_cache=16)
+    assert gpu.row_copy is not None
+    start = [(7 * i) % 300 + 3 for i in range(100)]
+    prompts = [start + [5], start + [6], [5, 6, 7, 5, 6]]
+    expected = [cpu.generate(p, max_new_tokens=16, ignore_eos=True).token_ids for p in prompts]
+    gpu.generate(prompts[0], max_new_tokens=1)  # leaves 3 blocks
+    assert [gpu.generate(p, max_new_tokens=16, ignore_eos=True, speculative="prompt_lookup").token_ids for p in prompts] == expected
+    assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=16, ignore_eos=True)] == expected
+    with Scheduler(gpu, max_batch=2) as scheduler:
+        results = [scheduler.submit(p, max_new_tokens=16, ignore_eos=True, speculative="prompt_lookup").result() for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    assert gpu.prefix_cache.hits >= 3 * 96
