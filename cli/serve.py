@@ -1,7 +1,6 @@
 """`edgeinfer serve`: the OpenAI-compatible server (edgeinfer.serve) with the CLI's model resolution."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import click
 from edgeinfer.models import DEFAULT_MODEL
 from edgeinfer.sdk.errors import EdgeInferError
 
-from .resolve import load_engine
+from .resolve import load_engine, resolve_export, say
 
 
 @click.command()
@@ -32,10 +31,16 @@ from .resolve import load_engine
 @click.option("--speculative", type=click.Choice(["prompt-lookup", "draft"]), default=None,
               help="Speculative decoding for requests that do not ask themselves [default: off; draft where --draft is given].")
 @click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM.")
+@click.option("--ray", "on_ray", is_flag=True, help="Run the server as Ray Serve replicas (the ray extra; see --replicas).")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(1), help="With --ray: replicas, each its own engine.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX", help="With --ray: as many replicas as the load asks for, MIN to MAX.")
+@click.option("--address", default=None, help="With --ray: the cluster to join (auto, or ray://HOST:10001) [default: a local one].")
+@click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.01), help="With --ray: CPUs per replica.")
+@click.option("--replica-gpus", default=0.0, show_default=True, type=click.FloatRange(min=0), help="With --ray: GPUs per replica.")
 def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, prefix_cache, draft,
-          speculative, grace):
+          speculative, grace, on_ray, replicas, autoscale, address, replica_cpus, replica_gpus):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
-    continuous batching, /health and /metrics."""
+    continuous batching, /health and /metrics; with --ray, as Ray Serve replicas."""
     try:
         from edgeinfer.serve import run_server
     except ImportError as e:
@@ -45,13 +50,31 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     path = Path(model).expanduser() if model else None
     name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL)
+    mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
+    if on_ray:
+        from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
+
+        settings = ReplicaSettings(str(resolve_export(model, say).resolve()), name, provider, threads, max_context, max_batch,
+                                   max_queue, memory_limit * 2**20 if memory_limit else None, prefix_cache, api_key,
+                                   None if draft is None else str(resolve_export(draft, say).resolve()), mode)
+        run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, grace)
+        return
+    if (replicas, autoscale, address) != (1, None, None):
+        raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
 
     def load():  # --memory-limit 0: no limit, as before
         engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)
-        mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
         if mode:  # the default of requests that do not say
-            engine.default_config = dataclasses.replace(engine.default_config, speculative=mode)
-            engine._speculation(engine.default_config, 1, engine.max_context)  # refused now, not at every request
+            engine.speculate_by_default(mode)
         return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
     run_server(load, name, host, port, api_key, grace)
+
+
+def _min_max(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    low, _, high = text.partition(":")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise click.BadParameter(f"{text!r} is not MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4)", param_hint="--autoscale")
+    return int(low), int(high)

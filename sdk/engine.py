@@ -109,6 +109,13 @@ class Engine:
                                          max_batch=max_batch, verify=verify, prefix_cache=0))
         return engine
 
+    def speculate_by_default(self, mode: str | None) -> None:
+        """Make `mode` ("prompt_lookup" or "draft") the speculative decoding of calls that do not
+        set theirs (a server's default); raises now where this engine cannot."""
+        config = dataclasses.replace(self.default_config, speculative=mode)
+        self._speculation(config, 1, self.max_context)
+        self.default_config = config
+
     def attach_draft(self, draft: Engine) -> None:
         """Use `draft` (an engine of a smaller model with the same tokenizer) to propose tokens
         for `speculative="draft"`. Refused where its vocabulary differs from this model's."""

@@ -137,6 +137,11 @@ class Scheduler:
         return self.pool.free_slots if self.is_batched else int(not self._rows)
 
     @property
+    def is_alive(self) -> bool:
+        """Whether the step loop runs (it stops only once closed)."""
+        return self._thread.is_alive()
+
+    @property
     def running(self) -> int:
         return len(self._rows)
 

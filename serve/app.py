@@ -45,9 +45,11 @@ class _Loaded:
         return self.engine, self.scheduler
 
 
-def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None) -> FastAPI:
+def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None,
+               headers: dict[str, str] | None = None) -> FastAPI:
     """`load()` returns (engine, scheduler); it runs in the background from startup, and an
-    EdgeInferError it raises goes to `on_load_error` (the server stops on it)."""
+    EdgeInferError it raises goes to `on_load_error` (the server stops on it). `headers` are added
+    to every response (a Ray Serve replica names itself so)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
 
     async def lifespan(app):
@@ -59,7 +61,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.loaded = loaded
 
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, headers=headers or {})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -155,10 +157,12 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
 
 class _Guard:
     """Plain ASGI (a streamed response passes through untouched): the API key and the body's size
-    before the app sees a request, and every response's status counted in /metrics."""
+    before the app sees a request, every response's status counted in /metrics, and the fixed
+    `headers` added to every response."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
+    def __init__(self, app, api_key: str | None, metrics: Metrics, headers: dict[str, str]):
         self.app, self.api_key, self.metrics = app, api_key, metrics
+        self.headers = [(name.lower().encode(), value.encode()) for name, value in headers.items()]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -168,6 +172,7 @@ class _Guard:
         async def counted(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
+                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             await send(message)
 
         refusal = self._refusal(scope)

@@ -1,0 +1,124 @@
+"""`edgeinfer serve --ray`: the same server as Ray Serve replicas on a local Ray cluster, started as a
+user starts it (a subprocess on a free localhost port), driven by the real openai client. Each
+answer is compared with the SDK's, and the stream with the one `edgeinfer serve` sends."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import in_threads
+from test_serve import free_port, start
+
+from edgeinfer import Engine
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+pytestmark = pytest.mark.ray
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+def start_ray(export, *flags):
+    """`edgeinfer serve --ray` and its base URL, once it says it listens (at most 120 s)."""
+    port = free_port()
+    log = open(export.parent / f"ray-{port}.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(export), "--port", str(port),
+                                "--provider", "cpu", *flags], stdout=log, stderr=log, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        log.flush()
+        log.seek(0)
+        text = log.read()
+        assert process.poll() is None, text
+        if "listening on" in text:
+            return process, f"http://127.0.0.1:{port}", log
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("edgeinfer serve --ray did not start within 120 s")
+
+
+def stop(process) -> int:
+    process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_llama):
+    process, url, log = start_ray(tiny_llama[1], "--replicas", "2", "--max-batch", "4")
+    yield url, tiny_llama[1].name
+    assert stop(process) == 0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return Engine.load(tiny_llama[1], provider="cpu")
+
+
+def sse_payloads(response_text: str) -> list:
+    """The stream's data lines, without what differs from run to run (id, created)."""
+    payloads = []
+    for line in response_text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            payloads.append(data if data == "[DONE]" else {k: v for k, v in json.loads(data).items() if k not in ("id", "created")})
+    return payloads
+
+
+def test_answers_and_streams_equal_the_sdk_and_edgeinfer_serve(replicas, engine, tiny_llama):
+    import openai
+
+    url, model = replicas
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12)
+    assert chat.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=12).text
+    text = client.completions.create(model=model, prompt=[5, 6, 7], max_tokens=10)
+    assert text.choices[0].text == engine.generate([5, 6, 7], max_new_tokens=10).text
+    body = {"model": model, "messages": CHAT, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}}
+    through_ray = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    plain, plain_url = start(tiny_llama[1], "--provider", "cpu")
+    try:
+        direct = httpx.post(f"{plain_url}/v1/chat/completions", json=body, timeout=60)
+    finally:
+        plain.send_signal(signal.SIGTERM)
+        plain.wait(timeout=30)
+    assert through_ray.headers["content-type"].startswith("text/event-stream")
+    assert sse_payloads(through_ray.text) == sse_payloads(direct.text) and len(sse_payloads(direct.text)) > 5
+
+
+def test_concurrent_requests_spread_over_both_replicas(replicas, engine):
+    url, model = replicas
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    seen, answers = [None] * 8, [None] * 8
+
+    def call(i):
+        response = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": prompts[i], "max_tokens": 16}, timeout=60)
+        seen[i], answers[i] = response.headers["x-edgeinfer-replica"], response.json()["choices"][0]["text"]
+
+    assert in_threads(call, 8) == []
+    assert answers == [engine.generate(p, max_new_tokens=16).text for p in prompts]
+    assert len(set(seen)) == 2, seen
+
+
+def test_a_folder_missing_on_a_node_is_a_clear_error_not_a_hang(tmp_path):
+    """The replica's own error comes back through Ray (the folder exists where the command runs
+    but not at the path the replicas were given: as on a node that lacks it)."""
+    script = ("from edgeinfer.serve.replicas import ReplicaSettings, run_replicas\n"
+              f"run_replicas(ReplicaSettings({str(tmp_path / 'absent')!r}, provider='cpu'), '127.0.0.1', {free_port()})\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0 and time.monotonic() - started < 120
+    assert "the replicas could not start: NotAnExportError: model path" in done.stderr
+    assert "must exist at the same path on every node" in done.stderr
+
+
+def test_ray_flags_need_ray_and_an_unreachable_cluster_is_an_error(tiny_llama):
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tiny_llama[1]), "--replicas", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--replicas, --autoscale and --address apply to --ray" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]), "--autoscale", "3:1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "is not MIN:MAX with 1 <= MIN <= MAX" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]),
+                           "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in done.stderr
