@@ -14,9 +14,8 @@ node that runs a replica (or on a shared path).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 from edgeinfer.sdk.errors import EdgeInferError, SettingsError
 
