@@ -5,12 +5,13 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 from conftest import in_threads
-from test_serve import free_port, start
+from test_serve import free_port, long_export, start  # noqa: F401 - long_export is a fixture
 
 from edgeinfer import Engine
 
@@ -122,3 +123,57 @@ def test_ray_flags_need_ray_and_an_unreachable_cluster_is_an_error(tiny_llama):
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]),
                            "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in done.stderr
+
+
+def test_a_killed_replica_comes_back_and_the_other_keeps_answering(long_export):
+    """Kill one replica's process while both decode long requests: the other replica's requests
+    end normally, every request after the kill is answered, and Ray Serve starts the replica again.
+    The requests that were on the killed replica fail with Ray's own answer (a plain-text 500
+    before their response started; a stream already under way is cut), not yet an OpenAI 503."""
+    import os
+
+    process, url, log = start_ray(long_export, "--replicas", "2")
+    try:
+        before = replica_pids(process)
+        assert len(before) == 2
+        outcomes = [None] * 4
+
+        def call(i):
+            body = {"model": long_export.name, "prompt": [5, 6, 7], "max_tokens": 12000, "ignore_eos": True}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            outcomes[i] = (response.status_code, response.headers.get("x-edgeinfer-replica"))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)  # every request is decoding (12,000 tokens take several seconds)
+        os.kill(before[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join()
+        survivors = [o for o in outcomes if o[0] == 200]
+        assert 1 <= len(survivors) <= 3 and len({replica for _, replica in survivors}) == 1
+        assert all(status == 500 for status, _ in outcomes if status != 200)
+        after = [httpx.post(f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 4},
+                            timeout=60).status_code for _ in range(10)]
+        assert after == [200] * 10
+        deadline = time.monotonic() + 60
+        while not (len(replica_pids(process)) == 2 and before[0] not in replica_pids(process)):
+            assert time.monotonic() < deadline, "Ray Serve did not start the replica again within 60 s"
+            time.sleep(0.5)
+    finally:
+        assert stop(process) == 0
+
+
+def replica_pids(server) -> list[int]:
+    """The replica processes of this server's local cluster (started in the server's session)."""
+    import os
+
+    listed = subprocess.run(["pgrep", "-f", "ServeReplica:edgeinfer"], capture_output=True, text=True).stdout
+    pids = []
+    for pid in map(int, listed.split()):
+        try:
+            if os.getsid(pid) == server.pid:
+                pids.append(pid)
+        except ProcessLookupError:
+            pass
+    return pids
