@@ -102,9 +102,9 @@ def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
 
 def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int = 1, autoscale: tuple[int, int] | None = None,
                  address: str | None = None, cpus: float = 1.0, gpus: float = 0.0, grace: float = 30.0) -> None:
-    """Start (or join, with `address`) a Ray cluster, deploy the replicas behind Ray Serve's
-    proxy on host:port, and serve until SIGTERM or Ctrl-C; then delete the deployment, giving
-    running requests `grace` seconds."""
+    """Start a Ray cluster on this machine (or join the one at `address`), deploy the replicas
+    behind Ray Serve's proxy on host:port, and serve until SIGTERM or Ctrl-C; then delete the
+    deployment, giving running requests `grace` seconds (and stop the cluster this call started)."""
     import signal
     import threading
 
@@ -112,8 +112,8 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
     from ray import serve
 
     _check_reachable(address)
-    try:
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING")
+    try:  # "local": a new cluster on this machine, even where RAY_ADDRESS names another
+        ray.init(address=address or "local", include_dashboard=False, logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise EdgeInferError(f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
                              "there, or leave --address out for a cluster on this machine") from None
@@ -127,14 +127,15 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
             serve.run(app, name="edgeinfer", route_prefix="/", blocking=False)
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
-        log.info("listening on http://%s:%d (OpenAI API under /v1): %s", host, port,
-                 f"{replicas} replicas" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas")
+        count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
+        log.info("listening on http://%s:%d (OpenAI API under /v1): %s", host, port, count)
         while not stop.wait(0.5):
             pass
         log.info("stopping: the replicas get %.0f s to finish their requests", grace)
         serve.delete("edgeinfer")
     finally:
-        serve.shutdown()
+        if address is None:  # the cluster is this command's own; a joined one keeps its other applications
+            serve.shutdown()
         ray.shutdown()
 
 

@@ -177,3 +177,44 @@ def replica_pids(server) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def test_joining_a_running_cluster_deploys_there_and_leaves_it_running(tiny_llama):
+    """`ray start --head` (token authentication off on both sides: see the README), then
+    `edgeinfer serve --ray --address HOST:PORT`: it serves, and SIGTERM removes only its
+    application; the cluster stays up."""
+    import os
+
+    import shutil
+    import tempfile
+
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    port, scratch = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's sockets live under it
+    started = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
+                              "--include-dashboard=false", "--temp-dir", scratch], env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    try:
+        served_port = free_port()
+        server = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--address", f"127.0.0.1:{port}",
+                                   "--model", str(tiny_llama[1]), "--port", str(served_port), "--provider", "cpu"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{served_port}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None, server.stdout.read()
+            time.sleep(0.5)
+        models = httpx.get(f"http://127.0.0.1:{served_port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [tiny_llama[1].name]
+        assert stop(server) == 0
+        status = subprocess.run([ray_bin, "status", "--address", f"127.0.0.1:{port}"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0 and "1 node_" in status.stdout
+    finally:  # this cluster's processes only (`ray stop` would stop every cluster on the machine)
+        subprocess.run(["pkill", "-KILL", "-f", scratch], capture_output=True)
+        shutil.rmtree(scratch, ignore_errors=True)
