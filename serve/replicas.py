@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from edgeinfer.sdk.errors import EdgeInferError, SettingsError
 
 REPLICA_HEADER = "x-edgeinfer-replica"
+# Seconds of load above the target before another replica starts (Ray's default is 30: a burst of
+# requests on an edge box is over by then). Ray keeps its own 10-minute delay before scaling down.
+UPSCALE_DELAY_S = 5
 log = logging.getLogger("edgeinfer.serve")
 
 
@@ -54,7 +57,8 @@ def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[i
         raise SettingsError(f"replicas must be at least 1 and autoscale MIN:MAX 1 <= MIN <= MAX, got {replicas} and {autoscale}")
     scaling = ({"num_replicas": replicas} if autoscale is None else
                {"autoscaling_config": {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
-                                       "target_ongoing_requests": target_requests or settings.max_batch}})
+                                       "target_ongoing_requests": target_requests or settings.max_batch,
+                                       "upscale_delay_s": UPSCALE_DELAY_S}})
     options = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
     deployment = serve.deployment(_replica_class(), name="edgeinfer", ray_actor_options=options,
                                   max_ongoing_requests=settings.max_batch + settings.max_queue, health_check_period_s=5,

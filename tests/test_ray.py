@@ -218,3 +218,28 @@ def test_joining_a_running_cluster_deploys_there_and_leaves_it_running(tiny_llam
     finally:  # this cluster's processes only (`ray stop` would stop every cluster on the machine)
         subprocess.run(["pkill", "-KILL", "-f", scratch], capture_output=True)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_autoscaling_starts_a_second_replica_under_load(long_export):
+    """--autoscale 1:2 with a batch of 2: one replica while idle; six long requests at once keep
+    it above its target, and a second replica starts (within 60 s; Ray waits UPSCALE_DELAY_S)."""
+    process, url, log = start_ray(long_export, "--autoscale", "1:2", "--max-batch", "2")
+    try:
+        assert len(replica_pids(process)) == 1
+        stop_at = time.monotonic() + 60
+
+        def load():
+            while time.monotonic() < stop_at and len(replica_pids(process)) < 2:
+                httpx.post(f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 3000,
+                                                          "ignore_eos": True}, timeout=120)
+
+        threads = [threading.Thread(target=load) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        while len(replica_pids(process)) < 2:
+            assert time.monotonic() < stop_at, "no second replica within 60 s of load"
+            time.sleep(0.5)
+        for thread in threads:
+            thread.join()
+    finally:
+        assert stop(process) == 0
