@@ -338,14 +338,16 @@ class Engine:
         [batch, 1, vocab], left on the device. Each call returns a new logits value."""
         return self._run(cache.decode_inputs(tokens), cache, None)
 
-    def extend(self, tokens: list[int], cache: KVCache, row: int = 0, kept: GenerationBindings | None = None) -> ort.OrtValue:
+    def extend(self, tokens: list[int], cache: KVCache, row: int = 0, kept: GenerationBindings | None = None,
+               keep: int | None = None) -> ort.OrtValue:
         """Run the graph for several new tokens of one row on top of `cache`; returns the logits of
-        each, [1, len(tokens), vocab], left on the device (speculative decoding checks proposed
-        tokens so). With `kept`, the row's binding is kept there for the next call."""
+        each (of the last `keep`, where given), [1, positions, vocab], left on the device
+        (speculative decoding checks proposed tokens so). With `kept`, the row's binding is kept
+        there for the next call."""
         if "logits_to_keep" not in self.graph.inputs:
             raise GenerationError("this export gives the logits of the last position only: export the model again with this "
                                   "edgeinfer (`edgeinfer export`)")
-        inputs = cache.extend_inputs(row, tokens)
+        inputs = cache.extend_inputs(row, tokens, keep)
         if not self.manifest.kv.in_place:
             return self._run(inputs, cache, None)
         return self._run_row(inputs, cache, row, kept)

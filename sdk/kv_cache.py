@@ -84,9 +84,9 @@ class KVCache:
         return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions,
                 "logits_to_keep": LAST_ONLY}
 
-    def extend_inputs(self, row: int, tokens: list[int]) -> dict[str, np.ndarray]:
-        """Inputs for several new tokens of one row on top of the cache, with logits for each
-        (speculative decoding's check). This layout serves it for a batch of one."""
+    def extend_inputs(self, row: int, tokens: list[int], keep: int | None = None) -> dict[str, np.ndarray]:
+        """Inputs for several new tokens of one row on top of the cache, with logits for each (for
+        the last `keep` only, where given). This layout serves it for a batch of one."""
         if self.mask.shape[0] != 1:
             raise GenerationError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
                                   "one prompt at a time: generate the prompts one by one")
@@ -94,7 +94,7 @@ class KVCache:
         self.mask = np.ones((1, start + len(tokens)), np.int64)
         return {"input_ids": np.array([tokens], np.int64), "attention_mask": self.mask,
                 "position_ids": np.arange(start, start + len(tokens), dtype=np.int64)[None, :],
-                "logits_to_keep": np.array(len(tokens), np.int64)}
+                "logits_to_keep": np.array(keep or len(tokens), np.int64)}
 
     def drop(self, row: int, count: int) -> None:
         """Forget the row's last `count` tokens (proposed tokens the model rejected): the past is
@@ -122,7 +122,26 @@ class KVCache:
         self.past = {past: present[name] for past, name in zip(self.spec.past, self.spec.present)}
 
 
-class InPlaceKVCache(KVCache):
+class _RowsInPlace:
+    """Several new tokens on one row of buffers written in place (speculative decoding's checks),
+    for a cache or a pool that keeps each row's `lengths` within `capacity` slots."""
+
+    lengths: np.ndarray
+    capacity: int
+
+    def extend_inputs(self, row: int, tokens: list[int], keep: int | None = None) -> dict[str, np.ndarray]:
+        """Inputs for `tokens` on top of the row's slots, with the logits of each (of the last
+        `keep`, where given), run on that row alone (`pooled`): GroupQueryAttention takes several
+        tokens on a filled cache only for a batch of one."""
+        return _extend_row(self.lengths, row, tokens, self.capacity, keep)
+
+    def drop(self, row: int, count: int) -> None:
+        """Forget the row's last `count` tokens (proposed tokens the model rejected): its length
+        goes back, and the next pass writes over them."""
+        self.lengths[row] -= max(count, 0)
+
+
+class InPlaceKVCache(_RowsInPlace, KVCache):
     """The KV cache of a graph whose attention writes into its past (`kv.in_place`, export's
     GroupQueryAttention): one buffer per past input, [batch, kv_heads, capacity, head_size],
     allocated once on the engine's device and bound as both past and present at every step, so
@@ -231,16 +250,6 @@ class InPlaceKVCache(KVCache):
         return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions,
                 "logits_to_keep": LAST_ONLY}
 
-    def extend_inputs(self, row: int, tokens: list[int]) -> dict[str, np.ndarray]:
-        """Inputs for several new tokens of one row on top of its slots, with logits for each, run
-        on that row alone (`pooled`): GroupQueryAttention takes several tokens on a filled cache
-        only for a batch of one."""
-        return _extend_row(self.lengths, row, tokens, self.capacity)
-
-    def drop(self, row: int, count: int) -> None:
-        """Forget the row's last `count` tokens: its length goes back, and the next pass writes over them."""
-        self.lengths[row] -= max(count, 0)
-
     @property
     def pooled(self) -> dict:
         """Each past input's buffer with the present output written into it (`Graph.bind_rows`)."""
@@ -258,7 +267,7 @@ class InPlaceKVCache(KVCache):
         """Nothing to do: the pass wrote into the buffers."""
 
 
-class SlotPool:
+class SlotPool(_RowsInPlace):
     """The KV cache of continuous batching (scheduler.py): one buffer per past input,
     [max_batch, kv_heads, capacity, head_size], allocated once on the engine's device and shared by
     many generations, each holding one row (a slot) from admission to its end.
@@ -334,14 +343,6 @@ class SlotPool:
         self.lengths[slot] = end
         return {"input_ids": np.array([ids[start:end]], np.int64), "attention_mask": np.ones((1, end), np.int64),
                 "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": LAST_ONLY}
-
-    def extend_inputs(self, slot: int, tokens: list[int]) -> dict[str, np.ndarray]:
-        """Inputs for several new tokens of `slot` (speculative decoding's check), run on that row alone."""
-        return _extend_row(self.lengths, slot, tokens, self.capacity)
-
-    def drop(self, slot: int, count: int) -> None:
-        """Forget the slot's last `count` tokens (proposed tokens the model rejected)."""
-        self.lengths[slot] -= max(count, 0)
 
     def decode_inputs(self, rows: int, tokens: dict[int, int]) -> dict[str, np.ndarray]:
         """Inputs for one decode pass on the first `rows` slots: `tokens` maps each decoding slot to

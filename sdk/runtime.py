@@ -314,7 +314,12 @@ class LogitsHeads:
             raise ManifestError(f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again")
         self._argmax = Graph(load_head("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._last = Graph(load_head("last", _ONNX_TYPES[logits_type]), provider, threads=1)
-        self._tokens = Graph(load_head("tokens", _ONNX_TYPES[logits_type]), provider, threads=1)
+        self._type, self._provider = _ONNX_TYPES[logits_type], provider
+
+    @functools.cached_property
+    def _tokens(self) -> Graph:
+        """The `tokens` head, loaded at its first use (speculative decoding): not at every load."""
+        return Graph(load_head("tokens", self._type), self._provider, threads=1)
 
     def argmax(self, logits: ort.OrtValue, kept: GenerationBindings | None = None) -> list[int]:
         """Each row's greedy token: the largest logit of its last position. Given a generation's

@@ -96,7 +96,7 @@ class Sampler:
             kept = float(weights[where[0]]) / weights.sum() if where.size else 0.0
             if self.rng.random() < kept:
                 return proposal
-            if where.size and kept < 1.0:
+            if where.size:  # rejected: draw from the rest
                 weights = weights.copy()
                 weights[where[0]] = 0.0
         return int(ids[draw(weights, self.rng)])

@@ -75,13 +75,13 @@ class DraftModel:
             self.cache = engine.new_cache(self.capacity)
             logits = engine.prefill([new], self.cache)
         else:
-            logits = engine.extend(new, self.cache, 0, self.kept)
+            logits = engine.extend(new, self.cache, 0, self.kept, keep=1)  # only the last position proposes
         self.seen = len(tokens)
         guesses = []
         for i in range(count):
             guesses.append(int(engine.heads.tokens(logits)[0, -1]))
             if i + 1 < count:
-                logits = engine.extend(guesses[-1:], self.cache, 0, self.kept)
+                logits = engine.extend(guesses[-1:], self.cache, 0, self.kept, keep=1)
         self._guesses_in_cache = count - 1
         return guesses
 

@@ -304,6 +304,26 @@ def test_the_server_speculates_by_default_or_per_request_and_reports_it_in_usage
             process.wait(timeout=30)
 
 
+def test_a_server_with_a_draft_speculates_with_it_by_default(exports):
+    import openai
+    from test_serve import start
+
+    folder = exports["in place"]
+    expected = Engine.load(folder, provider="cpu", prefix_cache=0, draft=folder).generate(
+        PROMPTS[1], max_new_tokens=30, ignore_eos=True, speculative="draft")
+    process, url = start(folder, "--provider", "cpu", "--draft", str(folder))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model=folder.name, prompt=PROMPTS[1], max_tokens=30, extra_body={"ignore_eos": True})
+        details = answer.usage.completion_tokens_details
+        assert answer.choices[0].text == expected.text
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (expected.accepted_tokens, 0)
+        assert expected.accepted_tokens > 0  # the model as its own draft: every greedy guess is kept
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def test_the_cli_takes_speculation_and_a_draft(exports):
     import re
 
