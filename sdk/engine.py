@@ -176,10 +176,7 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
-        if not isinstance(messages, (list, tuple)) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
-            raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages), add_special_tokens=False)
+        return self.tokenizer.chat_ids(messages)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -31,6 +31,11 @@ class BusyError(EdgeInferError):
     """The scheduler cannot take a request now: its queue is full, or it is shutting down."""
 
 
+class UnavailableError(EdgeInferError):
+    """The engine serving a request stopped before the request ended (a Ray Serve replica that
+    died): the request can be sent again, and another engine will serve it."""
+
+
 class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 
@@ -41,6 +46,9 @@ class ContextLengthError(GenerationError):
     def __init__(self, message: str, prompt_tokens: int, context: int):
         super().__init__(message)
         self.prompt_tokens, self.context = prompt_tokens, context
+
+    def __reduce__(self):  # pickled whole (a Ray replica sends it to the server's front)
+        return type(self), (str(self), self.prompt_tokens, self.context)
 
 
 class SettingsError(GenerationError):

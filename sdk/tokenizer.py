@@ -50,6 +50,13 @@ class Tokenizer:
         """The id of a token given by its text (a special token's), or None."""
         return None if text is None else self._tokenizer.token_to_id(text)
 
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, ready for a reply."""
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it."""
         if self.chat_template is None:

@@ -45,11 +45,11 @@ class _Loaded:
         return self.engine, self.scheduler
 
 
-def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None,
-               headers: dict[str, str] | None = None) -> FastAPI:
+def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None) -> FastAPI:
     """`load()` returns (engine, scheduler); it runs in the background from startup, and an
-    EdgeInferError it raises goes to `on_load_error` (the server stops on it). `headers` are added
-    to every response (a Ray Serve replica names itself so)."""
+    EdgeInferError it raises goes to `on_load_error` (the server stops on it). The scheduler is
+    the SDK's, or one with its `submit` whose requests run elsewhere (replicas.Replicas): a
+    request's `response_headers`, where it has them, go on its response."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
 
     async def lifespan(app):
@@ -61,7 +61,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.loaded = loaded
 
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics, headers=headers or {})
+    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -115,12 +115,16 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name, engine.tokenizer.token_bytes)
+        reply, headers = Reply(chat, model_name, engine.tokenizer.token_bytes), getattr(request, "response_headers", None)
         if body.stream:
-            return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream")
-        result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])
+            return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream", headers=headers)
+        try:
+            result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])
+        except EdgeInferError as e:
+            status, error, more = from_edgeinfer(e)
+            return JSONResponse(error, status_code=status, headers={**(headers or {}), **more})
         _finished(reply.id, result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s, result.finish_reason)
-        return reply.whole(result)
+        return JSONResponse(reply.whole(result), headers=headers)
 
     async def _events(request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         made, ended = 0, False
@@ -157,12 +161,10 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
 
 class _Guard:
     """Plain ASGI (a streamed response passes through untouched): the API key and the body's size
-    before the app sees a request, every response's status counted in /metrics, and the fixed
-    `headers` added to every response."""
+    before the app sees a request, and every response's status counted in /metrics."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, headers: dict[str, str]):
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
         self.app, self.api_key, self.metrics = app, api_key, metrics
-        self.headers = [(name.lower().encode(), value.encode()) for name, value in headers.items()]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -172,7 +174,6 @@ class _Guard:
         async def counted(message):
             if message["type"] == "http.response.start":
                 status.append(message["status"])
-                message = {**message, "headers": [*message.get("headers", []), *self.headers]}
             await send(message)
 
         refusal = self._refusal(scope)

@@ -15,12 +15,8 @@ class Metrics:
         self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "Prompt tokens of finished generations", registry=self.registry)
         self.generated_tokens = Counter("edgeinfer_generated_tokens", "Tokens generated", registry=self.registry)
         self.cancelled = Counter("edgeinfer_cancelled_requests", "Streams whose client went away before the end", registry=self.registry)
-        self.queue = Gauge("edgeinfer_queue_length", "Requests waiting for a row", registry=self.registry)
-        self.running = Gauge("edgeinfer_running_rows", "Requests in the running batch", registry=self.registry)
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=self.registry)
-        self.prefix_hits = Gauge("edgeinfer_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache", registry=self.registry)
-        self.prefix_misses = Gauge("edgeinfer_prefix_cache_miss_tokens", "Prompt tokens prefilled", registry=self.registry)
-        self.prefix_bytes = Gauge("edgeinfer_prefix_cache_bytes", "Bytes the prefix cache holds", registry=self.registry)
+        self.engine_gauges = None  # made at the first render with the SDK's scheduler
         self.inter_token = Histogram("edgeinfer_inter_token_latency_seconds", "Mean time between tokens, per generation",
                                      buckets=_LATENCY, registry=self.registry)
 
@@ -32,11 +28,17 @@ class Metrics:
             self.inter_token.observe(1 / tokens_per_s)
 
     def render(self, scheduler) -> bytes:
-        if scheduler is not None:
-            self.queue.set(scheduler.waiting)
-            self.running.set(scheduler.running)
+        """The registry's text; with the SDK's scheduler, also its queue, batch and prefix cache (a
+        front of Ray replicas, replicas.Replicas, has none of its own, so it shows none)."""
+        if getattr(scheduler, "engine", None) is not None:
+            if self.engine_gauges is None:
+                self.engine_gauges = {name: Gauge(f"edgeinfer_{name}", text, registry=self.registry) for name, text in (
+                    ("queue_length", "Requests waiting for a row"), ("running_rows", "Requests in the running batch"),
+                    ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
+                    ("prefix_cache_miss_tokens", "Prompt tokens prefilled"), ("prefix_cache_bytes", "Bytes the prefix cache holds"))}
             cache = scheduler.engine.prefix_cache
-            self.prefix_hits.set(cache.hits)
-            self.prefix_misses.set(cache.misses)
-            self.prefix_bytes.set(cache.held)
+            for name, value in (("queue_length", scheduler.waiting), ("running_rows", scheduler.running),
+                                ("prefix_cache_hit_tokens", cache.hits), ("prefix_cache_miss_tokens", cache.misses),
+                                ("prefix_cache_bytes", cache.held)):
+                self.engine_gauges[name].set(value)
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edgeinfer.sdk.errors import BusyError, ContextLengthError, EdgeInferError, GenerationError, GraphError
+from edgeinfer.sdk.errors import BusyError, ContextLengthError, EdgeInferError, GenerationError, GraphError, UnavailableError
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.settings import FIELDS
@@ -140,6 +140,8 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
     is the request field that holds the prompt."""
     if isinstance(error, BusyError):
         return 429, error_body(str(error), "rate_limit_exceeded", code="queue_full"), {"Retry-After": "1"}
+    if isinstance(error, UnavailableError):
+        return 503, error_body(str(error), "server_error", code="engine_unavailable"), {"Retry-After": "1"}
     if isinstance(error, ContextLengthError):
         return 400, error_body(f"{error} (prompt {error.prompt_tokens} tokens, context {error.context})",
                                param=prompt_field, code="context_length_exceeded"), {}

@@ -1,28 +1,45 @@
-"""The same server as Ray Serve replicas, for more clients than one engine's batch or more than one
-machine: each replica loads one engine and runs its own continuous-batching scheduler behind the
-FastAPI app of `edgeinfer serve` (app.create_app), so the routes, the SSE chunks and the errors are
-the same code. Ray Serve routes requests across replicas, restarts one that dies, and scales
-between a minimum and a maximum (needs the `ray` extra: pip install "edgeinfer[ray]").
+"""The same server with its engines as Ray Serve replicas, for more clients than one engine's batch
+or more than one machine (needs the `ray` extra: pip install "edgeinfer[ray]").
+
+`edgeinfer serve --ray` runs the FastAPI app of `edgeinfer serve` (app.create_app) in its own
+process, under uvicorn, as the front: the routes, the SSE chunks and the errors are the same code.
+Its scheduler is `Replicas`, which sends each request through a streaming DeploymentHandle to the
+Ray Serve deployment `edgeinfer`. Each replica of that deployment loads one engine and runs its own
+continuous-batching scheduler, and sends the request's pieces back as they come. Ray Serve picks
+the replica, restarts one that dies, and scales between a minimum and a maximum.
 
     app = application(ReplicaSettings(folder="/models/smollm2"), replicas=2)
-    ray.init(); serve.start(http_options={"port": 8000}); serve.run(app, route_prefix="/")
+    ray.init(); handle = serve.run(app, name="edgeinfer", route_prefix=None)
+    create_app(lambda: (Prompts(folder), Replicas(handle)), "smollm2")  # under uvicorn
+
+The front is this process, not Ray's HTTP proxy in front of replicas that each run the app: the
+proxy answers the requests of a replica that died itself (a plain-text 500, or a cut stream), where
+no code of ours sees them, and it added 12-14 ms to a request here (benchmarks/ray_serve.py). Here a
+request on a replica that dies ends with an OpenAI-shaped 503 (UnavailableError), or with an error
+event in a stream under way, which the client can send again.
 
 A replica is ready only once its engine has loaded (its constructor loads it), and its health
 check fails if its scheduler's step loop has stopped. Every response names the replica that served
 it in the `x-edgeinfer-replica` header. The export folder must exist, at the same path, on every
-node that runs a replica (or on a shared path).
+node that runs a replica (or on a shared path), and on the front's node for the tokenizer.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from edgeinfer.sdk.errors import EdgeInferError, SettingsError
+from edgeinfer.sdk.errors import BusyError, EdgeInferError, SettingsError, UnavailableError
+from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.tokenizer import Tokenizer
 
 REPLICA_HEADER = "x-edgeinfer-replica"
 # Seconds of load above the target before another replica starts (Ray's default is 30: a burst of
 # requests on an edge box is over by then). Ray keeps its own 10-minute delay before scaling down.
 UPSCALE_DELAY_S = 5
+APP = "edgeinfer"  # the Ray Serve application's name, and its deployment's
 log = logging.getLogger("edgeinfer.serve")
 
 
@@ -47,10 +64,10 @@ class ReplicaSettings:
 
 def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[int, int] | None = None,
                 cpus: float = 1.0, gpus: float = 0.0, target_requests: int | None = None, graceful_shutdown: float = 30.0):
-    """The Ray Serve application: `replicas` copies (or, with `autoscale` (min, max), as many as
-    the load asks for, `target_requests` ongoing requests per replica, default the batch), each
-    with `cpus` and `gpus` of Ray's resources; a replica being stopped gives its running requests
-    `graceful_shutdown` seconds."""
+    """The Ray Serve application of the engines: `replicas` copies (or, with `autoscale` (min,
+    max), as many as the load asks for, `target_requests` ongoing requests per replica, default the
+    batch), each with `cpus` and `gpus` of Ray's resources; a replica being stopped gives its
+    running requests `graceful_shutdown` seconds."""
     from ray import serve
 
     if replicas < 1 or (autoscale is not None and not 1 <= autoscale[0] <= autoscale[1]):
@@ -60,7 +77,7 @@ def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[i
                                        "target_ongoing_requests": target_requests or settings.max_batch,
                                        "upscale_delay_s": UPSCALE_DELAY_S}})
     options = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
-    deployment = serve.deployment(_replica_class(), name="edgeinfer", ray_actor_options=options,
+    deployment = serve.deployment(_replica_class(), name=APP, ray_actor_options=options,
                                   max_ongoing_requests=settings.max_batch + settings.max_queue, health_check_period_s=5,
                                   graceful_shutdown_timeout_s=graceful_shutdown,
                                   logging_config={"log_level": "WARNING", "enable_access_log": False}, **scaling)
@@ -71,25 +88,42 @@ def _replica_class():
     """The deployment class (made here, so that importing this module needs no Ray)."""
     from ray import serve
 
-    @serve.ingress()
-    class EdgeInferReplica:
+    class EngineReplica:
         def __init__(self, settings: ReplicaSettings, cpus: float):
-            self.settings = settings
             self.engine, self.scheduler = load_replica(settings, cpus)
-            self.replica = serve.get_replica_context().replica_id.unique_id
+            self.name = serve.get_replica_context().replica_id.unique_id
 
-        def __serve_build_asgi_app__(self):
-            from .app import create_app
+        def mode(self) -> str:
+            return self.scheduler.mode
 
-            name = self.settings.model_name or self.settings.folder.rstrip("/").rsplit("/", 1)[-1]
-            return create_app(lambda: (self.engine, self.scheduler), name, self.settings.api_key,
-                              headers={REPLICA_HEADER: self.replica})
+        async def generate(self, prompt, settings: dict):
+            """First this replica's name, or the EdgeInferError that refused the request; then the
+            request's pieces, and an error of the step loop as an item (sent whole, its type kept)."""
+            from .app import _pieces, _submit
+
+            try:
+                request = await _submit(self.scheduler, prompt, settings)
+            except EdgeInferError as e:
+                yield e
+                return
+            yield self.name
+            ended = False
+            try:
+                async for piece in _pieces(request):
+                    yield piece
+                ended = True
+            except EdgeInferError as e:
+                ended = True
+                yield e
+            finally:
+                if not ended:  # the front cancelled it (its client went away, or it is stopping)
+                    request.cancel()
 
         def check_health(self) -> None:
             if not self.scheduler.is_alive:
                 raise RuntimeError("the scheduler's step loop has stopped")
 
-    return EdgeInferReplica
+    return EngineReplica
 
 
 def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
@@ -104,16 +138,105 @@ def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
     return engine, Scheduler(engine, max_batch=settings.max_batch, max_queue=settings.max_queue)
 
 
+class Prompts:
+    """What the front needs of an engine: its tokenizer, for the chat template and for the bytes of
+    a token (logprobs). No graph is loaded."""
+
+    def __init__(self, folder: str | Path):
+        self.tokenizer = Tokenizer(Path(folder), load_manifest(folder).tokenizer)
+        self.chat_prompt = self.tokenizer.chat_ids
+
+
+class Replicas:
+    """The front's scheduler: `submit` sends a request to one replica of the deployment behind
+    `handle` (Ray Serve picks it) and returns once the replica has taken it, or raises what refused
+    it (a full queue, a bad setting: the replica's own error). `close` stops taking requests and
+    gives those in flight `grace` seconds."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.mode = f"Ray Serve replicas ({handle.mode.remote().result()} each)"
+        self.running: set[RemoteRequest] = set()  # in flight through this front
+        self.closing = False
+
+    def submit(self, prompt, **settings) -> RemoteRequest:
+        if self.closing:
+            raise BusyError("the server is stopping: send the request again once it is back")
+        request = RemoteRequest(self.handle.options(stream=True).generate.remote(prompt, settings), self)
+        first = request.next()
+        if isinstance(first, BaseException):
+            raise first
+        request.response_headers = {REPLICA_HEADER: first}
+        self.running.add(request)
+        return request
+
+    def close(self, grace: float | None = None) -> None:
+        self.closing = True
+        deadline = time.monotonic() + (grace or 0)
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for request in list(self.running):
+            request.stop()
+
+
+class RemoteRequest:
+    """A request on a replica, as the app sees a scheduler's request: `forward` hands its pieces
+    to a callback (from a thread of its own that reads the replica's stream), `cancel` ends it."""
+
+    def __init__(self, stream, owner: Replicas):
+        self.stream, self.owner = stream, owner
+        self.cancelled = self.stopped = False
+        self.response_headers: dict[str, str] = {}
+
+    def next(self):
+        """The stream's next item: a Piece, the replica's name, an EdgeInferError, or None at the end."""
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+        from ray.serve.exceptions import RequestCancelledError
+
+        try:
+            return next(self.stream)
+        except StopIteration:
+            return None
+        except RequestCancelledError:
+            return BusyError("the server stopped before this request ended: send it again") if self.stopped else None
+        except (RayActorError, ActorUnavailableError) as e:
+            return UnavailableError(f"the replica serving this request stopped ({first_line(e)}): send the request again")
+        except RayError as e:
+            return EdgeInferError(f"the replica failed: {first_line(e)}")
+
+    def forward(self, deliver) -> None:
+        threading.Thread(target=self._pump, args=(deliver,), name="edgeinfer-replica-stream", daemon=True).start()
+
+    def _pump(self, deliver) -> None:
+        try:
+            while (item := self.next()) is not None:
+                deliver(item)
+                if isinstance(item, BaseException):
+                    return
+            deliver(None)
+        finally:
+            self.owner.running.discard(self)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.stream.cancel()
+
+    def stop(self) -> None:
+        """Cancel, and end with a BusyError (the server is stopping)."""
+        self.stopped = True
+        self.cancel()
+
+
 def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int = 1, autoscale: tuple[int, int] | None = None,
                  address: str | None = None, cpus: float = 1.0, gpus: float = 0.0, grace: float = 30.0) -> None:
-    """Start a Ray cluster on this machine (or join the one at `address`), deploy the replicas
-    behind Ray Serve's proxy on host:port, and serve until SIGTERM or Ctrl-C; then delete the
-    deployment, giving running requests `grace` seconds (and stop the cluster this call started)."""
-    import signal
-    import threading
-
+    """Start a Ray cluster on this machine (or join the one at `address`), deploy the replicas, and
+    serve them on host:port until SIGTERM or Ctrl-C (`edgeinfer serve`'s server, /health saying 503
+    until every replica has loaded); running requests get `grace` seconds, then the deployment is
+    deleted (and the cluster this call started is stopped)."""
     import ray
     from ray import serve
+
+    from .server import run_server
 
     _check_reachable(address)
     try:  # "local": a new cluster on this machine, even where RAY_ADDRESS names another
@@ -121,23 +244,24 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise EdgeInferError(f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
                              "there, or leave --address out for a cluster on this machine") from None
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # in place of the handlers ray.init installed
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
-        app = application(settings, replicas, autoscale, cpus, gpus, graceful_shutdown=grace)
-        try:
-            serve.run(app, name="edgeinfer", route_prefix="/", blocking=False)
+    count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
+
+    def load():
+        try:  # returns once every replica has loaded its engine
+            handle = serve.run(application(settings, replicas, autoscale, cpus, gpus, graceful_shutdown=grace), name=APP,
+                               route_prefix=None, blocking=False)
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
-        count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
-        log.info("listening on http://%s:%d (OpenAI API under /v1): %s", host, port, count)
-        while not stop.wait(0.5):
-            pass
-        log.info("stopping: the replicas get %.0f s to finish their requests", grace)
-        serve.delete("edgeinfer")
+        log.info("%s of %s on Ray Serve", count, settings.folder)
+        return Prompts(settings.folder), Replicas(handle)
+
+    try:  # no Ray HTTP proxy: this process is the front
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        name = settings.model_name or Path(settings.folder).name
+        run_server(load, name, host, port, settings.api_key, grace)
     finally:
+        if APP in serve.status().applications:
+            serve.delete(APP)
         if address is None:  # the cluster is this command's own; a joined one keeps its other applications
             serve.shutdown()
         ray.shutdown()
@@ -164,7 +288,7 @@ def _deployment_error(serve) -> str | None:
     """The replicas' own error (the last line of the exception a replica's constructor raised, an
     EdgeInferError's message where it was one), from Ray Serve's status."""
     try:
-        message = serve.status().applications["edgeinfer"].deployments["edgeinfer"].message
+        message = serve.status().applications[APP].deployments[APP].message
     except (KeyError, AttributeError):
         return None
     lines = [line.strip() for line in message.splitlines() if line.strip()]

@@ -21,19 +21,21 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 
 def start_ray(export, *flags):
-    """`edgeinfer serve --ray` and its base URL, once it says it listens (at most 120 s)."""
+    """`edgeinfer serve --ray` and its base URL, once /health says every replica is ready (at most 120 s)."""
     port = free_port()
     log = open(export.parent / f"ray-{port}.log", "w+")
     process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(export), "--port", str(port),
                                 "--provider", "cpu", *flags], stdout=log, stderr=log, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline:
         log.flush()
         log.seek(0)
-        text = log.read()
-        assert process.poll() is None, text
-        if "listening on" in text:
-            return process, f"http://127.0.0.1:{port}", log
+        assert process.poll() is None, log.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url, log
+        except httpx.TransportError:
+            pass
         time.sleep(0.2)
     process.kill()
     raise AssertionError("edgeinfer serve --ray did not start within 120 s")
@@ -126,33 +128,43 @@ def test_ray_flags_need_ray_and_an_unreachable_cluster_is_an_error(tiny_llama):
 
 
 def test_a_killed_replica_comes_back_and_the_other_keeps_answering(long_export):
-    """Kill one replica's process while both decode long requests: the other replica's requests
-    end normally, every request after the kill is answered, and Ray Serve starts the replica again.
-    The requests that were on the killed replica fail with Ray's own answer (a plain-text 500
-    before their response started; a stream already under way is cut), not yet an OpenAI 503."""
+    """Kill one replica's process while both decode long requests, whole and streamed: the other
+    replica's requests end normally; those on the killed one end with an OpenAI-shaped 503 that says
+    to retry (a stream already under way, with an error event in place of its end); the next
+    requests are all answered, and Ray Serve starts the replica again."""
     import os
 
     process, url, log = start_ray(long_export, "--replicas", "2")
     try:
         before = replica_pids(process)
         assert len(before) == 2
-        outcomes = [None] * 4
+        outcomes = [None] * 6  # (replica, answered, status, error code, Retry-After)
 
         def call(i):
-            body = {"model": long_export.name, "prompt": [5, 6, 7], "max_tokens": 12000, "ignore_eos": True}
+            body = {"model": long_export.name, "prompt": [5, 6, 7], "max_tokens": 12000, "ignore_eos": True, "stream": i % 2 == 1}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            outcomes[i] = (response.status_code, response.headers.get("x-edgeinfer-replica"))
+            replica = response.headers.get("x-edgeinfer-replica")
+            if body["stream"]:
+                events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                answered = events[-1] == "[DONE]"
+                error = None if answered else json.loads(events[-1])["error"]["code"]
+            else:
+                answered, error = response.status_code == 200, response.json().get("error", {}).get("code")
+            outcomes[i] = (replica, answered, response.status_code, error, response.headers.get("retry-after"))
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
         for thread in threads:
             thread.start()
         time.sleep(1.5)  # every request is decoding (12,000 tokens take several seconds)
         os.kill(before[0], signal.SIGKILL)
         for thread in threads:
             thread.join()
-        survivors = [o for o in outcomes if o[0] == 200]
-        assert 1 <= len(survivors) <= 3 and len({replica for _, replica in survivors}) == 1
-        assert all(status == 500 for status, _ in outcomes if status != 200)
+        answered = {o[0] for o in outcomes if o[1]}
+        lost = [o for o in outcomes if not o[1]]
+        assert len(answered) == 1 and 1 <= len(lost) <= 5, outcomes
+        assert {o[0] for o in lost}.isdisjoint(answered) and all(o[3] == "engine_unavailable" for o in lost), outcomes
+        assert all(o[2:] == (503, "engine_unavailable", "1") for i, o in enumerate(outcomes) if i % 2 == 0 and not o[1]), outcomes
+        assert all(o[2] == 200 for i, o in enumerate(outcomes) if i % 2 == 1), outcomes  # a stream's status went first
         after = [httpx.post(f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 4},
                             timeout=60).status_code for _ in range(10)]
         assert after == [200] * 10
