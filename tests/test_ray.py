@@ -139,23 +139,30 @@ def test_a_killed_replica_comes_back_and_the_other_keeps_answering(long_export):
         before = replica_pids(process)
         assert len(before) == 2
         outcomes = [None] * 6  # (replica, answered, status, error code, Retry-After)
+        streaming = threading.Semaphore(0)  # released at each stream's first tokens
 
         def call(i):
-            body = {"model": long_export.name, "prompt": [5, 6, 7], "max_tokens": 12000, "ignore_eos": True, "stream": i % 2 == 1}
-            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            replica = response.headers.get("x-edgeinfer-replica")
+            body = {"model": long_export.name, "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": i % 2 == 1}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+                lines = []
+                for line in response.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 3 and body["stream"]:
+                        streaming.release()
+            text, replica = "\n".join(lines), response.headers.get("x-edgeinfer-replica")
             if body["stream"]:
-                events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                events = [line[6:] for line in lines if line.startswith("data: ")]
                 answered = events[-1] == "[DONE]"
                 error = None if answered else json.loads(events[-1])["error"]["code"]
             else:
-                answered, error = response.status_code == 200, response.json().get("error", {}).get("code")
+                answered, error = response.status_code == 200, json.loads(text).get("error", {}).get("code")
             outcomes[i] = (replica, answered, response.status_code, error, response.headers.get("retry-after"))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
         for thread in threads:
             thread.start()
-        time.sleep(1.5)  # every request is decoding (12,000 tokens take several seconds)
+        for _ in range(3):  # every request is decoding (3,000 tokens take several seconds)
+            assert streaming.acquire(timeout=60)
         os.kill(before[0], signal.SIGKILL)
         for thread in threads:
             thread.join()
