@@ -63,11 +63,14 @@ class ReplicaSettings:
 
 
 def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[int, int] | None = None,
-                cpus: float = 1.0, gpus: float = 0.0, target_requests: int | None = None, graceful_shutdown: float = 30.0):
+                cpus: float = 1.0, gpus: float = 0.0, target_requests: int | None = None, graceful_shutdown: float = 30.0,
+                front: bool = False):
     """The Ray Serve application of the engines: `replicas` copies (or, with `autoscale` (min,
     max), as many as the load asks for, `target_requests` ongoing requests per replica, default the
     batch), each with `cpus` and `gpus` of Ray's resources; a replica being stopped gives its
-    running requests `graceful_shutdown` seconds."""
+    running requests `graceful_shutdown` seconds. With `front`, the app of `edgeinfer serve` runs
+    as a Ray Serve ingress deployment before them (behind Ray's HTTP proxy, for `serve run` and
+    Ray's config files); `edgeinfer serve --ray` runs it in its own process instead."""
     from ray import serve
 
     if replicas < 1 or (autoscale is not None and not 1 <= autoscale[0] <= autoscale[1]):
@@ -81,7 +84,11 @@ def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[i
                                   max_ongoing_requests=settings.max_batch + settings.max_queue, health_check_period_s=5,
                                   graceful_shutdown_timeout_s=graceful_shutdown,
                                   logging_config={"log_level": "WARNING", "enable_access_log": False}, **scaling)
-    return deployment.bind(settings, cpus)
+    engines = deployment.bind(settings, cpus)
+    if not front:
+        return engines
+    return serve.deployment(_front_class(), name=f"{APP}-front", ray_actor_options={"num_cpus": 0},
+                            logging_config={"log_level": "WARNING", "enable_access_log": False}).bind(settings, engines)
 
 
 def _replica_class():
@@ -124,6 +131,23 @@ def _replica_class():
                 raise RuntimeError("the scheduler's step loop has stopped")
 
     return EngineReplica
+
+
+def _front_class():
+    from ray import serve
+
+    @serve.ingress()
+    class EdgeInferFront:
+        def __init__(self, settings: ReplicaSettings, engines):
+            self.settings, self.engines = settings, engines
+
+        def __serve_build_asgi_app__(self):
+            from .app import create_app
+
+            name = self.settings.model_name or Path(self.settings.folder).name
+            return create_app(lambda: (Prompts(self.settings.folder), Replicas(self.engines)), name, self.settings.api_key)
+
+    return EdgeInferFront
 
 
 def load_replica(settings: ReplicaSettings, cpus: float = 1.0):

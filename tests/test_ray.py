@@ -103,6 +103,40 @@ def test_concurrent_requests_spread_over_both_replicas(replicas, engine):
     assert len(set(seen)) == 2, seen
 
 
+def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama, engine):
+    """application(front=True): the same app as an ingress deployment behind Ray's HTTP proxy,
+    deployed with serve.run as a Ray user would."""
+    import openai
+
+    port = free_port()
+    script = ("import sys, ray\nfrom ray import serve\nfrom edgeinfer.serve.replicas import ReplicaSettings, application\n"
+              "ray.init(address='local', num_cpus=2, include_dashboard=False, logging_level='WARNING')\n"
+              f"serve.start(http_options={{'host': '127.0.0.1', 'port': {port}}})\n"
+              f"serve.run(application(ReplicaSettings({str(tiny_llama[1])!r}, provider='cpu'), front=True), route_prefix='/')\n"
+              "print('deployed', flush=True)\nsys.stdin.read()\nserve.shutdown()\nray.shutdown()\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "deployed"
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the front did not say ready within 60 s"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=tiny_llama[1].name, messages=CHAT, max_tokens=12)
+        assert chat.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=12).text
+        stream = client.completions.create(model=tiny_llama[1].name, prompt=[5, 6, 7], max_tokens=10, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == engine.generate([5, 6, 7], max_new_tokens=10).text
+        response = httpx.post(f"{url}/v1/completions", json={"model": tiny_llama[1].name, "prompt": [5], "temperature": -1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+        response = httpx.post(f"{url}/v1/completions", json={"model": tiny_llama[1].name, "prompt": [5], "max_tokens": 2})
+        assert response.status_code == 200 and len(response.headers["x-edgeinfer-replica"]) >= 6
+    finally:
+        process.stdin.close()
+        assert process.wait(timeout=60) == 0
+
+
 def test_a_folder_missing_on_a_node_is_a_clear_error_not_a_hang(tmp_path):
     """The replica's own error comes back through Ray (the folder exists where the command runs
     but not at the path the replicas were given: as on a node that lacks it)."""
