@@ -131,6 +131,9 @@ def test_the_context_comes_from_the_config_else_the_tokenizer_else_the_flag():
 
     unlimited = SimpleNamespace(model_max_length=int(1e30))
     assert max_context(SimpleNamespace(model_type="mpt", max_seq_len=2048), unlimited, None) == 2048
+    assert max_context(SimpleNamespace(model_type="gpt2", n_positions=1024), unlimited, None) == 1024
+    assert max_context(SimpleNamespace(model_type="qwen", seq_length=8192), unlimited, None) == 8192
+    assert max_context(SimpleNamespace(model_type="falcon", max_position_embeddings=None, n_positions=512), unlimited, None) == 512
     assert max_context(SimpleNamespace(model_type="bloom"), SimpleNamespace(model_max_length=4096), None) == 4096
     assert max_context(SimpleNamespace(model_type="bloom"), unlimited, 1024) == 1024
     with pytest.raises(ExportError, match="the bloom config names no maximum context length: pass --max-context N"):
