@@ -278,9 +278,9 @@ class Engine:
         while not all(row.is_done for row in rows):
             for index, row in enumerate(rows):
                 if not row.is_done:
-                    yield from ((index, piece) for piece in self._speculate(index, row, cache, kept))
+                    yield from ((index, piece) for piece in self.speculate(index, row, cache, kept))
 
-    def _speculate(self, index: int, row: Sequence, cache: KVCache, kept: GenerationBindings) -> Iterator[Piece]:
+    def speculate(self, index: int, row: Sequence, cache: KVCache, kept: GenerationBindings) -> Iterator[Piece]:
         """One step of one row: its newest token (not yet in the cache) and the proposed ones run
         in one pass; each position's choice is taken while it equals the proposal, and the first
         that differs (or the one after the last proposal) is the step's last. The cache then

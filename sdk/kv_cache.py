@@ -211,25 +211,17 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
 
     def _store(self, prompts: list[list[int]]) -> None:
         """Keep each prefilled row's whole blocks (rows are right-padded: a row's tokens start at slot 0)."""
+        views = self._views()
         for row, prompt in enumerate(prompts):
-            if self._copy is None:
-                self._prefix.store(prompt, self._rows(row))
-            elif len(prompt) >= self._prefix.block:
-                whole = len(prompt) // self._prefix.block * self._prefix.block
-                self._prefix.store(prompt, {name: self._copy.read(value, row, whole) for name, value in self.past.items()})
+            _store_row(self._prefix, prompt, row, self.past, views, self._copy)
 
     def _restore(self, prompt: list[int], row: int = 0) -> int:
         """The cached start of `prompt` written into `row` of the buffers; how many tokens it holds."""
-        if self._copy is None:
-            return self._prefix.restore(prompt, self._rows(row))
-        cached, blocks = self._prefix.take(prompt)
-        for name, values in blocks.items():
-            self._copy.write(self.past[name], row, values)
-        return cached
+        return _restore_row(self._prefix, prompt, row, self.past, self._views(), self._copy)
 
-    def _rows(self, row: int = 0) -> dict[str, np.ndarray]:
-        """One row of each buffer, viewed on the host, [kv_heads, capacity, head_size]."""
-        return {name: self._host.host_view(value)[row] for name, value in self.past.items()}
+    def _views(self) -> dict[str, np.ndarray] | None:
+        """Each buffer viewed on the host, where there is no `copy` to go through."""
+        return None if self._copy is not None else {name: self._host.host_view(value) for name, value in self.past.items()}
 
     def _buffer_shape(self, name: str, batch: int) -> list[int]:
         return _buffer_shape(self.spec, self.past_shapes[name], batch, self.capacity)
@@ -297,24 +289,13 @@ class SlotPool(_RowsInPlace):
         """Fill `slot` with the cached blocks that start `ids`; returns how many tokens they hold."""
         if self._prefix is None:
             return 0
-        if self._views is not None:
-            self.lengths[slot] = self._prefix.restore(ids, {name: view[slot] for name, view in self._views.items()})
-        else:
-            self.lengths[slot], blocks = self._prefix.take(ids)
-            for name, values in blocks.items():
-                self._copy.write(self.buffers[name], slot, values)
+        self.lengths[slot] = _restore_row(self._prefix, ids, slot, self.buffers, self._views, self._copy)
         return int(self.lengths[slot])
 
     def store(self, slot: int, ids: list[int]) -> None:
         """Keep the blocks of a prompt that `slot` holds, prefilled."""
-        if self._prefix is None:
-            return
-        if self._views is not None:
-            self._prefix.store(ids, {name: view[slot] for name, view in self._views.items()})
-            return
-        whole = len(ids) // self._prefix.block * self._prefix.block
-        if whole:
-            self._prefix.store(ids, {name: self._copy.read(buffer, slot, whole) for name, buffer in self.buffers.items()})
+        if self._prefix is not None:
+            _store_row(self._prefix, ids, slot, self.buffers, self._views, self._copy)
 
     @property
     def pooled(self) -> dict:
@@ -358,6 +339,27 @@ class SlotPool(_RowsInPlace):
         for slot in tokens:
             self.lengths[slot] += 1
         return inputs
+
+
+def _restore_row(prefix: PrefixCache, ids: list[int], row: int, buffers: dict, views: dict | None, copy) -> int:
+    """The cached blocks that start `ids` written into `row` of `buffers`, through their host
+    `views` where given, else through `copy` (runtime.RowCopy); how many tokens they hold."""
+    if views is not None:
+        return prefix.restore(ids, {name: view[row] for name, view in views.items()})
+    cached, blocks = prefix.take(ids)
+    for name, values in blocks.items():
+        copy.write(buffers[name], row, values)
+    return cached
+
+
+def _store_row(prefix: PrefixCache, ids: list[int], row: int, buffers: dict, views: dict | None, copy) -> None:
+    """Keep the whole blocks of `ids`, prefilled in `row` of `buffers` (views or copy as in _restore_row)."""
+    if views is not None:
+        prefix.store(ids, {name: view[row] for name, view in views.items()})
+        return
+    whole = len(ids) // prefix.block * prefix.block
+    if whole:
+        prefix.store(ids, {name: copy.read(buffer, row, whole) for name, buffer in buffers.items()})
 
 
 def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int, keep: int | None = None) -> dict[str, np.ndarray]:

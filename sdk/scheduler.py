@@ -228,7 +228,7 @@ class Scheduler:
     def _speculate(self, row: _Row) -> None:
         """A row with speculative decoding proposes and checks its tokens in a pass of its own
         (the engine's step, on the pool's row)."""
-        for piece in self.engine._speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
+        for piece in self.engine.speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
             row.request._put(piece)
         if row.sequence.is_done:
             self._end(row, _END)
