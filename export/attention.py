@@ -57,11 +57,12 @@ def layer_windows(config, num_layers: int) -> list[int]:
     return [window] * num_layers
 
 
-def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]) -> int:
+def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int], weights_from=None) -> int:
     """Rewrite every layer's attention in place; returns the number of layers rewritten. Raises
-    PatternError, before changing anything, where a layer does not match."""
+    PatternError, before changing anything, where a layer does not match. Weights the model keeps
+    in a data file are read from the folder `weights_from`."""
     graph = model.graph
-    view = GraphView(graph)
+    view = GraphView(graph, weights_from)
     if "attention_mask" not in view.inputs:
         raise PatternError("the graph takes no attention mask")
     if not any(n.name == LAST_POSITION_NODE for n in graph.node):
@@ -123,7 +124,7 @@ def _pack_projections(graph, view: GraphView, name: str, projections: list[str])
     weights = [view.constants.get(m.input[1]) for m in matmuls]
     if any(w is None or len(w.dims) != 2 for w in weights):
         return None
-    packed = np.concatenate([numpy_helper.to_array(w) for w in weights], axis=1)
+    packed = np.concatenate([view.array(w) for w in weights], axis=1)
     graph.initializer.append(numpy_helper.from_array(packed, f"{name}_qkv_weight"))
     graph.node.append(helper.make_node("MatMul", [matmuls[0].input[0], f"{name}_qkv_weight"], [f"{name}_qkv"],
                                        name=f"{name}_qkv_proj"))

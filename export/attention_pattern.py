@@ -68,7 +68,8 @@ class LayerAttention:
 class GraphView:
     """Who produces and who consumes each tensor, and the constant tensors' values."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, weights_from=None):
+        self.weights_from = None if weights_from is None else str(weights_from)
         self.producer = {out: node for node in graph.node for out in node.output}
         self.consumers = collections.defaultdict(list)
         for node in graph.node:
@@ -80,12 +81,15 @@ class GraphView:
                 self.constants[node.output[0]] = node.attribute[0].t
         self.inputs = {i.name: i for i in graph.input}
 
+    def array(self, tensor) -> np.ndarray:
+        """A constant's values, read from the data file where the graph was loaded without them."""
+        return numpy_helper.to_array(tensor, self.weights_from or "")
+
     def scalar(self, name: str) -> float | None:
         tensor = self.constants.get(name)
-        if tensor is None:
+        if tensor is None or int(np.prod(tensor.dims)) != 1:
             return None
-        array = numpy_helper.to_array(tensor)
-        return float(array.reshape(-1)[0]) if array.size == 1 else None
+        return float(self.array(tensor).reshape(-1)[0])
 
     def scale_factor(self, node) -> float | None:
         """The constant factor a Mul or Div by a scalar applies; None for a factor computed from

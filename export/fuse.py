@@ -1,4 +1,4 @@
-"""Fusing the exported graph: ONNX Runtime's transformer optimizer (rotary embeddings, skip +
+"""Fusing the exported graph: ONNX Runtime's transformer optimizer (optimize.py: rotary embeddings, skip +
 (RMS) layer norms and GELUs become single contrib ops: `RotaryEmbedding`,
 `SkipSimplifiedLayerNormalization`, ...), then each layer's attention rewritten to
 `GroupQueryAttention` with the KV cache written in place (attention.py). The graph written is
@@ -26,6 +26,7 @@ from edgeinfer.sdk.manifest import GraphSpec, Manifest
 from .attention import PatternError, layer_windows, rewrite_attention
 from .check import check_export
 from .graphs import GRAPH_FILE, save_graph
+from .optimize import load_without_weights, optimize
 from .source import first_line
 
 CHECK_PROMPT = list(range(3, 43))
@@ -37,14 +38,11 @@ _DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
 def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]:
     """Replace the graph in `folder` by its fused form where that checks out; returns what was
     fused (or why not) and the manifest of the graph kept."""
-    from onnxruntime.transformers import optimizer
-
     config = model.config
-    optimized = optimizer.optimize_model(str(folder / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False,
-                                         num_heads=getattr(config, "num_attention_heads", 0) or 0,
-                                         hidden_size=getattr(config, "hidden_size", 0) or 0).model
+    optimized = optimize(load_without_weights(folder / GRAPH_FILE), getattr(config, "num_attention_heads", 0) or 0,
+                         getattr(config, "hidden_size", 0) or 0)
     _trim_rotary_caches(optimized.graph, manifest.max_context)
-    rewritten, why_not = _rewrite(optimized, config, manifest)
+    rewritten, why_not = _rewrite(optimized, config, manifest, folder)
     if rewritten is not None:
         in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True),
                                        graph=_graph_spec(rewritten))
@@ -58,15 +56,16 @@ def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]
     return {"fused": _contrib_ops(optimized), "attention": why_not}, manifest
 
 
-def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest) -> tuple[onnx.ModelProto | None, str | None]:
-    """A copy of the optimizer's graph with GroupQueryAttention, or None and why not."""
+def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
+    """A copy of the optimizer's graph with GroupQueryAttention, or None and why not (the weights
+    it packs are read from `folder`'s data file)."""
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(optimized)
     try:
         num_heads = getattr(config, "num_attention_heads", None)
         if not num_heads:
             raise PatternError(f"the {config.model_type} config names no num_attention_heads")
-        rewrite_attention(rewritten, num_heads, layer_windows(config, manifest.kv.num_layers))
+        rewrite_attention(rewritten, num_heads, layer_windows(config, manifest.kv.num_layers), weights_from=folder)
     except PatternError as e:
         return None, f"attention kept as exported: {first_line(e)}"
     return rewritten, None
@@ -77,7 +76,8 @@ def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str
     trial = folder / ".fused"
     trial.mkdir()
     try:
-        save_graph(graph, trial)
+        graph = _copy(graph)  # saving points its tensors at the trial's data file
+        save_graph(graph, trial, weights_from=folder)
         for name in folder.iterdir():  # the fused graph is loaded beside the export's other files
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
                 shutil.copy(name, trial / name.name)
@@ -89,6 +89,12 @@ def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str
         return problem
     finally:
         shutil.rmtree(trial, ignore_errors=True)
+
+
+def _copy(graph: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(graph)
+    return copy
 
 
 def _graph_spec(graph: onnx.ModelProto) -> GraphSpec:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper
+from onnx.external_data_helper import uses_external_data
 
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import GraphSpec, KVSpec
@@ -68,12 +69,66 @@ def export_graph(model, folder: Path) -> GraphSpec:
                      outputs=[o.name for o in graph.graph.output])
 
 
-def save_graph(model: onnx.ModelProto, folder: Path) -> None:
-    """Write `model` as the export's graph: model.onnx, with its weights in model.onnx.data (a
-    stale data file is removed first, since onnx appends to one that exists)."""
-    (Path(folder) / f"{GRAPH_FILE}.data").unlink(missing_ok=True)
-    onnx.save(model, str(Path(folder) / GRAPH_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{GRAPH_FILE}.data", size_threshold=1024)
+def save_graph(model: onnx.ModelProto, folder: Path, weights_from: Path | None = None) -> None:
+    """Write `model` as the export's graph: model.onnx, its tensors of 1 KiB or more in
+    model.onnx.data. Tensors the model still references in a data file (it was loaded without
+    them) are copied from `weights_from`'s, one at a time, so that the weights need not all be in
+    memory; the data file written holds only the tensors the graph reads. The model's tensors
+    then reference the new file."""
+    folder = Path(folder)
+    data, partial = folder / f"{GRAPH_FILE}.data", folder / f".{GRAPH_FILE}.data.partial"
+    sources = {}
+    try:
+        with open(partial, "wb") as out:
+            for tensor in _graph_tensors(model.graph):
+                raw = _tensor_bytes(tensor, weights_from, sources)
+                if raw is None:
+                    continue
+                offset = out.tell()
+                out.write(raw)
+                tensor.ClearField("raw_data")
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                    tensor.ClearField(field)
+                del tensor.external_data[:]
+                for key, value in (("location", f"{GRAPH_FILE}.data"), ("offset", str(offset)), ("length", str(len(raw)))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, value
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+    finally:
+        for handle in sources.values():
+            handle.close()
+    partial.replace(data)
+    onnx.save(model, str(folder / GRAPH_FILE))
+
+
+def _graph_tensors(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _graph_tensors(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    yield from _graph_tensors(subgraph)
+
+
+def _tensor_bytes(tensor: onnx.TensorProto, weights_from: Path | None, sources: dict) -> bytes | None:
+    """The tensor's bytes where it belongs in the data file (1 KiB or more, or already in one); else None."""
+    from onnx import numpy_helper
+
+    if uses_external_data(tensor):
+        if weights_from is None:
+            raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        path = Path(weights_from) / info["location"]
+        if path not in sources:
+            sources[path] = open(path, "rb")
+        sources[path].seek(int(info.get("offset", 0)))
+        return sources[path].read(int(info["length"])) if "length" in info else sources[path].read()
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+    return raw if len(raw) >= 1024 else None
 
 
 def _lm_head(graph: onnx.GraphProto):

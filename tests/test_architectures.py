@@ -138,3 +138,30 @@ def test_the_context_comes_from_the_config_else_the_tokenizer_else_the_flag():
     assert max_context(SimpleNamespace(model_type="bloom"), unlimited, 1024) == 1024
     with pytest.raises(ExportError, match="the bloom config names no maximum context length: pass --max-context N"):
         max_context(SimpleNamespace(model_type="bloom"), unlimited, None)
+
+
+# One family per kind of fusion runs in the fast suite; the others are marked slow.
+OPTIMIZER_SAMPLE = {"llama", "gpt2", "phi", "qwen3", "gemma3_text", "gpt_oss", "falcon@gqa"}
+
+
+@pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_the_fast_optimizer_gives_onnx_runtimes_graph(name, tmp_path):
+    """export/optimize.py runs ORT's fusions on the graph without its matrices and keeps the
+    optimizer's output map between changes; its graph must be node for node ORT's own, which
+    ORT computes here on the whole graph, weights loaded."""
+    import onnx
+    from onnxruntime.transformers import optimizer
+
+    from edgeinfer.export.graphs import GRAPH_FILE, export_graph
+    from edgeinfer.export.optimize import load_without_weights, optimize
+
+    torch.manual_seed(0)
+    config = tiny_config(name)
+    export_graph(AutoModelForCausalLM.from_config(config).eval(), tmp_path)
+    heads, hidden = getattr(config, "num_attention_heads", 0) or 0, getattr(config, "hidden_size", 0) or 0
+    theirs = optimizer.optimize_model(str(tmp_path / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False,
+                                      num_heads=heads, hidden_size=hidden).model
+    ours = optimize(load_without_weights(tmp_path / GRAPH_FILE), heads, hidden)
+    assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
+    assert sorted(t.name for t in ours.graph.initializer) == sorted(t.name for t in theirs.graph.initializer)
+    assert len(ours.graph.node) < len(onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph.node) or name in ("bloom", "mpt")

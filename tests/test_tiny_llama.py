@@ -249,7 +249,7 @@ def test_fusion_falls_back_where_the_rewrite_does_not_apply_and_fails_on_a_bug(t
     import edgeinfer.export.fuse as fuse
     from edgeinfer.export.attention import PatternError
 
-    def not_this_pattern(*args):
+    def not_this_pattern(*args, **kwargs):
         raise PatternError("layer 0 is not the pattern")
 
     monkeypatch.setattr(fuse, "rewrite_attention", not_this_pattern)
@@ -257,7 +257,7 @@ def test_fusion_falls_back_where_the_rewrite_does_not_apply_and_fails_on_a_bug(t
     assert manifest.validation["fusion"]["attention"] == "attention kept as exported: layer 0 is not the pattern"
     assert not manifest.kv.in_place and "GroupQueryAttention" not in manifest.validation["fusion"]["fused"]
 
-    def a_bug(*args):
+    def a_bug(*args, **kwargs):
         return {}["missing"]
 
     monkeypatch.setattr(fuse, "rewrite_attention", a_bug)
