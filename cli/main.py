@@ -13,7 +13,7 @@ from edgeinfer.sdk.errors import EdgeInferError, ExportError
 from .bench import bench
 from .chat import chat
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
-from .resolve import _exporter, load_engine, say, say_timings
+from .resolve import _exporter, live_stream, load_engine, say, say_timings
 from .serve import serve
 
 
@@ -43,7 +43,7 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
     quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
     options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse,
                                      dtype=dtype)
-    manifest = exporter.export_model(model, output, options, say)
+    manifest = exporter.export_model(model, output, options, say, live=live_stream())
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
 
 

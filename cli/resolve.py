@@ -2,6 +2,7 @@
 the messages the commands print on stderr."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -13,6 +14,11 @@ from edgeinfer.sdk.manifest import MANIFEST_NAME
 
 def say(message: str) -> None:
     click.echo(message, err=True)
+
+
+def live_stream():
+    """stderr where it is a terminal, for the export's progress line; else None (logs get no redraws)."""
+    return sys.stderr if sys.stderr.isatty() else None
 
 
 def say_timings(piece) -> None:
@@ -57,7 +63,7 @@ def _cached_export(name: str, say) -> Path:
         if not (out / MANIFEST_NAME).exists():
             say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
             export = _exporter()
-            export.export_model(name, out, export.ExportOptions(force=True), say)
+            export.export_model(name, out, export.ExportOptions(force=True), say, live=live_stream())
     return out
 
 

@@ -35,21 +35,24 @@ CHECK_PROMPT = list(range(3, 43))
 _DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
 
 
-def fuse_graph(folder: Path, model, manifest: Manifest) -> tuple[dict, Manifest]:
+def fuse_graph(folder: Path, model, manifest: Manifest, progress=lambda doing, fraction=None: None) -> tuple[dict, Manifest]:
     """Replace the graph in `folder` by its fused form where that checks out; returns what was
-    fused (or why not) and the manifest of the graph kept."""
+    fused (or why not) and the manifest of the graph kept. `progress` hears what it is doing."""
     config = model.config
     optimized = optimize(load_without_weights(folder / GRAPH_FILE), getattr(config, "num_attention_heads", 0) or 0,
-                         getattr(config, "hidden_size", 0) or 0)
+                         getattr(config, "hidden_size", 0) or 0, progress=progress)
     _trim_rotary_caches(optimized.graph, manifest.max_context)
+    progress("rewriting attention to GroupQueryAttention")
     rewritten, why_not = _rewrite(optimized, config, manifest, folder)
     if rewritten is not None:
+        progress("checking the fused graph against PyTorch: logits, tokens, a batch")
         in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True),
                                        graph=_graph_spec(rewritten))
         problem = _try(folder, rewritten, model, in_place)
         if problem is None:
             return {"fused": _contrib_ops(rewritten)}, in_place
         why_not = f"attention kept as exported: the graph with GroupQueryAttention{problem.removeprefix('the fused graph')}"
+    progress("checking the optimizer's graph against PyTorch: logits, tokens, a batch")
     problem = _try(folder, optimized, model, manifest)
     if problem:
         return {"fused": {}, "skipped": problem, "attention": why_not}, manifest

@@ -31,6 +31,13 @@ _INVALIDATING = ("add_node", "add_nodes", "remove_node", "remove_nodes", "replac
 _WEIGHT_INPUTS = {"MatMul": 1, "Gemm": 1, "Gather": 0}
 
 
+# BertOnnxModel.optimize's passes in the order it runs them, for the progress line.
+_PASSES = ("remove_useless_cast_nodes", "fuse_constant_fold", "fuse_layer_norm", "fuse_simplified_layer_norm", "fuse_gelu",
+           "preprocess", "fuse_reshape", "fuse_skip_layer_norm", "fuse_skip_simplified_layer_norm", "fuse_rotary_embeddings",
+           "fuse_attention", "fuse_shape", "postprocess", "fuse_bias_gelu", "fuse_add_bias_skip_layer_norm",
+           "remove_unused_constant", "topological_sort")
+
+
 def load_without_weights(path: Path) -> onnx.ModelProto:
     """The graph at `path` with its weight matrices (what MatMul, Gemm and Gather read) left in its
     data file, referenced as `load_external_data=False` leaves them; its other tensors in memory."""
@@ -45,14 +52,14 @@ def load_without_weights(path: Path) -> onnx.ModelProto:
     return model
 
 
-def optimize(model: onnx.ModelProto, num_heads: int, hidden_size: int, fast: bool = True) -> onnx.ModelProto:
-    """What `optimizer.optimize_model(model_type="gpt2", opt_level=0)` returns, changed in place.
-    `fast=False` runs ORT's own class (the tests compare the two)."""
+def optimize(model: onnx.ModelProto, num_heads: int, hidden_size: int, progress=lambda doing, fraction=None: None) -> onnx.ModelProto:
+    """What `optimizer.optimize_model(model_type="gpt2", opt_level=0)` returns, changed in place;
+    `progress` hears each fusion pass as it starts."""
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
 
-    cls = _fast_model_class(Gpt2OnnxModel) if fast else Gpt2OnnxModel
-    optimizer = cls(model, num_heads, hidden_size)
+    optimizer = _fast_model_class(Gpt2OnnxModel)(model, num_heads, hidden_size)
+    optimizer.progress = progress
     optimizer.optimize(FusionOptions("gpt2"))
     optimizer.topological_sort()
     return optimizer.model
@@ -61,6 +68,7 @@ def optimize(model: onnx.ModelProto, num_heads: int, hidden_size: int, fast: boo
 def _fast_model_class(base):
     class _Model(base):
         _outputs = None
+        progress = staticmethod(lambda doing, fraction=None: None)
 
         def output_name_to_node(self, exclude_subgraphs=False):
             if exclude_subgraphs:
@@ -72,7 +80,19 @@ def _fast_model_class(base):
     for name in _INVALIDATING:
         if hasattr(base, name):
             setattr(_Model, name, _forgetting(getattr(base, name)))
+    for index, name in enumerate(_PASSES):
+        if hasattr(base, name):
+            setattr(_Model, name, _reported(getattr(_Model, name), name, index))
     return _Model
+
+
+def _reported(method, name: str, index: int):
+    def call(self, *args, **kwargs):
+        self.progress(f"optimizer: {name.removeprefix('fuse_').replace('_', ' ')}", index / len(_PASSES))
+        return method(self, *args, **kwargs)
+
+    call.__name__ = name
+    return call
 
 
 def _forgetting(method):

@@ -6,6 +6,8 @@ import errno
 import glob
 import os
 import shutil
+import sys
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -48,8 +50,11 @@ class ExportOptions:
             raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")
 
 
-def export_model(model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None) -> Manifest:
-    """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`.
+def export_model(model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None,
+                 live=None) -> Manifest:
+    """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`. `say` gets the
+    stages and their results; `live`, a terminal's text stream, gets a progress line redrawn in
+    place during each stage (what it is doing, how far, for how long).
 
     Everything is written to a temporary folder beside `out`, which becomes `out` only once
     complete and validated; on any failure nothing is left behind. A temporary folder left by
@@ -66,7 +71,7 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
     except OSError as e:
         raise ExportError(_disk_error(e, out)) from None
     try:
-        manifest = _export_into(model, work, options, say)
+        manifest = _export_into(model, work, options, say, live)
         _replace(work, out)
     except OSError as e:
         raise ExportError(_disk_error(e, out)) from None
@@ -128,14 +133,18 @@ def _free(folder: Path) -> str:
     return size_text(free_bytes(folder))
 
 
-def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifest:
+def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
     wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16"}
-    stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)])
+    stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
+    say = stage.say  # clears the progress line first
     with stage("load"):
         source = resolve_source(model, say)
+        stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
     check_free_space(work.parent, torch_model)
+    check_memory(torch_model)
     with stage("export graph"):
+        stage.progress("tracing the model with torch.onnx")
         graph = export_graph(torch_model, work)
     with stage("tokenizer"):
         tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
@@ -143,13 +152,14 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     manifest.save(work)
     with stage("validate"):
+        stage.progress("prefill, decode and 4 tokens at once, against PyTorch")
         validation = validate(torch_model, work)
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
             f"(tolerance {validation['tolerance']:.2e})")
     if options.fuse:
         with stage("fuse"):
-            fusion, manifest = fuse_graph(work, torch_model, manifest)
+            fusion, manifest = fuse_graph(work, torch_model, manifest, stage.progress)
             manifest.save(work)  # the graph kept may take other inputs and another KV layout
             validation["fusion"] = fusion
             say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
@@ -173,7 +183,49 @@ def _export_into(model: str, work: Path, options: ExportOptions, say) -> Manifes
     with stage("write"):
         manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
         manifest.save(work)
+    peak = peak_memory()
+    if peak:
+        say(f"peak memory {size_text(peak)}: {peak / fp32_weights(torch_model):.1f}x the {size_text(fp32_weights(torch_model))} "
+            f"of fp32 weights, {stage.total:.0f} s in all")
     return manifest
+
+
+# Memory an export takes on top of the loaded PyTorch model: the traced graph and its serialized
+# copy while the graph is written, about 1.3 GB for SmolLM2-135M (0.54 GB of fp32 weights) and
+# 3.1 GB for a 0.5B qwen2 (1.98 GB); README "Export time and memory".
+EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 2, 512 * 2**20
+
+
+def fp32_weights(model) -> int:
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def check_memory(model) -> None:
+    """Refuse, once the model is loaded and before the graph is traced, where this machine does
+    not have the memory the export's next stages take."""
+    available = available_memory()
+    weights = fp32_weights(model)
+    need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
+    if available is not None and need > available:
+        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR}x its "
+                          f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
+                          "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)")
+
+
+def available_memory() -> int | None:
+    from edgeinfer.sdk.memory import available_bytes
+
+    return available_bytes("cpu", None)[0]
+
+
+def peak_memory() -> int | None:
+    """The most resident memory this process has held, in bytes (None where the platform cannot tell)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifest:
@@ -251,14 +303,34 @@ def _replace(work: Path, out: Path) -> None:
 
 
 class _Stages:
-    def __init__(self, say, names: list[str]):
-        self.say, self.names, self.index = say, names, 0
+    """The stages in order: "[i/n] name" when one starts, "name: done in X s" when it ends, and, on
+    a terminal (`live`), one line redrawn twice a second with what the stage is doing and for how long."""
+
+    def __init__(self, say, names: list[str], live=None):
+        self._say, self.names, self.index, self.live = say, names, 0, live
+        self._lock, self._status, self._drawn, self._began = threading.Lock(), None, 0, time.perf_counter()
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self._began
+
+    def say(self, message: str) -> None:
+        with self._lock:
+            self._clear()
+            self._say(message)
+
+    def progress(self, doing: str, fraction: float | None = None) -> None:
+        """What the stage is doing now, and how far along it is (0 to 1) where that is known."""
+        if self._status is not None:
+            self._status = (self._status[0], self._status[1], doing, fraction)
 
     @contextmanager
     def __call__(self, name: str):
         self.index += 1
         self.say(f"[{self.index}/{len(self.names)}] {name}")
         start = time.perf_counter()
+        self._status = (name, start, "", None)
+        ticker = _Ticker(self._draw) if self.live is not None else None
         try:
             yield
         except (EdgeInferError, OSError):  # the stages' own errors, and the file system's (export_model)
@@ -267,4 +339,47 @@ class _Stages:
             around = f"; {_OPTIONAL_STAGES[name]}" if name in _OPTIONAL_STAGES else ""
             raise ExportError(f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
                               f"please report it with the output of --debug{around}") from e
+        finally:
+            if ticker:
+                ticker.stop()
+            self._status = None
+            with self._lock:
+                self._clear()
         self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")
+
+    def _draw(self) -> None:
+        with self._lock:
+            if self._status is None:
+                return
+            name, start, doing, fraction = self._status
+            line = f"      {name}: {time.perf_counter() - start:.0f} s" + (f", {doing}" if doing else "")
+            if fraction is not None:
+                line += f" ({fraction:.0%})"
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            self._clear()
+            self.live.write(line[:width])
+            self.live.flush()
+            self._drawn = len(line[:width])
+
+    def _clear(self) -> None:
+        if self._drawn and self.live is not None:
+            self.live.write("\r" + " " * self._drawn + "\r")
+            self.live.flush()
+            self._drawn = 0
+
+
+class _Ticker:
+    """Calls `draw` twice a second on a daemon thread until stopped."""
+
+    def __init__(self, draw):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(draw,), daemon=True, name="edgeinfer-export-progress")
+        self._thread.start()
+
+    def _run(self, draw) -> None:
+        while not self._stop.wait(0.5):
+            draw()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()

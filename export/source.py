@@ -1,12 +1,19 @@
 """Where the model to export comes from, and loading it with transformers."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import re
+import shutil
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgeinfer.models import entries, is_catalog_name, lookup
+from edgeinfer.models.cache import cache_root
 from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
@@ -68,10 +75,16 @@ def load_model(source: Source, with_tokenizer: bool = True):
     if not source.gguf_file:
         check_supported(_model_type(Path(source.path)))
     try:
-        config = AutoConfig.from_pretrained(source.path, **kwargs)
+        converted = _converted_gguf(source) if source.gguf_file else None
+        config = AutoConfig.from_pretrained(converted or source.path, **({} if converted else kwargs))
         check_supported(config.model_type)
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32, **kwargs).eval()
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs) if with_tokenizer else None
+        with _one_tensor_name_map(bool(source.gguf_file)):
+            model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch.float32, **kwargs).eval()
+        tokenizer = None
+        if with_tokenizer:
+            tokenizer = AutoTokenizer.from_pretrained(converted or source.path, **({} if converted else kwargs))
+        if source.gguf_file and converted is None:
+            _keep_converted(source, config, tokenizer)
     except OSError as e:
         raise ModelNotFoundError(f"cannot load {source.name}: {first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
     except ValueError as e:  # transformers' word for a config or GGUF it cannot read
@@ -79,6 +92,66 @@ def load_model(source: Source, with_tokenizer: bool = True):
     if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
+
+
+_NAME_MAP = threading.Lock()  # the patch below is process-wide: one GGUF load uses it at a time
+
+
+@contextmanager
+def _one_tensor_name_map(gguf: bool):
+    """transformers 4.57's GGUF loader builds gguf's TensorNameMap once for every module of the
+    model (40% of SmolLM2's load time); the map depends only on the architecture and the layer
+    count, so while a GGUF loads, `gguf.get_tensor_name_map` returns one map per pair. The
+    module gets its own function back afterwards."""
+    if not gguf:
+        yield
+        return
+    import gguf as library
+
+    with _NAME_MAP:
+        original = library.get_tensor_name_map
+        library.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+        try:
+            yield
+        finally:
+            library.get_tensor_name_map = original
+
+
+def _converted_gguf(source: Source) -> str | None:
+    """The folder where an earlier export of this GGUF file kept its config and tokenizer, which
+    transformers otherwise converts again from the GGUF's metadata (a third of SmolLM2's export)."""
+    folder = _conversion_folder(source)
+    return str(folder) if (folder / "tokenizer.json").is_file() and (folder / "config.json").is_file() else None
+
+
+def _keep_converted(source: Source, config, tokenizer) -> None:
+    """Keep the config and tokenizer converted from the GGUF for the next export of the same file.
+    The cache is only a saving: where it cannot be written, the export goes on without it."""
+    if tokenizer is None:
+        return
+    folder = _conversion_folder(source)
+    partial = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        config.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        partial.rename(folder)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _conversion_folder(source: Source) -> Path:
+    """Named by the file's path, size and modification time, and the transformers version that
+    converted it: a changed file or another converter gets a folder of its own."""
+    import transformers
+
+    path = Path(source.path) / source.gguf_file
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return cache_root() / "converted" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def check_supported(model_type: str) -> None:

@@ -149,3 +149,21 @@ def test_speculative_decoding_on_the_real_model_gives_the_plain_greedy_tokens(en
     fast = engine.generate(ids, max_new_tokens=64, speculative="prompt_lookup")
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert fast.accepted_tokens > len(fast.token_ids) // 3 and fast.accepted_tokens <= fast.proposed_tokens
+
+
+def test_the_config_and_tokenizer_converted_from_the_gguf_are_kept_and_equal_transformers(first_run, reference):
+    """The first export keeps what transformers converted from the GGUF's metadata (config,
+    tokenizer), which later exports of the same file read instead of converting again."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    model, tokenizer = reference
+    (folder,) = (first_run[0] / "converted").iterdir()
+    kept = AutoTokenizer.from_pretrained(folder)
+    for text in [PROMPT, "  Tabs\tand\nnewlines, émigrés, 東京, 🙂, <|im_start|>user", ""]:
+        assert kept(text).input_ids == tokenizer(text).input_ids
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert kept.apply_chat_template(messages, add_generation_prompt=True) == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert (kept.bos_token, kept.eos_token, len(kept)) == (tokenizer.bos_token, tokenizer.eos_token, len(tokenizer))
+    ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+    config = {k: v for k, v in AutoConfig.from_pretrained(folder).to_dict().items() if k not in ignore}
+    assert config == {k: v for k, v in model.config.to_dict().items() if k not in ignore}

