@@ -106,8 +106,8 @@ class TinyExporter:
     ExportOptions = export.ExportOptions
 
     @staticmethod
-    def export_model(name, out, options, say):
-        return export.export_model(sys.argv[1], out, options, say)
+    def export_model(name, out, options, say, live=None):
+        return export.export_model(sys.argv[1], out, options, say, live)
 
 resolve._exporter = lambda: TinyExporter
 print(resolve._cached_export("tiny", lambda message: print(message, file=sys.stderr, flush=True)))
