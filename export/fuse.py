@@ -62,8 +62,7 @@ def fuse_graph(folder: Path, model, manifest: Manifest, progress=lambda doing, f
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
     """A copy of the optimizer's graph with GroupQueryAttention, or None and why not (the weights
     it packs are read from `folder`'s data file)."""
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(optimized)
+    rewritten = _copy(optimized)
     try:
         num_heads = getattr(config, "num_attention_heads", None)
         if not num_heads:

@@ -73,7 +73,7 @@ def save_graph(model: onnx.ModelProto, folder: Path, weights_from: Path | None =
     """Write `model` as the export's graph: model.onnx, its tensors of 1 KiB or more in
     model.onnx.data. Tensors the model still references in a data file (it was loaded without
     them) are copied from `weights_from`'s, one at a time, so that the weights need not all be in
-    memory; the data file written holds only the tensors the graph reads. The model's tensors
+    memory; the data file written holds the graph's tensors and nothing else. The model's tensors
     then reference the new file."""
     folder = Path(folder)
     data, partial = folder / f"{GRAPH_FILE}.data", folder / f".{GRAPH_FILE}.data.partial"

@@ -100,7 +100,7 @@ _NAME_MAP = threading.Lock()  # the patch below is process-wide: one GGUF load u
 @contextmanager
 def _one_tensor_name_map(gguf: bool):
     """transformers 4.57's GGUF loader builds gguf's TensorNameMap once for every module of the
-    model (40% of SmolLM2's load time); the map depends only on the architecture and the layer
+    model (12 of SmolLM2's 29 s of load under a profiler); the map depends only on the architecture and the layer
     count, so while a GGUF loads, `gguf.get_tensor_name_map` returns one map per pair. The
     module gets its own function back afterwards."""
     if not gguf:
@@ -119,7 +119,8 @@ def _one_tensor_name_map(gguf: bool):
 
 def _converted_gguf(source: Source) -> str | None:
     """The folder where an earlier export of this GGUF file kept its config and tokenizer, which
-    transformers otherwise converts again from the GGUF's metadata (a third of SmolLM2's export)."""
+    transformers otherwise converts again from the GGUF's metadata (with it and the name map above,
+    SmolLM2's load stage went from 44 s to 12 s, medians of 3)."""
     folder = _conversion_folder(source)
     return str(folder) if (folder / "tokenizer.json").is_file() and (folder / "config.json").is_file() else None
 

@@ -56,6 +56,36 @@ def test_export_into_an_existing_folder_needs_force(tiny_llama, tmp_path):
     assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path)), "already exists", "--force")
 
 
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_export_on_a_terminal_redraws_a_progress_line_and_clears_it(tiny_llama, tmp_path):
+    """On a terminal (a pseudo-terminal here), `edgeinfer export` draws what a stage is doing,
+    with \r and no newline, and clears it before the next line; through a pipe, it draws nothing."""
+    primary, secondary = os.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "export", str(tiny_llama[0]), "-o", str(tmp_path / "out")],
+                               stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the terminal closes with the process
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    assert process.wait(timeout=600) == 0, drawn[-2000:]
+    os.close(primary)
+    text = drawn.decode()
+    lines = re.findall(r"\r      load: (\d+) s, reading ([^\r\n]+)", text)
+    assert lines and lines[0][1] == tiny_llama[0].name, text[-2000:]
+    assert [int(n) for n, _ in lines] == sorted(int(n) for n, _ in lines)  # the seconds count up
+    drawn_line = f"      load: {lines[-1][0]} s, reading {lines[-1][1]}"
+    assert "\r" + " " * len(drawn_line) + "\r      load: done in " in text  # cleared before the stage's last line
+    assert "peak memory" in text and "exported " in text
+    piped = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "piped"))
+    assert piped.returncode == 0 and "\r" not in piped.stderr and "[1/6] load" in piped.stderr
+
+
 def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
     done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--symmetric")
     assert done.returncode == 2 and "--symmetric applies to quantized weights: add --quantize int4 or int8" in done.stderr
