@@ -6,7 +6,8 @@ Export knows three things about families:
   text-generation-with-past, each proven by a parity test in tests/test_architectures.py);
 - what cannot work with optimum-onnx 0.1.0 and transformers 4.57, and why;
 - fixes for optimum-onnx configs whose dummy KV cache does not match what transformers' model
-  returns (phi with grouped-query attention, falcon's new decoder architecture).
+  returns (phi with grouped-query attention, falcon's new decoder architecture), or whose graph
+  takes no position ids (gemma3_text, nemotron).
 Sliding-window layers are handled for every family alike, in graphs.py.
 """
 from __future__ import annotations
@@ -35,7 +36,16 @@ def onnx_config_constructor(model):
         return functools.partial(_phi_with_gqa(), task="text-generation")
     if config.model_type == "falcon" and config.new_decoder_architecture:
         return functools.partial(_falcon_new_architecture(), task="text-generation")
+    if config.model_type in _POSITIONS_FROM_THE_CACHE:
+        return functools.partial(_with_position_ids(config.model_type), task="text-generation")
     return TasksManager.get_exporter_config_constructor("onnx", model, task=TASK, library_name="transformers")
+
+
+# Families whose optimum-onnx graph takes no position ids: it counts positions from the past's
+# length, which in the runtime's in-place layout is the buffer's capacity, not the row's length.
+# With them, gemma3_text's rewritten attention passes the logits check (it did not), and
+# nemotron's fused graph passes the batch check (export kept its unfused graph).
+_POSITIONS_FROM_THE_CACHE = {"gemma3_text": "Gemma3TextOnnxConfig", "nemotron": "NemotronOnnxConfig"}
 
 
 def _kv_heads(config) -> int:
@@ -74,3 +84,20 @@ def _falcon_new_architecture():
         DUMMY_PKV_GENERATOR_CLASS = ExpandedFalconPast
 
     return FalconNewArchitecture
+
+
+@functools.cache
+def _with_position_ids(model_type: str):
+    """The family's OnnxConfig with a `position_ids` input, as optimum-onnx gives llama's: the
+    graph then rotates by the positions the runtime passes (each row's slots) instead of counting
+    them from the past's length."""
+    from optimum.exporters.onnx import model_configs
+
+    class WithPositionIds(getattr(model_configs, _POSITIONS_FROM_THE_CACHE[model_type])):
+        @property
+        def inputs(self):
+            inputs = super().inputs
+            inputs["position_ids"] = {0: "batch_size", 1: "sequence_length"}
+            return inputs
+
+    return WithPositionIds

