@@ -35,14 +35,22 @@ def cli(debug):
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Weights, activations and KV cache type (fp16 is for GPUs).")
 @click.option("--no-fuse", is_flag=True, help="Skip ONNX Runtime's transformer optimizer (fusion) at export.")
-def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse):
-    """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to an ONNX graph for prefill and decode."""
+@click.option("--graphs", type=click.Choice(["single", "split"]), default="single", show_default=True,
+              help="One graph for prefill and decode, or prefill.onnx and decode.onnx on one weights file (static-shape accelerators).")
+@click.option("--prefill-length", type=int, default=None,
+              help="With --graphs split: the prefill graph's fixed number of positions (prompts are padded to it) [default: any].")
+@click.option("--static-context", type=int, default=None,
+              help="With --graphs split: the decode graph's fixed KV cache capacity, one token per pass [default: any].")
+def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse, graphs, prefill_length,
+           static_context):
+    """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
+    (--graphs split) a prefill graph and a decode graph."""
     exporter = _exporter()
     if symmetric and not quantize:
         raise click.UsageError("--symmetric applies to quantized weights: add --quantize int4 or int8")
     quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
     options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse,
-                                     dtype=dtype)
+                                     dtype=dtype, graphs=graphs, prefill_length=prefill_length, static_context=static_context)
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
 
@@ -102,6 +110,12 @@ def info(folder, architectures):
     tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
     click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
                "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
+    if manifest.prefill is not None:
+        click.echo(f"graphs: split, {manifest.prefill.file} ({manifest.prefill_length or 'any number of'} positions) and "
+                   f"{manifest.graph.file} (" + (f"a cache of {manifest.static_context} slots, one token a pass)"
+                                                 if manifest.static_context else "any shapes)"))
+    else:
+        click.echo(f"graphs: single, {manifest.graph.file} for prefill and decode")
     if "logits_to_keep" in manifest.graph.inputs:
         click.echo("speculative decoding: yes (--speculative prompt-lookup, or --draft MODEL)")
     else:

@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
-from edgeinfer.sdk.manifest import FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
+from edgeinfer.sdk.manifest import SINGLE_FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
 from edgeinfer.sdk.memory import size_text
 
 from .fp16 import convert_to_fp16
@@ -24,13 +24,16 @@ from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quantize_graph
 from .source import first_line, load_model, resolve_source
+from .split import split_export
 from .validate import EXTEND_TOKENS, validate
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "write")
 DTYPES = ("fp32", "fp16")
+LAYOUTS = ("single", "split")
 _PARTIAL = ".partial-"
 _OPTIONAL_STAGES = {"fuse": "--no-fuse exports without this stage", "fp16": "an fp32 export skips this stage",
-                    "quantize": "an export without --quantize skips this stage"}
+                    "quantize": "an export without --quantize skips this stage",
+                    "split": "the default layout (--graphs single) skips this stage"}
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -41,10 +44,28 @@ class ExportOptions:
     quantization: Quantization | None = None  # None: fp32 weights
     fuse: bool = True  # ONNX Runtime's transformer optimizer, kept only where it checks out
     dtype: str = "fp32"  # or "fp16": weights, activations and KV cache in float16, for GPUs (with --quantize: the activations)
+    graphs: str = "single"  # or "split": prefill.onnx and decode.onnx on one weights file (export/split.py)
+    prefill_length: int | None = None  # split: the prefill graph's fixed number of positions
+    static_context: int | None = None  # split: the decode graph's fixed KV capacity (one token per pass)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ExportError(f"unknown dtype {self.dtype!r}: use 'fp32' or 'fp16'")
+        if self.graphs not in LAYOUTS:
+            raise ExportError(f"unknown graph layout {self.graphs!r}: use 'single' (one graph, the default) or 'split' "
+                              "(prefill.onnx and decode.onnx)")
+        for name, least in (("prefill_length", 1), ("static_context", 2)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if self.graphs != "split":
+                raise ExportError(f"{flag} shapes the split layout's graphs: pass --graphs split with it")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ExportError(f"{flag} must be an integer of at least {least}, got {value!r}")
+        if self.prefill_length and self.static_context and self.prefill_length > self.static_context:
+            raise ExportError(f"--prefill-length {self.prefill_length} is more than --static-context {self.static_context}: "
+                              "a prompt must fit the decode graph's cache; pass a shorter prefill length")
         if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
                                              or self.max_context < 2):
             raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")
@@ -134,7 +155,8 @@ def _free(folder: Path) -> str:
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
-    wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16"}
+    wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16",
+              "split": options.graphs == "split"}
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
     say = stage.say  # clears the progress line first
     with stage("load"):
@@ -180,6 +202,14 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
             say(f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
                 f"(fp32 {quantization['perplexity_fp32']:.2f})")
+    if options.graphs == "split":
+        with stage("split"):
+            stage.progress("prefill.onnx and decode.onnx, then their tokens and logits against the one graph's")
+            manifest, validation["split"] = split_export(work, manifest, options.prefill_length, options.static_context)
+            split = validation["split"]
+            say(f"split: prefill.onnx ({options.prefill_length or 'any'} positions) and decode.onnx (cache of "
+                f"{options.static_context or 'any'} slots) on one weights file; against the one graph: largest logits "
+                f"difference {split['max_abs_diff']:.2e}, greedy tokens {'equal' if split['tokens_equal'] else 'differ'}")
     with stage("write"):
         manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
         manifest.save(work)
@@ -234,7 +264,7 @@ def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifes
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
     return Manifest(
-        format_version=FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
+        format_version=SINGLE_FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
         vocab_size=config.vocab_size, max_context=context, bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
         graph=graph, kv=kv, tokenizer=tokenizer_spec,

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from .constraints import Constraints
@@ -15,7 +16,7 @@ from .errors import ContextLengthError, GenerationError, ManifestError, Settings
 from .kv_cache import PAD_ID, InPlaceKVCache, KVCache, PrefixCache
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
-from .runtime import Graph, GenerationBindings, LogitsHeads, RowCopy, RuntimeOptions, choose_provider
+from .runtime import Graph, GenerationBindings, LogitsHeads, RowCopy, RuntimeOptions, choose_provider, load_weights
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig, resolve_settings
 from .speculative import DraftModel, PromptLookup, Speculation
@@ -50,17 +51,29 @@ class Engine:
         self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
         available = available_bytes(self.provider, limits.memory_limit)
-        plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch)
+        # Each session of the split layout keeps its own copy of the weights on the CPU.
+        copies = 2 if manifest.prefill is not None and self.provider == "cpu" else 1
+        plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch, copies)
         self.memory = dataclasses.replace(plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
         self._memory_limit = limits.memory_limit
         self.memory.check(*available)  # before the weights are read
-        self.graph = self._open_graph(manifest.graph, options)
+        # The split layout (export --graphs split): a prefill graph for the first chunk of a prompt,
+        # on an empty past; everything else runs on `graph`, its decode graph. On a GPU both
+        # sessions use one copy of the weights, loaded once on the device; on the CPU each session
+        # keeps its own (pre-packed) copy, the smallest of the options measured (README, "Split graphs").
+        shared = None
+        if manifest.prefill is not None and self.provider != "cpu":
+            shared = load_weights(self.folder / manifest.graph.file, self.provider)
+        self.graph = self._open_graph(manifest.graph, options, shared)
+        self.prefill_graph = self._open_graph(manifest.prefill, options, shared) if manifest.prefill is not None else None
+        self._shared_weights = shared  # the sessions use these values: they live as long as the engine
+        self.static = manifest.static_context is not None  # the decode graph's shapes are fixed
         self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
         # Prompts' keys and values kept for the next prompt that starts the same way, on the host
         # (kv_cache.PrefixCache): read and written through host views of the buffers on the CPU
         # provider, copied (runtime.RowCopy) elsewhere.
-        usable = manifest.kv.sequence_axis == 2
+        usable = manifest.kv.sequence_axis == 2 and not self.static  # its prompts' tails would go one token a pass
         self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
         # Where the cache's buffers have no host view, the prefix cache copies a row's cached tokens.
         copies = manifest.kv.in_place and self.provider != "cpu" and manifest.kv.dtype in ("float32", "float16")
@@ -124,8 +137,8 @@ class Engine:
                                 f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer")
         self.draft = draft
 
-    def _open_graph(self, spec, options: RuntimeOptions) -> Graph:
-        graph = Graph(self.folder / spec.file, self.provider, options.threads)
+    def _open_graph(self, spec, options: RuntimeOptions, shared: dict | None = None) -> Graph:
+        graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
         graph.check_names(spec.inputs, spec.outputs)
         unknown = set(graph.inputs) - _STEP_INPUTS - set(self.manifest.kv.past)
         if unknown:
@@ -319,9 +332,11 @@ class Engine:
         included (default: the engine's context). Only a graph that writes its cache in place
         (`kv.in_place`) allocates it, once, at the first prefill."""
         shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
+        if self.static:  # the decode graph takes buffers of exactly this capacity
+            capacity = self.manifest.static_context
         if self.manifest.kv.in_place:
             return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
-                                  self.prefix_cache, self.graph, self.row_copy)
+                                  self.prefix_cache, self.graph, self.row_copy, self.static)
         return KVCache(self.manifest.kv, shapes, self.prefix_cache, self.graph)
 
     def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
@@ -344,6 +359,11 @@ class Engine:
         if "logits_to_keep" not in self.graph.inputs:
             raise GenerationError("this export gives the logits of the last position only: export the model again with this "
                                   "edgeinfer (`edgeinfer export`)")
+        if self.static and len(tokens) > 1:  # a decode graph of fixed shapes takes one token a pass
+            logits = np.concatenate([self.extend([token], cache, row, None).numpy() for token in tokens][-(keep or len(tokens)):], axis=1)
+            value = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, logits.dtype, "cpu", 0)  # owns its memory
+            value.update_inplace(logits)  # (ortvalue_from_numpy would point into the array, freed on return)
+            return value
         inputs = cache.extend_inputs(row, tokens, keep)
         if not self.manifest.kv.in_place:
             return self._run(inputs, cache, None)
@@ -364,9 +384,26 @@ class Engine:
             for row, chunk in cache.prefill_rows(prompts, self.prefill_chunk):
                 logits = self._run(chunk, cache, kept) if row is None else self._run_row(chunk, cache, row, kept)
             return logits
-        for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):
-            logits = self._run(chunk, cache, kept)
+        if self.prefill_graph is None:
+            for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):
+                logits = self._run(chunk, cache, kept)
+            return logits
+        # The split layout: the prefill graph reads the first chunk (its fixed length, where it has
+        # one); the rest of a longer prompt goes through the decode graph, one token a pass where
+        # its shapes are fixed.
+        first = self.manifest.prefill_length
+        chunk = 1 if self.static else (first or self.prefill_chunk)
+        for inputs in cache.prefill_chunks(prompts, chunk, first):
+            logits = self._run_prefill_graph(inputs, cache) if cache.empty_past else self._run(inputs, cache, kept)
         return logits
+
+    def _run_prefill_graph(self, inputs: dict, cache: KVCache) -> ort.OrtValue:
+        """One pass of the split layout's prefill graph (no past); its presents fill the cache."""
+        graph = self.prefill_graph
+        outputs, _ = graph.run({name: value for name, value in inputs.items() if name in graph.inputs},
+                               keep=[*self.manifest.kv.present, "logits"], fetch=[])
+        cache.fill(outputs)
+        return outputs["logits"]
 
     def _run(self, inputs: dict, cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
         """One pass of the graph: the inputs it takes plus the cache's past; the presents and the

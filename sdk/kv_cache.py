@@ -34,6 +34,7 @@ class KVCache:
         self.past_shapes = past_shapes
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
+        self.empty_past = True  # during prefill: whether the chunk being run starts on an empty cache
         self._prefix = prefix if prefix is not None and prefix.budget and host is not None else None
         self._host = host
 
@@ -42,11 +43,13 @@ class KVCache:
         """Slots in the cache (padding included)."""
         return self.mask.shape[1]
 
-    def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+    def prefill_chunks(self, prompts: list[list[int]], chunk: int, first: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Inputs of the graph for `prompts`, left-padded to the longest, `chunk` positions at a
         time: the first chunk on an empty past, each later one on the cache the previous ones
-        filled (the same logits as one pass, with a smaller peak of activations)."""
-        width = max(len(p) for p in prompts)
+        filled (the same logits as one pass, with a smaller peak of activations). With `first`
+        (a prefill graph of fixed length), the first chunk has exactly that many positions,
+        padded. `empty_past` says, at each chunk, whether the cache holds nothing yet."""
+        width = max(max(len(p) for p in prompts), first or 0)
         ids = np.full((len(prompts), width), PAD_ID, np.int64)
         mask = np.zeros((len(prompts), width), np.int64)
         for row, prompt in enumerate(prompts):
@@ -58,9 +61,8 @@ class KVCache:
         if self._prefix is not None and len(prompts) == 1:
             cached, blocks = self._prefix.take(prompts[0])
             self.past.update({name: value[None] for name, value in blocks.items()})
-        for start in range(cached, width, chunk):
-            end = min(start + chunk, width)
-            self.mask = mask[:, :end]
+        for start, end in _chunks(cached, width, chunk, first):
+            self.mask, self.empty_past = mask[:, :end], start == 0
             yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end],
                    "logits_to_keep": LAST_ONLY}
         if self._prefix is not None and len(prompts) == 1:
@@ -121,6 +123,20 @@ class KVCache:
         """Take a pass's present outputs as the past of the next pass."""
         self.past = {past: present[name] for past, name in zip(self.spec.past, self.spec.present)}
 
+    def fill(self, present: dict) -> None:
+        """Take the presents of the prefill graph (the split layout's, which has no past) as the past."""
+        self.update(present)
+
+
+def _chunks(start: int, width: int, chunk: int, first: int | None) -> Iterator[tuple[int, int]]:
+    """The (start, end) of each chunk of positions start..width: `chunk` at a time, the first
+    `first` long where given and the past is empty."""
+    if start == 0 and first is not None:
+        yield 0, min(first, width)
+        start = first
+    for begin in range(start, width, chunk):
+        yield begin, min(begin + chunk, width)
+
 
 class _RowsInPlace:
     """Several new tokens on one row of buffers written in place (speculative decoding's checks),
@@ -128,12 +144,13 @@ class _RowsInPlace:
 
     lengths: np.ndarray
     capacity: int
+    static: bool = False  # the graph's attention mask spans the whole capacity (a static-shape decode graph)
 
     def extend_inputs(self, row: int, tokens: list[int], keep: int | None = None) -> dict[str, np.ndarray]:
         """Inputs for `tokens` on top of the row's slots, with the logits of each (of the last
         `keep`, where given), run on that row alone (`pooled`): GroupQueryAttention takes several
         tokens on a filled cache only for a batch of one."""
-        return _extend_row(self.lengths, row, tokens, self.capacity, keep)
+        return _extend_row(self.lengths, row, tokens, self.capacity, keep, self.static)
 
     def drop(self, row: int, count: int) -> None:
         """Forget the row's last `count` tokens (proposed tokens the model rejected): its length
@@ -152,38 +169,44 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
     """
 
     def __init__(self, spec: KVSpec, past_shapes: dict[str, list], capacity: int, allocate,
-                 prefix: PrefixCache | None = None, host=None, copy=None):
+                 prefix: PrefixCache | None = None, host=None, copy=None, static: bool = False):
         """`capacity`: slots per row (prompt plus new tokens); `allocate(shape, dtype)` makes an
         uninitialised buffer on the engine's device. With `prefix`, a prompt (or each row of a
         batch) starts from the cached blocks it begins with, and leaves its own there: through
         views of the buffers given `host` (the graph, on the CPU provider), or through `copy`
-        (runtime.RowCopy: the row's cached tokens, head by head) on other devices."""
+        (runtime.RowCopy: the row's cached tokens, head by head) on other devices. `static`: the
+        graph's attention mask spans all `capacity` slots (a decode graph of fixed shapes)."""
         super().__init__(spec, past_shapes, prefix, host)
-        self.capacity = capacity
+        self.capacity, self.static = capacity, static
         self._allocate = allocate
         self.lengths = np.zeros(0, np.int64)
         self._copy = copy
 
-    def prefill_chunks(self, prompts: list[list[int]], chunk: int) -> Iterator[dict[str, np.ndarray]]:
+    def prefill_chunks(self, prompts: list[list[int]], chunk: int, first: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """A single prompt `chunk` tokens at a time; a batch in one pass, since ONNX Runtime's
         GroupQueryAttention refuses a pass of several tokens on a cache that holds some already
-        ("batch_size must be 1 when sequence_length > 1 and past context is given")."""
+        ("batch_size must be 1 when sequence_length > 1 and past context is given"). With `first`
+        (a prefill graph of fixed length), the first chunk has exactly that many positions, padded."""
         width = max(len(p) for p in prompts)
         if width > self.capacity:
             raise GenerationError(f"a prompt of {width} tokens does not fit a cache of {self.capacity} slots: "
                                   "make the cache with a larger capacity")
+        if first is not None and len(prompts) > 1 and width > first:
+            raise GenerationError(f"the longest prompt of this batch has {width} tokens, more than the {first} positions of "
+                                  "this export's prefill graph, which a batch must fit: run such prompts one at a time, or "
+                                  f"export with a larger --prefill-length")
         self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
         chunk = width if len(prompts) > 1 else chunk
-        ids = np.full((len(prompts), width), PAD_ID, np.int64)
+        ids = np.full((len(prompts), max(width, first or 0)), PAD_ID, np.int64)
         for row, prompt in enumerate(prompts):
             ids[row, :len(prompt)] = prompt
         final = np.array([len(p) for p in prompts], np.int64)
         cached = self._restore(prompts[0]) if self._prefix is not None and len(prompts) == 1 else 0
-        for start in range(cached, width, chunk):
-            end = min(start + chunk, width)
-            self.lengths = np.minimum(final, end)
+        for start, end in _chunks(cached, max(width, first or 0) if cached == 0 else width, chunk, first):
+            self.lengths, self.empty_past = np.minimum(final, end), start == 0
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
-            yield {"input_ids": ids[:, start:end], "attention_mask": self._mask(end), "position_ids": positions,
+            mask = self._mask(end) if start == 0 else self._mask(self._width(end))
+            yield {"input_ids": ids[:, start:end], "attention_mask": mask, "position_ids": positions,
                    "logits_to_keep": LAST_ONLY}
         if self._prefix is not None:
             self._store(prompts)
@@ -229,6 +252,20 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
     def _mask(self, width: int) -> np.ndarray:
         return (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.int64)
 
+    def _width(self, length: int) -> int:
+        """The attention mask's width for a pass of the decode graph on `length` slots."""
+        return self.capacity if self.static else length
+
+    def fill(self, present: dict) -> None:
+        """Copy the presents of the prefill graph (the split layout's, which has no past: each
+        [batch, kv_heads, positions, head_size]) into the first slots of the buffers."""
+        slots = self.length
+        for past, name in zip(self.spec.past, self.spec.present):
+            if self._copy is not None:
+                self._copy.fill(self.past[past], present[name], slots)
+            else:
+                self._host.host_view(self.past[past])[:, :, :slots] = self._host.host_view(present[name])[:, :, :slots]
+
     @property
     def length(self) -> int:
         return int(self.lengths.max(initial=0))
@@ -238,7 +275,7 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
         self.lengths = self.lengths + 1
         if self.length > self.capacity:
             raise GenerationError(f"the cache's {self.capacity} slots are full: make the cache with a larger capacity")
-        self.mask = self._mask(self.length)
+        self.mask = self._mask(self._width(self.length))
         return {"input_ids": np.array(tokens, np.int64)[:, None], "attention_mask": self.mask, "position_ids": positions,
                 "logits_to_keep": LAST_ONLY}
 
@@ -362,14 +399,17 @@ def _store_row(prefix: PrefixCache, ids: list[int], row: int, buffers: dict, vie
         prefix.store(ids, {name: copy.read(buffer, row, whole) for name, buffer in buffers.items()})
 
 
-def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int, keep: int | None = None) -> dict[str, np.ndarray]:
+def _extend_row(lengths: np.ndarray, row: int, tokens: list[int], capacity: int, keep: int | None = None,
+                static: bool = False) -> dict[str, np.ndarray]:
     """Inputs for `tokens` on top of the `lengths[row]` slots row `row` holds (run on that row
-    alone), with the logits of each (of the last `keep`); the row's length grows by them."""
+    alone), with the logits of each (of the last `keep`); the row's length grows by them. A
+    `static` graph's mask spans the whole capacity."""
     start, end = int(lengths[row]), int(lengths[row]) + len(tokens)
     if end > capacity:
         raise GenerationError(f"the cache's {capacity} slots per row are full: make the cache with a larger capacity")
     lengths[row] = end
-    return {"input_ids": np.array([tokens], np.int64), "attention_mask": np.ones((1, end), np.int64),
+    mask = (np.arange(capacity if static else end) < end).astype(np.int64)[None, :]
+    return {"input_ids": np.array([tokens], np.int64), "attention_mask": mask,
             "position_ids": np.arange(start, end, dtype=np.int64)[None, :], "logits_to_keep": np.array(keep or len(tokens), np.int64)}
 
 

@@ -13,7 +13,11 @@ from pathlib import Path
 
 from .errors import ManifestError, NotAnExportError
 
-FORMAT_VERSION = 2  # 2: one graph for prefill and decode (1 had a separate prefill graph)
+# 2: one graph for prefill and decode (1 had a separate prefill graph); 3: the split layout (a
+# prefill graph without past inputs beside the decode graph), written only for `--graphs split`,
+# so that single-graph exports stay readable by edgeinfer versions that read 2.
+FORMAT_VERSION = 3
+SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 3, 2
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -78,7 +82,18 @@ class Manifest:
     # Weight quantization and its measured cost in quality; empty for fp32 weights.
     quantization: dict = field(default_factory=dict)
     files: dict[str, dict] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = SINGLE_FORMAT_VERSION
+    # The split layout: `graph` is then the decode graph and `prefill` the graph that reads a
+    # prompt on an empty past (export/split.py). `prefill_length`: the prefill graph's fixed number
+    # of positions (prompts are padded to it); `static_context`: the decode graph's fixed cache
+    # capacity (its attention mask spans it, one token per row per pass).
+    prefill: GraphSpec | None = None
+    prefill_length: int | None = None
+    static_context: int | None = None
+
+    @property
+    def layout(self) -> str:
+        return "split" if self.prefill is not None else "single"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,9 +108,9 @@ class Manifest:
             )
         if version == 1:  # its decode graph does both phases; its prefill graph is not needed
             data = {**{k: v for k, v in data.items() if k not in ("prefill", "decode")}, "graph": data.get("decode")}
-        nested = {"graph": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
+        nested = {"graph": GraphSpec, "prefill": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
         try:
-            values = {k: (nested[k](**v) if k in nested else v) for k, v in data.items()}
+            values = {k: (nested[k](**v) if k in nested and v is not None else v) for k, v in data.items()}
             return cls(**values)
         except TypeError as e:
             raise ManifestError(f"manifest is malformed ({e}): re-export the model with `edgeinfer export`") from None

@@ -28,9 +28,10 @@ class MemoryPlan:
     prefix_cache: int = 0
 
     @classmethod
-    def of(cls, manifest: Manifest, context: int, batch: int) -> MemoryPlan:
+    def of(cls, manifest: Manifest, context: int, batch: int, weight_copies: int = 1) -> MemoryPlan:
+        """`weight_copies`: sessions that each hold the weights (the split layout's two on the CPU)."""
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
-        return cls(weights, kv_bytes_per_token(manifest), context, batch)
+        return cls(weights * weight_copies, kv_bytes_per_token(manifest), context, batch)
 
     @property
     def kv(self) -> int:

@@ -100,8 +100,12 @@ class Graph:
     """One ONNX graph in one InferenceSession, always run through IO binding. `source` is the
     path of an .onnx file, or a serialized model (the small heads built in memory)."""
 
-    def __init__(self, source: Path | bytes, provider: str, threads: int | None):
+    def __init__(self, source: Path | bytes, provider: str, threads: int | None, shared: dict | None = None):
+        """`shared`: initializers (OrtValues, by name) the session uses as they are instead of
+        reading its own copy (the split layout's weights, on the GPU once for both graphs)."""
         options = ort.SessionOptions()
+        if shared:
+            options.add_external_initializers(list(shared), list(shared.values()))
         options.intra_op_num_threads = threads or 0
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -212,6 +216,34 @@ class Graph:
         return binding.outputs()[-1]
 
 
+def load_weights(graph_file: Path, provider: str) -> dict[str, ort.OrtValue]:
+    """The initializers `graph_file` keeps in its external data file, each one OrtValue on the
+    provider's device, for `Graph(shared=...)`: the split layout's two sessions then hold one
+    copy of the weights on a GPU instead of one each."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    values, files = {}, {}
+    for tensor in model.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        path = Path(graph_file).parent / info["location"]
+        if path not in files:
+            files[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        start = int(info.get("offset", 0))
+        raw = files[path][start:start + int(info["length"])]
+        array = np.ascontiguousarray(raw).view(tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
+        owner = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, provider, 0)._get_c_value()
+        owner.update_inplace(array)  # copied onto the device
+        # A session takes only values whose memory it does not own: the same memory seen through
+        # DLPack, which keeps `owner` alive as long as the view lives.
+        values[tensor.name] = ort.OrtValue(ort_state.OrtValue.from_dlpack(owner.to_dlpack(), False))
+    return values
+
+
 class Binding:
     """An IO binding kept across runs. What is bound once (the KV cache's buffers, the logits)
     stays bound; each run rebinds only the host inputs it is given (those the graph takes). A
@@ -279,6 +311,18 @@ class RowCopy:
             _run(self._graph.session, binding, self._graph.name)
             out[head] = binding.get_outputs()[0].numpy()
         return out
+
+    def fill(self, buffer: ort.OrtValue, present: ort.OrtValue, slots: int) -> None:
+        """Copy the first `slots` positions of `present` [rows, kv_heads, positions, head_size] into
+        the same rows of `buffer` [rows, kv_heads, capacity, head_size], on the device, head by head."""
+        rows, heads, positions, width = present.shape()
+        for row in range(rows):
+            for head in range(heads):
+                source = present.data_ptr() + (row * heads + head) * positions * width * self._dtype.itemsize
+                binding = self._graph.session.io_binding()
+                binding.bind_input("x", self._graph.device, 0, self._dtype, [slots, width], source)
+                binding.bind_output("y", self._graph.device, 0, self._dtype, [slots, width], self._address(buffer, row, head))
+                _run(self._graph.session, binding, self._graph.name)
 
     def _address(self, buffer: ort.OrtValue, row: int, head: int) -> int:
         _, heads, capacity, width = buffer.shape()

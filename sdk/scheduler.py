@@ -93,7 +93,9 @@ class Scheduler:
 
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64):
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        self.is_batched = engine.manifest.kv.in_place
+        # A decode graph of fixed shapes (split layout, --static-context) takes one token a pass on
+        # a cache of its own capacity: requests then run one at a time through the engine's loop.
+        self.is_batched = engine.manifest.kv.in_place and not engine.static
         self.pool = None
         if self.is_batched:
             check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
@@ -113,8 +115,11 @@ class Scheduler:
 
     @property
     def mode(self) -> str:
-        return f"continuous batching of up to {self.max_batch} rows" if self.is_batched else \
-            "one request at a time (this export's attention does not write its cache in place)"
+        if self.is_batched:
+            return f"continuous batching of up to {self.max_batch} rows"
+        if self.engine.static:
+            return "one request at a time (this export's decode graph has fixed shapes: --static-context)"
+        return "one request at a time (this export's attention does not write its cache in place)"
 
     def submit(self, prompt, config: GenerationConfig | None = None, **settings) -> Request:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread."""

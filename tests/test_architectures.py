@@ -165,3 +165,38 @@ def test_the_fast_optimizer_gives_onnx_runtimes_graph(name, tmp_path):
     assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
     assert sorted(t.name for t in ours.graph.initializer) == sorted(t.name for t in theirs.graph.initializer)
     assert len(ours.graph.node) < len(onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph.node) or name in ("bloom", "mpt")
+
+
+# The split layout on one family per kind of attention in the fast suite: rotary in
+# GroupQueryAttention, positions fed to it, a sliding window with query-key norms, and ALiBi
+# (optimum-onnx's attention, whose cache grows). The others are marked slow.
+SPLIT_SAMPLE = {"llama", "gpt2", "gemma3_text", "bloom"}
+
+
+@pytest.mark.parametrize("name", [n if n in SPLIT_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_the_split_layout_gives_the_single_graphs_results(name, exported, tmp_path):
+    """Each family's export split into prefill and decode graphs (export/split.py compares them
+    with the one graph through the runtime and raises where they differ), then checked against
+    transformers as `edgeinfer check` does. Where the cache is written in place, again with both
+    graphs' shapes fixed: the 40-token prompt fills a 48-position prefill graph, and decode runs
+    one token a pass on a 64-slot cache."""
+    import dataclasses
+    import shutil
+
+    from edgeinfer.export.split import split_export
+
+    model, folder, manifest = exported(name)
+    variants = [(None, None)] + ([(48, min(64, manifest.max_context))] if manifest.kv.in_place else [])
+    for prefill_length, static_context in variants:
+        split = tmp_path / f"split-{prefill_length}"
+        shutil.copytree(folder, split)
+        if static_context is None or static_context >= len(PROMPT) + NEW_TOKENS:
+            split_manifest, parity = split_export(split, manifest, prefill_length, static_context)
+            assert parity["tokens_equal"] and parity["max_abs_diff"] <= parity["tolerance"]
+            assert split_manifest.layout == "split" and not (split / "model.onnx").exists()
+            result = check_export(split, model, PROMPT, NEW_TOKENS)
+            assert result.tokens == result.expected_tokens and result.batch_rows_equal_single, (prefill_length, static_context)
+            assert result.worst <= result.tolerance, (prefill_length, static_context, result)
+    if not manifest.kv.in_place:
+        with pytest.raises(ExportError, match="--static-context needs"):
+            split_export(tmp_path / "split-None", dataclasses.replace(manifest), None, 32)

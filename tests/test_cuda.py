@@ -67,3 +67,17 @@ def test_cuda_speculation_and_the_prefix_cache_give_the_cpu_tokens(engines, tiny
         results = [scheduler.submit(p, max_new_tokens=16, ignore_eos=True, speculative="prompt_lookup").result() for p in prompts]
     assert [r.token_ids for r in results] == expected
     assert gpu.prefix_cache.hits >= 3 * 96
+
+
+@pytest.mark.parametrize("shapes", [{}, {"prefill_length": 16, "static_context": 96}])
+def test_cuda_runs_the_split_layout_on_one_copy_of_the_weights(tiny_llama, tmp_path, shapes):
+    """Both sessions take the weights loaded once on the GPU; the prefill graph's presents are
+    copied into the cache on the device."""
+    from edgeinfer.export import ExportOptions, export_model
+
+    export_model(str(tiny_llama[0]), tmp_path / "split", ExportOptions(graphs="split", **shapes))
+    gpu, cpu = Engine.load(tmp_path / "split", provider="cuda"), Engine.load(tiny_llama[1], provider="cpu")
+    assert gpu._shared_weights and all(v.device_name().lower() == "cuda" for v in gpu._shared_weights.values())
+    for prompt in ["The capital", "The capital of France is" * 2]:
+        assert gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == \
+            cpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
