@@ -120,7 +120,8 @@ def test_info_prints_the_manifest_and_providers(tiny_llama):
     manifest_text, rest = done.stdout.rsplit("\n}\n", 1)
     manifest = json.loads(manifest_text + "\n}")
     assert manifest["architecture"] == "llama" and manifest["kv"]["num_layers"] == 2
-    memory, prefix, speculative, providers = rest.splitlines()
+    memory, prefix, graphs, speculative, providers = rest.splitlines()
+    assert graphs == "graphs: single, model.onnx for prefill and decode"
     weights = (manifest["files"]["model.onnx"]["size"] + manifest["files"]["model.onnx.data"]["size"]) / 1024
     # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
     assert memory == f"memory: weights {weights:.1f} KiB, KV cache 0.5 KiB per token and row, 128.0 KiB for the whole context of 256 tokens"
