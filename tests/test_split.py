@@ -102,10 +102,13 @@ def test_a_batch_longer_than_the_fixed_prefill_length_is_refused_with_the_way_ou
         engine.generate_batch(PROMPTS, max_new_tokens=2)
 
 
-def test_the_scheduler_serves_a_static_decode_graph_one_request_at_a_time(layouts):
-    single, static = Engine.load(layouts["single"]), Engine.load(layouts["static"])
+@pytest.mark.parametrize("layout", ["split", "static"])
+def test_the_scheduler_serves_the_split_layouts(layouts, layout):
+    """Dynamic shapes: continuous batching on the decode graph, which takes the prompts' chunks
+    too. A static decode graph: one request at a time through the engine's loop."""
+    single, static = Engine.load(layouts["single"]), Engine.load(layouts[layout])
     with Scheduler(static, max_batch=4) as scheduler:
-        assert "fixed shapes" in scheduler.mode
+        assert ("fixed shapes" in scheduler.mode) == (layout == "static") and scheduler.is_batched == (layout == "split")
         requests = [scheduler.submit(p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS]
         tokens = [r.result().token_ids for r in requests]
     assert tokens == [single.generate(p, max_new_tokens=6, ignore_eos=True).token_ids for p in PROMPTS]
