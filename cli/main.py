@@ -110,7 +110,7 @@ def info(folder, architectures):
     tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
     click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
                "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
-    if manifest.prefill is not None:
+    if manifest.layout == "split":
         click.echo(f"graphs: split, {manifest.prefill.file} ({manifest.prefill_length or 'any number of'} positions) and "
                    f"{manifest.graph.file} (" + (f"a cache of {manifest.static_context} slots, one token a pass)"
                                                  if manifest.static_context else "any shapes)"))

@@ -38,13 +38,16 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None,
     """Split the export in `folder` (its manifest saved) and check the two graphs against the one:
     the same prompts, a batch, and prompts shorter and longer than `prefill_length`, through the
     runtime. Returns the new manifest (saved) and the comparison; raises where they differ."""
-    _check_static(manifest.kv, static_context)
+    if static_context is not None and not manifest.kv.in_place:
+        raise ExportError("--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "
+                          "export keeps optimum-onnx's attention, whose cache grows every step: export without "
+                          "--static-context (the decode graph's context is then dynamic)")
     if static_context is not None and static_context > manifest.max_context:
         raise ExportError(f"--static-context {static_context} is more than the export's context of {manifest.max_context} "
                           f"tokens: pass at most {manifest.max_context}")
     context = min(manifest.max_context, static_context or manifest.max_context)
     prompts = _parity_prompts(manifest.vocab_size, context, prefill_length)
-    single = _outputs(folder, prompts)
+    single = _outputs(folder, prompts, context)
     gc.collect()  # the engine's sessions go before the next ones load
     prefill, decode = split_graphs(folder, manifest.kv, prefill_length, static_context)
     manifest = dataclasses.replace(manifest, graph=decode, prefill=prefill, prefill_length=prefill_length,
@@ -52,7 +55,7 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None,
     if manifest.files:  # a finished export split afterwards: its files are now others
         manifest = dataclasses.replace(manifest, files=describe_files(folder))
     manifest.save(folder)
-    split = _outputs(folder, prompts)
+    split = _outputs(folder, prompts, context)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(single["logits"], split["logits"]))
     tolerance = RELATIVE_TOLERANCE[manifest.dtype] * max(1.0, max(float(np.abs(a).max()) for a in single["logits"]))
     result = {"max_abs_diff": worst, "tolerance": tolerance, "tokens_equal": single["tokens"] == split["tokens"],
@@ -64,36 +67,31 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None,
     return manifest, result
 
 
-def _check_static(kv: KVSpec, static_context: int | None) -> None:
-    if static_context is not None and not kv.in_place:
-        raise ExportError("--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "
-                          "export keeps optimum-onnx's attention, whose cache grows every step: export without "
-                          "--static-context (the decode graph's context is then dynamic)")
-
-
 def _parity_prompts(vocab: int, context: int, prefill_length: int | None) -> list[list[int]]:
-    """Token ids (any ids serve: both layouts get the same) for a short prompt and, where the
-    context has room, one longer than the prefill graph's fixed length."""
-    lengths = [min(9, prefill_length or 9, context - 8)]
+    """Token ids (any ids serve: both layouts get the same) for a short prompt (at most half the
+    context, so that decode steps follow it) and, where the context has room, one longer than the
+    prefill graph's fixed length."""
+    lengths = [max(1, min(9, prefill_length or 9, context // 2))]
     if prefill_length is not None and prefill_length + 3 + 8 <= context:
         lengths.append(prefill_length + 3)
-    return [[(7 * i + 3) % vocab for i in range(n)] for n in lengths if n >= 1]
+    return [[(7 * i + 3) % vocab for i in range(n)] for n in lengths]
 
 
-def _outputs(folder: Path, prompts: list[list[int]]) -> dict:
-    """The runtime's logits (each prompt's prefill, then 4 greedy decode steps) and greedy tokens
-    (each prompt alone and, for the first, in a batch with its start) on the CPU."""
+def _outputs(folder: Path, prompts: list[list[int]], context: int) -> dict:
+    """The runtime's logits (each prompt's prefill, then up to 4 greedy decode steps, as the
+    context allows) and greedy tokens (each prompt alone and, for the first, in a batch with its
+    start) on the CPU, within `context` tokens (the split layout's, for both)."""
     from edgeinfer.sdk.engine import Engine
     from edgeinfer.sdk.settings import GenerationConfig
 
-    engine = Engine.load(folder, provider="cpu", prefix_cache=0)
+    engine = Engine.load(folder, provider="cpu", prefix_cache=0, max_context=context)
     logits, tokens = [], []
     greedy = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     for ids in prompts:
         cache = engine.new_cache()
         step = engine.prefill([ids], cache).numpy()[0, -1].astype(np.float32)
         logits.append(step)
-        for _ in range(4):
+        for _ in range(min(4, engine.max_context - len(ids))):
             step = engine.decode([int(np.argmax(step))], cache).numpy()[0, -1].astype(np.float32)
             logits.append(step)
         tokens.append(engine.generate(ids, greedy).token_ids)
@@ -107,7 +105,6 @@ def split_graphs(folder: Path, kv: KVSpec, prefill_length: int | None = None,
     """Write prefill.onnx and decode.onnx from the folder's model.onnx (which goes), both reading
     weights.data (model.onnx.data renamed); returns their specs."""
     folder = Path(folder)
-    _check_static(kv, static_context)
     decode = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
     _point_weights_at(decode.graph, WEIGHTS_FILE)
     prefill = copy.deepcopy(decode)

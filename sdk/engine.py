@@ -52,8 +52,8 @@ class Engine:
         self.provider, self.provider_reason = choose_provider(options.provider)
         available = available_bytes(self.provider, limits.memory_limit)
         # Each session of the split layout keeps its own copy of the weights on the CPU.
-        copies = 2 if manifest.prefill is not None and self.provider == "cpu" else 1
-        plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch, copies)
+        weight_copies = 2 if manifest.prefill is not None and self.provider == "cpu" else 1
+        plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch, weight_copies)
         self.memory = dataclasses.replace(plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
         self._memory_limit = limits.memory_limit
         self.memory.check(*available)  # before the weights are read
@@ -391,9 +391,8 @@ class Engine:
         # The split layout: the prefill graph reads the first chunk (its fixed length, where it has
         # one); the rest of a longer prompt goes through the decode graph, one token a pass where
         # its shapes are fixed.
-        first = self.manifest.prefill_length
-        chunk = 1 if self.static else (first or self.prefill_chunk)
-        for inputs in cache.prefill_chunks(prompts, chunk, first):
+        chunk = 1 if self.static else self.prefill_chunk
+        for inputs in cache.prefill_chunks(prompts, chunk, self.manifest.prefill_length):
             logits = self._run_prefill_graph(inputs, cache) if cache.empty_past else self._run(inputs, cache, kept)
         return logits
 

@@ -129,10 +129,10 @@ class KVCache:
 
 
 def _chunks(start: int, width: int, chunk: int, first: int | None) -> Iterator[tuple[int, int]]:
-    """The (start, end) of each chunk of positions start..width: `chunk` at a time, the first
-    `first` long where given and the past is empty."""
+    """The (start, end) of each chunk of positions start..width: `chunk` at a time; where `first`
+    is given and the past is empty, the first chunk is exactly `first` long (past `width`: padded)."""
     if start == 0 and first is not None:
-        yield 0, min(first, width)
+        yield 0, first
         start = first
     for begin in range(start, width, chunk):
         yield begin, min(begin + chunk, width)
@@ -202,7 +202,7 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
             ids[row, :len(prompt)] = prompt
         final = np.array([len(p) for p in prompts], np.int64)
         cached = self._restore(prompts[0]) if self._prefix is not None and len(prompts) == 1 else 0
-        for start, end in _chunks(cached, max(width, first or 0) if cached == 0 else width, chunk, first):
+        for start, end in _chunks(cached, width, chunk, first):
             self.lengths, self.empty_past = np.minimum(final, end), start == 0
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
             mask = self._mask(end) if start == 0 else self._mask(self._width(end))

@@ -16,8 +16,8 @@ from .errors import ManifestError, NotAnExportError
 # 2: one graph for prefill and decode (1 had a separate prefill graph); 3: the split layout (a
 # prefill graph without past inputs beside the decode graph), written only for `--graphs split`,
 # so that single-graph exports stay readable by edgeinfer versions that read 2.
-FORMAT_VERSION = 3
 SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 3, 2
+FORMAT_VERSION = SPLIT_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 

