@@ -166,3 +166,23 @@ def test_the_config_and_tokenizer_converted_from_the_gguf_are_kept_and_equal_tra
     ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
     config = {k: v for k, v in AutoConfig.from_pretrained(folder).to_dict().items() if k not in ignore}
     assert config == {k: v for k, v in model.config.to_dict().items() if k not in ignore}
+
+
+@pytest.mark.parametrize("prefill_length, static_context", [(None, None), (64, 256)], ids=["dynamic", "static"])
+def test_the_split_layout_of_the_real_model_equals_transformers(first_run, reference, tmp_path, prefill_length, static_context):
+    """The real export split into prefill.onnx and decode.onnx (with shapes dynamic, and fixed):
+    the split's own check against the one graph, then `edgeinfer check`'s against transformers."""
+    import shutil
+
+    from edgeinfer.export.check import check_export
+    from edgeinfer.export.split import split_export
+    from edgeinfer.sdk.manifest import load_manifest
+
+    split = tmp_path / "split"
+    shutil.copytree(first_run[0] / "exports" / NAME, split)
+    manifest, parity = split_export(split, load_manifest(split), prefill_length, static_context)
+    assert parity["tokens_equal"] and parity["max_abs_diff"] <= parity["tolerance"]
+    assert manifest.layout == "split" and (manifest.prefill_length, manifest.static_context) == (prefill_length, static_context)
+    result = check_export(split, reference[0], PROMPT, new_tokens=24)
+    assert result.tokens == result.expected_tokens and len(result.tokens) == 24
+    assert result.worst <= result.tolerance and result.batch_rows_equal_single

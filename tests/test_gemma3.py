@@ -64,3 +64,23 @@ def test_a_prompt_past_the_sliding_window_equals_transformers(exported, referenc
     ids = tokenizer(" ".join(f"item {k} is {k * 7 % 13}." for k in range(200))).input_ids[:700]
     assert len(ids) == 700 > model.config.sliding_window
     assert engine.generate(ids, max_new_tokens=16, ignore_eos=True).token_ids == transformers_greedy(model, ids, 16)
+
+
+@pytest.mark.parametrize("prefill_length, static_context", [(None, None), (64, 256)], ids=["dynamic", "static"])
+def test_the_split_layout_equals_transformers(exported, reference, tmp_path, prefill_length, static_context):
+    """Gemma 3 split into prefill.onnx and decode.onnx (its 262k-token vocabulary, sliding-window
+    layers and position ids through both): the split's check against the one graph, then
+    `edgeinfer check`'s against transformers."""
+    import shutil
+
+    from edgeinfer.export.check import check_export
+    from edgeinfer.export.split import split_export
+    from edgeinfer.sdk.manifest import load_manifest
+
+    split = tmp_path / "split"
+    shutil.copytree(exported[1], split)
+    _, parity = split_export(split, load_manifest(split), prefill_length, static_context)
+    assert parity["tokens_equal"] and parity["max_abs_diff"] <= parity["tolerance"]
+    result = check_export(split, reference[0], PROMPT, new_tokens=24)
+    assert result.tokens == result.expected_tokens and len(result.tokens) == 24
+    assert result.worst <= result.tolerance and result.batch_rows_equal_single
