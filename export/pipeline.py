@@ -164,7 +164,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
     check_free_space(work.parent, torch_model)
-    check_memory(torch_model)
+    check_memory(torch_model, quantized=bool(options.quantization))
     with stage("export graph"):
         stage.progress("tracing the model with torch.onnx")
         graph = export_graph(torch_model, work)
@@ -220,25 +220,29 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     return manifest
 
 
-# Memory an export takes on top of the loaded PyTorch model, mostly the traced graph and its
-# serialized copy while the graph is written. Measured as the peak over the memory held once the
-# graph was written: 0.6-0.9 GB for SmolLM2-135M (0.54 GB of fp32 weights; this allows 1.6 GB)
-# and 3.1 GB for a 0.5B qwen2 (1.98 GB; this allows 4.5 GB). README "Export time and memory".
-EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 2, 512 * 2**20
+# Memory an export takes on top of the loaded PyTorch model, measured as the process's high-water
+# mark (ru_maxrss; a sampler misses the spikes) less the memory held once the model was loaded. Most
+# of it is torch.onnx's exporter, which builds and serializes the graph beside the model: 1.91 GiB
+# for SmolLM2-135M (0.50 GiB of fp32 weights; this allows 2.0 GiB) and 2.97 GiB for a 0.5B qwen2
+# (1.84 GiB; this allows 4.7 GiB). Quantization loads the graph's weights again: SmolLM2 int4
+# took 2.28 GiB (this allows 2.5 GiB). README "Export time and memory".
+EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 2, 2**30
+QUANTIZED_MEMORY_FACTOR = 3
 
 
 def fp32_weights(model) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def check_memory(model) -> None:
+def check_memory(model, quantized: bool = False) -> None:
     """Refuse, once the model is loaded and before the graph is traced, where this machine does
     not have the memory the export's next stages take."""
     available = available_memory()
     weights = fp32_weights(model)
-    need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
+    factor = QUANTIZED_MEMORY_FACTOR if quantized else EXPORT_MEMORY_FACTOR
+    need = factor * weights + EXPORT_MEMORY_BASE
     if available is not None and need > available:
-        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR}x its "
+        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({factor}x its "
                           f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
                           "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)")
 
