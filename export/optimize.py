@@ -68,6 +68,8 @@ def optimize(model: onnx.ModelProto, num_heads: int, hidden_size: int, progress=
 def _fast_model_class(base):
     class _Model(base):
         _outputs = None
+        _readers = None  # input_name_to_nodes() held through the rotary pass, which changes no node until it ends
+        _renamed = None  # the readers of each name, kept up to date through the useless-Cast pass's renames
         progress = staticmethod(lambda doing, fraction=None: None)
 
         def output_name_to_node(self, exclude_subgraphs=False):
@@ -77,9 +79,85 @@ def _fast_model_class(base):
                 self._outputs = super().output_name_to_node()
             return dict(self._outputs)  # a copy: some fusions edit the map they are given
 
+        # The same answers as the base class's, for a graph without subgraphs (every decoder export),
+        # from loops that run in C or over the node list once instead of through a call per node.
+        def _flat(self):
+            return len(self.graphs()) == 1
+
+        def nodes(self):
+            return list(self.model.graph.node) if self._flat() else super().nodes()
+
+        def get_nodes_by_op_type(self, op_type):
+            if not self._flat():
+                return super().get_nodes_by_op_type(op_type)
+            return [node for node in self.model.graph.node if node.op_type == op_type]
+
+        def input_name_to_nodes(self, exclude_subgraphs=False):
+            if not self._flat():
+                return super().input_name_to_nodes(exclude_subgraphs)
+            readers = {}
+            for node in self.model.graph.node:
+                for name in node.input:
+                    if name:
+                        readers.setdefault(name, []).append(node)
+            return readers
+
+        def get_graph_by_node(self, node):
+            return self.model.graph if self._flat() else super().get_graph_by_node(node)
+
+        def get_children(self, node, input_name_to_nodes=None, output_index=None):
+            return super().get_children(node, input_name_to_nodes or self._readers, output_index)
+
+        def fuse_rotary_embeddings(self, *args, **kwargs):
+            # Its fusion asks get_children(), without a map, about every node of 60 paths: a walk over the
+            # whole graph each time. Until it removes and adds nodes at its end (methods that forget the map
+            # below), its fuse calls only collect nodes, so one map answers them all.
+            self._readers = self.input_name_to_nodes()
+            try:
+                return super().fuse_rotary_embeddings(*args, **kwargs)
+            finally:
+                self._readers = None
+
+        def fuse_skip_layer_norm(self, *args, **kwargs):
+            # Its fusion starts from LayerNormalization nodes, after a symbolic shape inference of the whole
+            # graph (a second on SmolLM2); RMS-norm models have none, and the pass would change nothing.
+            if self._flat() and not self.get_nodes_by_op_type("LayerNormalization"):
+                return None
+            return super().fuse_skip_layer_norm(*args, **kwargs)
+
+        def remove_node(self, node):
+            if not self._flat():
+                return super().remove_node(node)
+            try:
+                self.model.graph.node.remove(node)  # the base class first asks `node in graph.node`: a second walk
+            except ValueError:
+                super().remove_node(node)  # its warning
+
+        def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+            if not self._flat():
+                return super().replace_input_of_all_nodes(old_input_name, new_input_name)
+            if self._renamed is None:
+                readers = [node for node in self.model.graph.node if old_input_name in node.input]
+            else:  # the nodes that read the name, and from now on read the new one
+                readers = self._renamed.pop(old_input_name, [])
+                self._renamed.setdefault(new_input_name, []).extend(readers)
+            for node in readers:
+                self.replace_node_input(node, old_input_name, new_input_name)
+
+        def remove_useless_cast_nodes(self):
+            # It renames the inputs of all nodes once per Cast it removes (253 on SmolLM2), each a walk
+            # over the graph; a map of the readers of each name, renamed with them, finds the same nodes.
+            # A Cast it removes stays among its input's readers, where renaming it again changes nothing.
+            if self._flat():
+                self._renamed = self.input_name_to_nodes()
+            try:
+                return super().remove_useless_cast_nodes()
+            finally:
+                self._renamed = None
+
     for name in _INVALIDATING:
         if hasattr(base, name):
-            setattr(_Model, name, _forgetting(getattr(base, name)))
+            setattr(_Model, name, _forgetting(getattr(_Model, name)))
     for index, name in enumerate(_PASSES):
         if hasattr(base, name):
             setattr(_Model, name, _reported(getattr(_Model, name), name, index))
@@ -97,11 +175,11 @@ def _reported(method, name: str, index: int):
 
 def _forgetting(method):
     def call(self, *args, **kwargs):
-        self._outputs = None
+        self._outputs = self._readers = None
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._outputs = None
+            self._outputs = self._readers = None
 
     call.__name__ = method.__name__
     return call

@@ -116,12 +116,15 @@ def quality(model, folder: Path) -> dict:
 
 
 def _teacher_forced_logits(engine: Engine, ids: list[int]) -> np.ndarray:
-    """The export's logits after each prefix of `ids` (one decode step per token)."""
-    cache = engine.new_cache()
-    rows = [engine.prefill([ids[:1]], cache).numpy()[0, -1]]
-    for token in ids[1:-1]:
-        rows.append(engine.decode([token], cache).numpy()[0, -1])
-    return np.stack(rows).astype(np.float64)
+    """The export's logits after each prefix of `ids`: the first token as a prompt, then the rest a
+    chunk per pass, with the logits of every position (as speculative decoding checks its guesses).
+    One decode step per token took 27 s of SmolLM2's int4 export; this takes about 2."""
+    cache = engine.new_cache(len(ids))
+    rows = [engine.prefill([ids[:1]], cache).numpy()[0, -1:]]
+    rest = ids[1:-1]
+    for start in range(0, len(rest), engine.prefill_chunk):
+        rows.append(engine.extend(rest[start:start + engine.prefill_chunk], cache).numpy()[0])
+    return np.concatenate(rows).astype(np.float64)
 
 
 def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:

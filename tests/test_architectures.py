@@ -167,6 +167,35 @@ def test_the_fast_optimizer_gives_onnx_runtimes_graph(name, tmp_path):
     assert len(ours.graph.node) < len(onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph.node) or name in ("bloom", "mpt")
 
 
+@pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_the_graph_file_shows_the_output_axes_onnx_runtime_sees(name, tmp_path):
+    """export/graphs.py reads the axes that optimum's fix_dynamic_axes would make static from the
+    graph file instead of from an ONNX Runtime session: both must see the same output shapes."""
+    import onnx
+    import onnxruntime as ort
+    from optimum.exporters.onnx.convert import export
+
+    from edgeinfer.export.families import onnx_config_constructor
+    from edgeinfer.export.graphs import unexpected_dynamic_axes
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
+    path = tmp_path / "model.onnx"
+    export(model, onnx_config, path, disable_dynamic_axes_fix=True)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    seen = [o.shape for o in ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).get_outputs()]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    written = [[d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+                for d in o.type.tensor_type.shape.dim] for o in graph.output]
+    assert seen == written
+    assert any(isinstance(axis, str) for shape in seen for axis in shape)  # the graph has dynamic axes to compare
+    allowed = {a for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for a in axes.values()}
+    assert unexpected_dynamic_axes(onnx_config, path) == [(i, a) for i, shape in enumerate(seen) for a, axis in enumerate(shape)
+                                                           if isinstance(axis, str) and axis not in allowed]
+
+
 # The split layout on one family per kind of attention in the fast suite: rotary in
 # GroupQueryAttention, positions fed to it, a sliding window with query-key norms, and ALiBi
 # (optimum-onnx's attention, whose cache grows). The others are marked slow.

@@ -233,3 +233,43 @@ def test_the_progress_line_says_what_a_stage_does_and_is_cleared_before_the_next
     drawn = live.getvalue()
     assert "      fuse: 1 s, optimizer: rotary embeddings (50%)" in drawn
     assert drawn.endswith("\r" + " " * len("      fuse: 1 s, optimizer: rotary embeddings (50%)") + "\r")  # cleared
+
+
+@pytest.mark.parametrize("byte_order", ["little", "big"])
+def test_the_fast_gguf_array_reader_gives_the_readers_own_fields(tmp_path, byte_order):
+    """export/source.py reads GGUF metadata arrays in one pass while a GGUF loads: every field,
+    part (dtype, shape, bytes), index and type must be the gguf library's own, in both byte orders."""
+    import numpy as np
+    from gguf import GGUFEndian, GGUFWriter
+    from gguf.gguf_reader import GGUFReader
+
+    from edgeinfer.export.source import fast_array_parts
+
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG if byte_order == "big" else GGUFEndian.LITTLE)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "", "héllo", "▁the", "a" * 300])
+    writer.add_array("tokenizer.ggml.token_type", [1, 3, 1, 1, 6])
+    writer.add_array("tokenizer.ggml.scores", [0.0, -1.5, 2.25, 3.0, -7.0])
+    writer.add_array("test.flags", [True, False, True])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("general.name", "tiny")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def fields(reader):
+        return [(f.name, f.offset, f.data, f.types, [(p.dtype, p.shape, p.tobytes()) for p in f.parts]) for f in reader.fields.values()]
+
+    original = GGUFReader._get_field_parts
+    theirs = GGUFReader(str(path))
+    GGUFReader._get_field_parts = fast_array_parts(original)
+    try:
+        ours = GGUFReader(str(path))
+    finally:
+        GGUFReader._get_field_parts = original
+    assert fields(ours) == fields(theirs)
+    assert len(theirs.fields["tokenizer.ggml.tokens"].data) == 5 and len(theirs.fields["test.nested"].types) == 3
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors]
