@@ -22,6 +22,7 @@ import onnx
 
 from edgeinfer.sdk.errors import GraphError, ManifestError, NotAnExportError
 from edgeinfer.sdk.manifest import GraphSpec, Manifest
+from edgeinfer.sdk.memory import give_back_freed_memory
 
 from .attention import PatternError, layer_windows, rewrite_attention
 from .check import check_export
@@ -84,6 +85,7 @@ def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
                 shutil.copy(name, trial / name.name)
         manifest.save(trial)
+        give_back_freed_memory()  # what the optimizer and the rewrite freed, before a session and PyTorch run
         problem = _check(trial, model)
         if problem is None:
             for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):

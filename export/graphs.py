@@ -51,20 +51,22 @@ def export_graph(model, folder: Path) -> GraphSpec:
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
-        with warnings.catch_warnings(), _full_length_caches(model.config):
+        with warnings.catch_warnings(), _full_length_caches(model.config), _weights_apart() as weights:
             # The tracer's warnings about Python-side shape checks are expected for these
             # models; the export's validation stage is the real check of the graph.
             warnings.simplefilter("ignore")
             export(model, onnx_config, scratch / GRAPH_FILE, disable_dynamic_axes_fix=True)
+            write_weights(scratch / GRAPH_FILE, weights)
+            weights.clear()
             if unexpected_dynamic_axes(onnx_config, scratch / GRAPH_FILE):
                 onnx_config.fix_dynamic_axes(scratch / GRAPH_FILE)
     except _TRACE_ERRORS as e:
         raise ExportError(f"optimum-onnx could not export this {model.config.model_type} model: "
                           f"{type(e).__name__}: {first_line(e)}") from e
     try:
-        graph = onnx.load(str(scratch / GRAPH_FILE))  # with its weights, wherever optimum put them
+        graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
         last_position_logits(graph.graph)
-        save_graph(graph, folder)
+        save_graph(graph, folder, weights_from=scratch)
     finally:
         shutil.rmtree(scratch)
     return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input],
@@ -180,11 +182,10 @@ def last_position_logits(graph: onnx.GraphProto) -> None:
             output.type.tensor_type.shape.dim[1].dim_param = LOGITS_TO_KEEP
 
 
-def tied_embedding(graph: onnx.GraphProto):
+def tied_embedding(graph: onnx.GraphProto, folder: Path | None = None):
     """The embedding's Gather node where its table is the lm_head's weight transposed (tied
-    weights), with the lm_head weight's name; else None."""
-    from onnx import numpy_helper
-
+    weights), with the lm_head weight's name; else None. Tensors still in a data file are read
+    from `folder`'s, mapped rather than copied."""
     initializers = {t.name: t for t in graph.initializer}
     weight = initializers.get(_lm_head(graph).input[1])
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids" and n.input[0] in initializers]
@@ -194,9 +195,95 @@ def tied_embedding(graph: onnx.GraphProto):
     table = initializers[gather.input[0]]
     if list(table.dims) != list(weight.dims)[::-1] or any(a.name == "axis" and a.i != 0 for a in gather.attribute):
         return None
-    if not np.array_equal(numpy_helper.to_array(table), numpy_helper.to_array(weight).T):
+    if not np.array_equal(tensor_array(table, folder), tensor_array(weight, folder).T):
         return None
     return gather, weight.name
+
+
+def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.ndarray:
+    """The tensor's values: mapped from `folder`'s data file where it is there, else from the message."""
+    from onnx import numpy_helper
+
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    if folder is None:
+        raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return np.memmap(Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                     shape=tuple(tensor.dims))
+
+
+_EXPORTING = threading.Lock()  # the patch below is process-wide: one export uses it at a time
+_APART = 1024  # bytes: floating-point tensors this large are written apart from torch.onnx's message
+
+
+@contextmanager
+def _weights_apart():
+    """torch.onnx's TorchScript exporter builds one protobuf message with every weight in it, in
+    C++, and serializes it: the weights three times over at once (SmolLM2: from 0.98 to 2.82 GiB
+    inside `Graph._export_onnx`, the whole export's high-water mark). While it runs here, it is
+    given only the tensors under 1 KiB and those that are not floating point (what shape inference may
+    read), and writes the others as graph inputs; the dict yielded holds them (the weights, and what
+    constant folding made of them), for `write_weights` to put in the data file one at a time."""
+    import torch
+
+    graph_class, held = torch._C.Graph, {}
+    original = graph_class._export_onnx
+
+    def export_onnx(self, params, *args, **kwargs):
+        held.update((name, tensor) for name, tensor in params.items() if _onnx_float(tensor) and _nbytes(tensor) >= _APART)
+        return original(self, {name: tensor for name, tensor in params.items() if name not in held}, *args, **kwargs)
+
+    with _EXPORTING:
+        graph_class._export_onnx = export_onnx
+        try:
+            yield held
+        finally:
+            graph_class._export_onnx = original
+
+
+def write_weights(path: Path, weights: dict) -> None:
+    """Make the graph inputs named in `weights` (torch tensors) initializers again, their bytes
+    written to the graph's data file one tensor at a time."""
+    if not weights:
+        return
+    model = onnx.load(str(path), load_external_data=False)
+    inputs = [i for i in model.graph.input if i.name not in weights]
+    if len(inputs) + len(weights) != len(model.graph.input):
+        raise ExportError("torch.onnx's graph does not take every weight held apart as an input: this is a bug in edgeinfer, "
+                          "please report it with the output of --debug")
+    data = path.with_name(f"{path.name}.data")
+    with open(data, "ab") as out:
+        for name, tensor in weights.items():
+            offset = out.tell()
+            out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch_uint8()).numpy().data)
+            proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=_onnx_float(tensor),
+                                     data_location=onnx.TensorProto.EXTERNAL)
+            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
+                entry = proto.external_data.add()
+                entry.key, entry.value = key, value
+            model.graph.initializer.append(proto)
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    onnx.save(model, str(path))
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+def _onnx_float(tensor) -> int | None:
+    import torch
+
+    return {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+            torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE}.get(tensor.dtype)
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 _TRACING = threading.Lock()  # the patch below is process-wide: one export traces with it at a time

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import glob
 import os
 import shutil
@@ -17,12 +18,12 @@ from pathlib import Path
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 from edgeinfer.sdk.manifest import SINGLE_FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
-from edgeinfer.sdk.memory import size_text
+from edgeinfer.sdk.memory import give_back_freed_memory, size_text
 
 from .fp16 import convert_to_fp16
 from .fuse import fuse_graph
 from .graphs import export_graph, kv_layout
-from .quantize import Quantization, quality, quantize_graph
+from .quantize import Quantization, quality, quality_reference, quantize_graph
 from .source import first_line, load_model, resolve_source
 from .split import split_export
 from .validate import EXTEND_TOKENS, validate
@@ -163,6 +164,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         source = resolve_source(model, say)
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
+    weights = fp32_weights(torch_model)
     check_free_space(work.parent, torch_model)
     check_memory(torch_model, quantized=bool(options.quantization))
     with stage("export graph"):
@@ -197,8 +199,12 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     quantization = {}
     if options.quantization:
         with stage("quantize"):
+            reference = quality_reference(torch_model, work)
+            del torch_model  # nothing after this stage runs PyTorch: its memory goes before the graph's weights load
+            gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
+            give_back_freed_memory()
             quantize_graph(work, options.quantization)
-            quantization = {**dataclasses.asdict(options.quantization), **quality(torch_model, work)}
+            quantization = {**dataclasses.asdict(options.quantization), **quality(reference, work)}
             say(f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
                 f"(fp32 {quantization['perplexity_fp32']:.2f})")
@@ -215,8 +221,8 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         manifest.save(work)
     peak = peak_memory()
     if peak:
-        say(f"peak memory {size_text(peak)}: {peak / fp32_weights(torch_model):.1f}x the {size_text(fp32_weights(torch_model))} "
-            f"of fp32 weights, {stage.total:.0f} s in all")
+        say(f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
+            f"{stage.total:.0f} s in all")
     return manifest
 
 
@@ -380,6 +386,7 @@ class _Stages:
             self._status = None
             with self._lock:
                 self._clear()
+            give_back_freed_memory()
         self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")
 
     def _draw(self) -> None:

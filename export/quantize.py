@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx.external_data_helper import load_external_data_for_model
 
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .graphs import GRAPH_FILE, save_graph, tied_embedding
 
@@ -47,8 +50,9 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     bits = BITS[quantization.method]
     config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=quantization.symmetric,
                                           accuracy_level=quantization.accuracy_level, bits=bits)
-    graph = onnx.load(str(folder / GRAPH_FILE))
-    tied = tied_embedding(graph.graph)
+    graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
+    tied = tied_embedding(graph.graph, folder)  # before the weights are loaded: it reads two of them, mapped
+    load_external_data_for_model(graph, str(folder))
     quantizer = MatMulNBitsQuantizer(graph, bits=bits, block_size=quantization.block_size,
                                      is_symmetric=quantization.symmetric, accuracy_level=quantization.accuracy_level,
                                      algo_config=config)
@@ -96,38 +100,64 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     return True
 
 
-def quality(model, folder: Path) -> dict:
-    """Next-token quality of the export in `folder` against `model` (PyTorch fp32) over the fixed
-    text: the share of positions where both pick the same top token, and both perplexities."""
+@dataclass(frozen=True)
+class Reference:
+    """The fp32 PyTorch model over the quality text: its tokens, and at each position the top token
+    and the log-probability of the next token (`_scores`)."""
+
+    ids: list[int]
+    top: np.ndarray
+    scores: np.ndarray
+
+
+def quality_reference(model, folder: Path) -> Reference:
+    """The PyTorch model's side of `quality`, taken before quantizing so that the model can be let go
+    (SmolLM2: 0.5 GiB) before the graph's weights are loaded."""
     import torch
 
-    engine = Engine.load(folder, provider="cpu")
-    ids = engine.prompt_ids(QUALITY_TEXT.read_text())[: engine.manifest.max_context]
+    manifest = load_manifest(folder)
+    ids = Tokenizer(Path(folder), manifest.tokenizer).encode(QUALITY_TEXT.read_text())[: manifest.max_context]
     with torch.no_grad():
-        reference = model(torch.tensor([ids])).logits[0, :-1].float().numpy()
-    ours = _teacher_forced_logits(engine, ids)
-    targets = np.array(ids[1:])
+        top, scores = _scores(model(torch.tensor([ids])).logits[0, :-1].float().numpy(), np.array(ids[1:]))
+    return Reference(ids, top, scores)
+
+
+def quality(reference: Reference, folder: Path) -> dict:
+    """Next-token quality of the export in `folder` against the fp32 model's `reference` over the
+    fixed text: the share of positions where both pick the same top token, and both perplexities."""
+    engine = Engine.load(folder, provider="cpu")
+    top, scores = _teacher_forced_scores(engine, reference.ids, np.array(reference.ids[1:]))
     return {
-        "text_tokens": len(ids),
-        "top1_agreement": float(np.mean(ours.argmax(-1) == reference.argmax(-1))),
-        "perplexity": _perplexity(ours, targets),
-        "perplexity_fp32": _perplexity(reference, targets),
+        "text_tokens": len(reference.ids),
+        "top1_agreement": float(np.mean(top == reference.top)),
+        "perplexity": float(np.exp(-scores.mean())),
+        "perplexity_fp32": float(np.exp(-reference.scores.mean())),
     }
 
 
-def _teacher_forced_logits(engine: Engine, ids: list[int]) -> np.ndarray:
-    """The export's logits after each prefix of `ids`: the first token as a prompt, then the rest a
-    chunk per pass, with the logits of every position (as speculative decoding checks its guesses).
-    One decode step per token took 27 s of SmolLM2's int4 export; this takes about 2."""
+def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_scores` of the export's logits after each prefix of `ids`: the first token as a prompt,
+    then the rest a chunk per pass, with the logits of every position (as speculative decoding
+    checks its guesses). One decode step per token took 21 s of SmolLM2's int4 export; this takes
+    about 4. Each chunk's logits are reduced as they come: all of them at once, in float64, took
+    466 MB for SmolLM2's vocabulary, and as much again for each step of the softmax."""
     cache = engine.new_cache(len(ids))
-    rows = [engine.prefill([ids[:1]], cache).numpy()[0, -1:]]
-    rest = ids[1:-1]
-    for start in range(0, len(rest), engine.prefill_chunk):
-        rows.append(engine.extend(rest[start:start + engine.prefill_chunk], cache).numpy()[0])
-    return np.concatenate(rows).astype(np.float64)
+    parts = [_scores(engine.prefill([ids[:1]], cache).numpy()[0, -1:], targets[:1])]
+    rest, step = ids[1:-1], engine.prefill_chunk
+    for start in range(0, len(rest), step):
+        logits = engine.extend(rest[start:start + step], cache).numpy()[0]
+        parts.append(_scores(logits, targets[1 + start:1 + start + len(logits)]))
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def _perplexity(logits: np.ndarray, targets: np.ndarray) -> float:
-    logits = logits - logits.max(-1, keepdims=True)
-    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    return float(np.exp(-log_probs[np.arange(len(targets)), targets].mean()))
+def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's top token and the log-probability it gives its target, in float64, `rows`
+    positions at a time."""
+    top, scores = [], []
+    for start in range(0, len(logits), rows):
+        block = logits[start:start + rows].astype(np.float64)
+        block -= block.max(-1, keepdims=True)
+        picked = block[np.arange(len(block)), targets[start:start + rows]]
+        scores.append(picked - np.log(np.exp(block).sum(-1)))
+        top.append(block.argmax(-1))
+    return np.concatenate(top), np.concatenate(scores)

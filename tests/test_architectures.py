@@ -196,6 +196,43 @@ def test_the_graph_file_shows_the_output_axes_onnx_runtime_sees(name, tmp_path):
                                                            if isinstance(axis, str) and axis not in allowed]
 
 
+@pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path, monkeypatch):
+    """export_graph hands torch.onnx's exporter the weights as graph inputs and writes them to the
+    data file itself (export/graphs.py `_weights_apart`); the graph must be the one optimum-onnx's
+    own export writes, with the logits cut to the last positions: the same nodes, inputs, outputs,
+    and initializers (names, types, shapes and bytes)."""
+    import onnx
+    from onnx import numpy_helper
+    from optimum.exporters.onnx.convert import export
+
+    from edgeinfer.export import graphs
+    from edgeinfer.export.families import onnx_config_constructor
+
+    held = []
+    write = graphs.write_weights
+    monkeypatch.setattr(graphs, "write_weights", lambda path, weights: (held.append(len(weights)), write(path, weights)))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    (tmp_path / "ours").mkdir()
+    graphs.export_graph(model, tmp_path / "ours")
+    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
+    with graphs._full_length_caches(model.config):
+        export(model, onnx_config, tmp_path / "theirs" / graphs.GRAPH_FILE)
+    theirs = onnx.load(str(tmp_path / "theirs" / graphs.GRAPH_FILE))
+    graphs.last_position_logits(theirs.graph)
+    ours = onnx.load(str(tmp_path / "ours" / graphs.GRAPH_FILE))
+
+    def tensors(graph):
+        return {t.name: (t.data_type, list(t.dims), numpy_helper.to_array(t).tobytes()) for t in graph.initializer}
+
+    assert held and held[0] > 0  # the weights did go apart
+    assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
+    for field in ("input", "output"):
+        assert [v.SerializeToString() for v in getattr(ours.graph, field)] == [v.SerializeToString() for v in getattr(theirs.graph, field)]
+    assert tensors(ours.graph) == tensors(theirs.graph)
+
+
 # The split layout on one family per kind of attention in the fast suite: rotary in
 # GroupQueryAttention, positions fed to it, a sliding window with query-key norms, and ALiBi
 # (optimum-onnx's attention, whose cache grows). The others are marked slow.
