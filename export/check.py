@@ -8,7 +8,7 @@ from pathlib import Path
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.settings import GenerationConfig
 
-from .validate import logits_differences
+from .validate import Reference, logits_differences, torch_reference
 
 DEFAULT_PROMPT = "The capital of France is Paris. Edge boxes run small language models close to their users, and"
 
@@ -42,8 +42,16 @@ def check_export(folder: str | Path, model, prompt: str | list[int] = DEFAULT_PR
                  provider: str = "cpu") -> CheckResult:
     """Compare the export in `folder` with `model` (the PyTorch model it was exported from)."""
     engine = Engine.load(folder, provider=provider)
-    ids = engine.prompt_ids(prompt)
-    greedy = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    return check_against(engine, torch_reference(model, engine.prompt_ids(prompt), new_tokens))
+
+
+def check_against(engine: Engine | str | Path, reference: Reference, provider: str = "cpu") -> CheckResult:
+    """Compare an export (an engine, or its folder) with PyTorch's `reference`: the greedy tokens
+    after its prompt, the logits, and a batch of the prompt and its first quarter against each alone."""
+    if not isinstance(engine, Engine):
+        engine = Engine.load(engine, provider=provider)
+    ids = engine.prompt_ids(reference.ids)
+    greedy = GenerationConfig(max_new_tokens=len(reference.greedy), ignore_eos=True)
     tokens = engine.generate(ids, greedy).token_ids
     fixed = engine.manifest.prefill_length  # a batch must fit a prefill graph of fixed length
     full = ids[:fixed] if fixed else ids
@@ -51,21 +59,6 @@ def check_export(folder: str | Path, model, prompt: str | list[int] = DEFAULT_PR
     rows = engine.generate_batch([short, full], greedy)
     singles = [engine.generate(short, greedy).token_ids, tokens if full is ids else engine.generate(full, greedy).token_ids]
     return CheckResult(
-        prompt_tokens=len(ids), expected_tokens=transformers_greedy(model, ids, new_tokens), tokens=tokens,
-        **logits_differences(engine, model, ids),
+        prompt_tokens=len(ids), expected_tokens=reference.greedy, tokens=tokens, **logits_differences(engine, reference),
         batch_rows_equal_single=[r.token_ids for r in rows] == singles,
     )
-
-
-def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy tokens after `ids`, exactly `new_tokens` of them: the model's forward
-    with its own KV cache, the largest logit each step (`generate` would stop at, or suppress, EOS)."""
-    import torch
-
-    tokens, past, new_ids = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            out = model(new_ids, past_key_values=past, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-            past, new_ids = out.past_key_values, torch.tensor([[tokens[-1]]])
-    return tokens

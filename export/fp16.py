@@ -13,21 +13,22 @@ import onnx
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import Manifest
 
-from .check import check_export
-from .fuse import CHECK_PROMPT
+from .check import check_against
 from .graphs import GRAPH_FILE, save_graph
+from .validate import Reference
 
 
-def convert_to_fp16(folder: Path, model, manifest: Manifest) -> tuple[Manifest, dict]:
+def convert_to_fp16(folder: Path, reference: Reference, manifest: Manifest) -> tuple[Manifest, dict]:
     """Replace the graph in `folder` by its float16 form; returns the manifest that describes it and
-    the check's figures. Raises if its logits are not within fp16's tolerance of PyTorch's."""
+    the check's figures. Raises if its logits are not within fp16's tolerance of PyTorch's
+    fp32 `reference` (of the fuse stage's CHECK_PROMPT)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     half = convert_float_to_float16(onnx.load(str(folder / GRAPH_FILE)), keep_io_types=False, disable_shape_infer=True)
     save_graph(half, folder)
     manifest = dataclasses.replace(manifest, dtype="float16", kv=dataclasses.replace(manifest.kv, dtype="float16"))
     manifest.save(folder)
-    result = check_export(folder, model, CHECK_PROMPT, new_tokens=8)
+    result = check_against(folder, reference)
     worst = result.worst
     if worst > result.tolerance or not result.batch_rows_equal_single:
         raise ExportError(f"the float16 graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"

@@ -25,21 +25,24 @@ from edgeinfer.sdk.manifest import GraphSpec, Manifest
 from edgeinfer.sdk.memory import give_back_freed_memory
 
 from .attention import PatternError, layer_windows, rewrite_attention
-from .check import check_export
+from .check import check_against
 from .graphs import GRAPH_FILE, save_graph
 from .optimize import load_without_weights, optimize
 from .source import first_line
+from .validate import Reference
 
 CHECK_PROMPT = list(range(3, 43))
+CHECK_TOKENS = 8
 # What the runtime raises when a fused graph does not load (ONNX Runtime refuses it, or its inputs
 # are not the manifest's) or does not run.
 _DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
 
 
-def fuse_graph(folder: Path, model, manifest: Manifest, progress=lambda doing, fraction=None: None) -> tuple[dict, Manifest]:
-    """Replace the graph in `folder` by its fused form where that checks out; returns what was
-    fused (or why not) and the manifest of the graph kept. `progress` hears what it is doing."""
-    config = model.config
+def fuse_graph(folder: Path, config, reference: Reference, manifest: Manifest,
+               progress=lambda doing, fraction=None: None) -> tuple[dict, Manifest]:
+    """Replace the graph in `folder` by its fused form where that checks out against PyTorch's
+    `reference` (of CHECK_PROMPT, CHECK_TOKENS tokens); returns what was fused (or why not) and the manifest of
+    the graph kept. `config` is the model's; `progress` hears what it is doing."""
     optimized = optimize(load_without_weights(folder / GRAPH_FILE), getattr(config, "num_attention_heads", 0) or 0,
                          getattr(config, "hidden_size", 0) or 0, progress=progress)
     _trim_rotary_caches(optimized.graph, manifest.max_context)
@@ -49,12 +52,12 @@ def fuse_graph(folder: Path, model, manifest: Manifest, progress=lambda doing, f
         progress("checking the fused graph against PyTorch: logits, tokens, a batch")
         in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True),
                                        graph=_graph_spec(rewritten))
-        problem = _try(folder, rewritten, model, in_place)
+        problem = _try(folder, rewritten, reference, in_place)
         if problem is None:
             return {"fused": _contrib_ops(rewritten)}, in_place
         why_not = f"attention kept as exported: the graph with GroupQueryAttention{problem.removeprefix('the fused graph')}"
     progress("checking the optimizer's graph against PyTorch: logits, tokens, a batch")
-    problem = _try(folder, optimized, model, manifest)
+    problem = _try(folder, optimized, reference, manifest)
     if problem:
         return {"fused": {}, "skipped": problem, "attention": why_not}, manifest
     return {"fused": _contrib_ops(optimized), "attention": why_not}, manifest
@@ -74,7 +77,7 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
     return rewritten, None
 
 
-def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str | None:
+def _try(folder: Path, graph: onnx.ModelProto, reference: Reference, manifest: Manifest) -> str | None:
     """Put `graph` in place of the export's graph if it passes the checks; else why not."""
     trial = folder / ".fused"
     trial.mkdir()
@@ -85,8 +88,8 @@ def _try(folder: Path, graph: onnx.ModelProto, model, manifest: Manifest) -> str
             if name.is_file() and not name.name.startswith(GRAPH_FILE):
                 shutil.copy(name, trial / name.name)
         manifest.save(trial)
-        give_back_freed_memory()  # what the optimizer and the rewrite freed, before a session and PyTorch run
-        problem = _check(trial, model)
+        give_back_freed_memory()  # what the optimizer and the rewrite freed, before the check's session loads
+        problem = _check(trial, reference)
         if problem is None:
             for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):
                 (trial / name).replace(folder / name)
@@ -122,10 +125,10 @@ def _trim_rotary_caches(graph, max_context: int) -> None:
             graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
 
 
-def _check(fused: Path, model) -> str | None:
+def _check(fused: Path, reference: Reference) -> str | None:
     """Why the fused graph cannot be used, or None: the parity check of `edgeinfer check`."""
     try:
-        result = check_export(fused, model, CHECK_PROMPT, new_tokens=8)
+        result = check_against(fused, reference)
     except _DOES_NOT_RUN as e:
         return f"the fused graph fails to run: {first_line(e)}"
     worst = result.worst

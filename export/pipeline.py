@@ -18,15 +18,15 @@ from pathlib import Path
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 from edgeinfer.sdk.manifest import SINGLE_FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
-from edgeinfer.sdk.memory import give_back_freed_memory, size_text
+from edgeinfer.sdk.memory import give_back_freed_memory, map_large_blocks, size_text
 
 from .fp16 import convert_to_fp16
-from .fuse import fuse_graph
+from .fuse import CHECK_PROMPT, CHECK_TOKENS, fuse_graph
 from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quality_reference, quantize_graph
 from .source import first_line, load_model, resolve_source
 from .split import split_export
-from .validate import EXTEND_TOKENS, validate
+from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "write")
 DTYPES = ("fp32", "fp16")
@@ -77,6 +77,9 @@ def export_model(model: str, out: str | Path, options: ExportOptions = ExportOpt
     """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`. `say` gets the
     stages and their results; `live`, a terminal's text stream, gets a progress line redrawn in
     place during each stage (what it is doing, how far, for how long).
+
+    Export sets glibc's mmap threshold to 1 MiB for the rest of the process (`map_large_blocks`):
+    large buffers freed go back to the system at once, which keeps the peak memory down.
 
     Everything is written to a temporary folder beside `out`, which becomes `out` only once
     complete and validated; on any failure nothing is left behind. A temporary folder left by
@@ -156,6 +159,7 @@ def _free(folder: Path) -> str:
 
 
 def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
+    map_large_blocks()  # process-wide: large buffers freed go back to the system (the export's peak memory)
     wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16",
               "split": options.graphs == "split"}
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
@@ -176,14 +180,19 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     manifest.save(work)
     with stage("validate"):
-        stage.progress("prefill, decode and 4 tokens at once, against PyTorch")
-        validation = validate(torch_model, work)
+        stage.progress("PyTorch's logits and tokens for the checks")
+        config, references = torch_model.config, _references(torch_model, work, options)
+        del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
+        gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
+        give_back_freed_memory()
+        stage.progress("prefill, decode and 4 tokens at once, against PyTorch's")
+        validation = validate(references["validate"], work)
         say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
             f"(tolerance {validation['tolerance']:.2e})")
     if options.fuse:
         with stage("fuse"):
-            fusion, manifest = fuse_graph(work, torch_model, manifest, stage.progress)
+            fusion, manifest = fuse_graph(work, config, references["check"], manifest, stage.progress)
             manifest.save(work)  # the graph kept may take other inputs and another KV layout
             validation["fusion"] = fusion
             say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
@@ -191,7 +200,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
                 + (f" ({fusion['attention']})" if fusion.get("attention") else ""))
     if options.dtype == "fp16":
         with stage("fp16"):
-            manifest, validation["float16"] = convert_to_fp16(work, torch_model, manifest)
+            manifest, validation["float16"] = convert_to_fp16(work, references["check"], manifest)
             half = validation["float16"]
             say(f"float16: largest logits difference prefill {half['max_abs_diff_prefill']:.2e}, decode "
                 f"{half['max_abs_diff_decode']:.2e} (tolerance {half['tolerance']:.2e}); greedy tokens "
@@ -199,12 +208,8 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     quantization = {}
     if options.quantization:
         with stage("quantize"):
-            reference = quality_reference(torch_model, work)
-            del torch_model  # nothing after this stage runs PyTorch: its memory goes before the graph's weights load
-            gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
-            give_back_freed_memory()
             quantize_graph(work, options.quantization)
-            quantization = {**dataclasses.asdict(options.quantization), **quality(reference, work)}
+            quantization = {**dataclasses.asdict(options.quantization), **quality(references["quality"], work)}
             say(f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
                 f"(fp32 {quantization['perplexity_fp32']:.2f})")
@@ -224,6 +229,16 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         say(f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
             f"{stage.total:.0f} s in all")
     return manifest
+
+
+def _references(model, work: Path, options: ExportOptions) -> dict:
+    """PyTorch's side of the checks the export's stages run, computed while the model is loaded."""
+    references = {"validate": torch_reference(model, sample_ids(model.config.vocab_size))}
+    if options.fuse or options.dtype == "fp16":
+        references["check"] = torch_reference(model, CHECK_PROMPT, CHECK_TOKENS)
+    if options.quantization:
+        references["quality"] = quality_reference(model, work)
+    return references
 
 
 # Memory an export takes on top of the loaded PyTorch model, measured as the process's high-water

@@ -19,6 +19,7 @@ from .graphs import GRAPH_FILE, save_graph, tied_embedding
 
 BITS = {"int4": 4, "int8": 8}
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
+_CHUNK = 256  # positions a pass, for both sides of the quality measure
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,13 @@ def quality_reference(model, folder: Path) -> Reference:
 
     manifest = load_manifest(folder)
     ids = Tokenizer(Path(folder), manifest.tokenizer).encode(QUALITY_TEXT.read_text())[: manifest.max_context]
-    with torch.no_grad():
-        top, scores = _scores(model(torch.tensor([ids])).logits[0, :-1].float().numpy(), np.array(ids[1:]))
-    return Reference(ids, top, scores)
+    targets, parts, past = np.array(ids[1:]), [], None
+    with torch.no_grad():  # 256 positions a pass on the model's own cache: one pass over the text held its
+        for start in range(0, len(targets), _CHUNK):  # 233 MB of logits and the activations behind them
+            out = model(torch.tensor([ids[start:min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
+            parts.append(_scores(out.logits[0].float().numpy(), targets[start:start + _CHUNK]))
+            past = out.past_key_values
+    return Reference(ids, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
 def quality(reference: Reference, folder: Path) -> dict:
@@ -150,7 +155,7 @@ def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) 
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = _CHUNK) -> tuple[np.ndarray, np.ndarray]:
     """Each position's top token and the log-probability it gives its target, in float64, `rows`
     positions at a time."""
     top, scores = [], []

@@ -1,6 +1,11 @@
-"""Export's check: the graph, run through edgeinfer's own runtime, against the PyTorch model."""
+"""Export's check: the graph, run through edgeinfer's own runtime, against the PyTorch model.
+
+PyTorch's side of every check is computed once, into a `Reference`, so that export can let the
+PyTorch model go once the graph is traced: the checks that follow then hold ONNX Runtime's copy
+of the weights alone, not both (the export's peak memory)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +20,56 @@ EXTEND_TOKENS = 4
 RELATIVE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2}
 
 
-def validate(model, folder: Path) -> dict:
-    """Prefill a fixed random prompt and decode one token, in ONNX Runtime (CPU) and in PyTorch;
-    return the largest logits differences, or raise if they are above tolerance."""
+@dataclass(frozen=True)
+class Reference:
+    """What PyTorch computes for a prompt `ids`: its greedy tokens after it, and the logits at the
+    prompt's last position (prefill), after the first greedy token (decode), and at each of
+    EXTEND_TOKENS more positions after that (the prompt's first tokens again: speculative
+    decoding's several-token pass)."""
+
+    ids: list[int]
+    greedy: list[int]
+    prefill: np.ndarray
+    decode: np.ndarray
+    extend: np.ndarray
+
+
+def torch_reference(model, ids: list[int], new_tokens: int = 1) -> Reference:
+    """`model`'s Reference for `ids`, with `new_tokens` greedy tokens."""
+    import torch
+
+    greedy = transformers_greedy(model, ids, max(1, new_tokens))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + greedy[:1] + ids[:EXTEND_TOKENS]])).logits[0].float().numpy()
+    return Reference(ids=list(ids), greedy=greedy[:new_tokens], prefill=logits[len(ids) - 1].copy(),
+                     decode=logits[len(ids)].copy(), extend=logits[len(ids) + 1:].copy())
+
+
+def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens after `ids`, exactly `new_tokens` of them: the model's forward
+    with its own KV cache, the largest logit each step (`generate` would stop at, or suppress, EOS)."""
+    import torch
+
+    tokens, past, new_ids = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = model(new_ids, past_key_values=past, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            past, new_ids = out.past_key_values, torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def sample_ids(vocab_size: int) -> list[int]:
+    """The validation's fixed random prompt."""
+    return np.random.default_rng(0).integers(0, vocab_size, SAMPLE_TOKENS).tolist()
+
+
+def validate(reference: Reference, folder: Path) -> dict:
+    """Prefill the reference's prompt (`sample_ids`), decode one token and extend by a few, in ONNX
+    Runtime (CPU); return the largest logits differences from PyTorch's, or raise if they are above
+    tolerance."""
     engine = Engine.load(folder, provider="cpu")
-    ids = np.random.default_rng(0).integers(0, engine.manifest.vocab_size, SAMPLE_TOKENS).tolist()
-    result = {"sample_tokens": SAMPLE_TOKENS, **logits_differences(engine, model, ids)}
+    result = {"sample_tokens": len(reference.ids), **logits_differences(engine, reference)}
     worst = max(result["max_abs_diff_prefill"], result["max_abs_diff_decode"], result["max_abs_diff_extend"])
     result["passed"] = worst <= result["tolerance"]
     if not result["passed"]:
@@ -28,25 +77,18 @@ def validate(model, folder: Path) -> dict:
     return result
 
 
-def logits_differences(engine: Engine, model, ids: list[int]) -> dict:
-    """Largest absolute differences between the engine's and PyTorch's logits at the prompt's last
-    position (prefill), for one decoded token, and for every position of a pass of EXTEND_TOKENS
-    more (speculative decoding's check), and the tolerance for them."""
-    import torch
-
+def logits_differences(engine: Engine, reference: Reference) -> dict:
+    """Largest absolute differences between the engine's logits and the reference's: at the
+    prompt's last position (prefill), for PyTorch's first greedy token (decode), and for every
+    position of a pass of EXTEND_TOKENS more; and the tolerance for them."""
+    ids, token = reference.ids, reference.greedy[0]
     cache = engine.new_cache()
     onnx_prefill = engine.prefill([ids], cache).numpy()[0, -1].astype(np.float32)
-    token = int(np.argmax(onnx_prefill))
     onnx_decode = engine.decode([token], cache).numpy()[0, -1].astype(np.float32)
-    more = ids[:EXTEND_TOKENS]
-    onnx_extend = engine.extend(more, cache).numpy()[0].astype(np.float32)
-    with torch.no_grad():
-        out = model(torch.tensor([ids + [token] + more]))
-    reference = out.logits[0].float().numpy()
-    ref_prefill, ref_decode, ref_extend = reference[len(ids) - 1], reference[len(ids)], reference[-EXTEND_TOKENS:]
+    onnx_extend = engine.extend(ids[:EXTEND_TOKENS], cache).numpy()[0].astype(np.float32)
     return {
-        "max_abs_diff_prefill": float(np.abs(onnx_prefill - ref_prefill).max()),
-        "max_abs_diff_decode": float(np.abs(onnx_decode - ref_decode).max()),
-        "max_abs_diff_extend": float(np.abs(onnx_extend - ref_extend).max()),
-        "tolerance": RELATIVE_TOLERANCE[engine.manifest.dtype] * max(1.0, float(np.abs(ref_prefill).max())),
+        "max_abs_diff_prefill": float(np.abs(onnx_prefill - reference.prefill).max()),
+        "max_abs_diff_decode": float(np.abs(onnx_decode - reference.decode).max()),
+        "max_abs_diff_extend": float(np.abs(onnx_extend - reference.extend).max()),
+        "tolerance": RELATIVE_TOLERANCE[engine.manifest.dtype] * max(1.0, float(np.abs(reference.prefill).max())),
     }

@@ -133,6 +133,21 @@ def give_back_freed_memory() -> None:
         pass
 
 
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter
+
+
+def map_large_blocks(threshold: int = 1 << 20) -> None:
+    """Have glibc serve blocks of `threshold` bytes or more from their own mappings, which go back to
+    the system as soon as they are freed, for the rest of the process. By default glibc raises that
+    threshold (to 32 MiB) each time such a block is freed, and smaller blocks stay in its heap: the
+    memory peak of SmolLM2's export graph stage then varied from 1.45 to 1.61 GiB between runs,
+    against 1.30-1.31 GiB with this. Without glibc, nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
+    except (OSError, AttributeError):
+        pass
+
+
 def size_text(n: int) -> str:
     """A size in words: GiB, MiB or KiB."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20)):

@@ -57,7 +57,7 @@ def test_greedy_tokens_and_a_batch_equal_transformers(exported, reference):
 def test_a_prompt_past_the_sliding_window_equals_transformers(exported, reference):
     """Gemma 3 270M's local layers see 512 tokens: a 700-token prompt and 16 tokens after it."""
     from edgeinfer import Engine
-    from edgeinfer.export.check import transformers_greedy
+    from edgeinfer.export.validate import transformers_greedy
 
     model, tokenizer = reference
     engine = Engine.load(exported[1], provider="cpu")
