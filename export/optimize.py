@@ -12,6 +12,13 @@ Two things made the optimizer take 50 s of SmolLM2's export:
   they stay in the export's data file, referenced, and are read only where the attention rewrite
   packs them.
 
+That left 21 s, most of it lookups that walk the 7,400 nodes of the exported graph in Python once
+per call: `nodes()`, `get_nodes_by_op_type()` and `input_name_to_nodes()` (2,300, 1,700 and 270
+calls), and a rename of the inputs of every node for each useless Cast removed (250). `_Model`
+answers them in single passes, keeps the readers of each name through the rotary pass (which
+changes no node until it ends) and through the Cast pass (renamed with them), and skips the skip-
+LayerNorm pass, and its shape inference, where the graph has no LayerNormalization: 11 s.
+
 Whether this gives ORT's own result is pinned by a test (the same nodes, byte for byte, on a tiny
 model of each fused family); the export checks every fused graph against PyTorch in any case.
 """
