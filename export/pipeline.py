@@ -243,14 +243,13 @@ def _references(model, work: Path, options: ExportOptions) -> dict:
 
 # Memory an export takes on top of the loaded PyTorch model, measured as the process's high-water
 # mark (ru_maxrss; a sampler misses the spikes) less the high-water mark once the model was loaded.
-# Most of it is torch.onnx's tracer with its folded constants (the weight matrices transposed)
-# beside the model; after the graph is traced the model is let go, and the checks and the
-# quantizer hold ONNX Runtime's weights in its place. Measured: SmolLM2-135M 0.30 GiB fp32 and 0.38
-# GiB int4 (0.50 GiB of fp32 weights), a 0.5B qwen2 0.74 GiB (1.84 GiB of weights), Gemma 3 270M
-# 1.39 GiB (1.00 GiB of weights; its 262k-token lm_head transposed is 0.67 GiB of it). README
-# "Export time and memory".
-EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1.5, 2**29
-QUANTIZED_MEMORY_FACTOR = 2  # the quantizer loads the graph's weights, the embedding kept twice where it is tied
+# torch.onnx's tracer gets the weights apart, and once the graph is traced the model is let go: the
+# checks hold ONNX Runtime's weights in its place, and the quantizer the graph's fp32 weights (with
+# a tied embedding, twice). Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32
+# and 0.38 GiB int4 (0.50 GiB of fp32 weights); a 0.5B qwen2 nothing beyond its load (1.84 GiB);
+# Gemma 3 270M 0.14 GiB fp32 and 1.31 GiB int4 (1.00 GiB, its 262k-token embedding kept twice).
+EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
+QUANTIZED_MEMORY_FACTOR = 2
 
 
 def fp32_weights(model) -> int:

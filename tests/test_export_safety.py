@@ -194,9 +194,9 @@ def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figure
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
     from edgeinfer.sdk.memory import size_text
 
-    weights, need, need_int4 = size_text(4 * params), size_text(6 * params + 2**29), size_text(8 * params + 2**29)
+    weights, need, need_int4 = size_text(4 * params), size_text(4 * params + 2**29), size_text(8 * params + 2**29)
     said = []
-    with pytest.raises(ExportError, match=rf"exporting this model needs about {re.escape(need)} more memory \(1.5x its {re.escape(weights)} of fp32 "
+    with pytest.raises(ExportError, match=rf"exporting this model needs about {re.escape(need)} more memory \(1x its {re.escape(weights)} of fp32 "
                                           rf"weights, and {re.escape(size_text(2**29))}\), and this machine has 100.0 KiB available: free memory, or export on a machine"):
         export_model(str(tiny_llama[0]), tmp_path / "out", say=said.append)
     with pytest.raises(ExportError, match=rf"needs about {re.escape(need_int4)} more memory \(2x its"):  # quantizing loads the weights again
