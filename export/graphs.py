@@ -134,7 +134,7 @@ def _tensor_bytes(tensor: onnx.TensorProto, weights_from: Path | None, sources: 
     if uses_external_data(tensor):
         if weights_from is None:
             raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
-        info = {entry.key: entry.value for entry in tensor.external_data}
+        info = _external(tensor)
         path = Path(weights_from) / info["location"]
         if path not in sources:
             sources[path] = open(path, "rb")
@@ -144,6 +144,11 @@ def _tensor_bytes(tensor: onnx.TensorProto, weights_from: Path | None, sources: 
         return None
     raw = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
     return raw if len(raw) >= 1024 else None
+
+
+def _external(tensor: onnx.TensorProto) -> dict[str, str]:
+    """Where a tensor in a data file is: location, offset, length."""
+    return {entry.key: entry.value for entry in tensor.external_data}
 
 
 def _lm_head(graph: onnx.GraphProto):
@@ -208,7 +213,7 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
         return numpy_helper.to_array(tensor)
     if folder is None:
         raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
-    info = {entry.key: entry.value for entry in tensor.external_data}
+    info = _external(tensor)
     dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
     return np.memmap(Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
                      shape=tuple(tensor.dims))
@@ -255,6 +260,8 @@ def _weights_apart():
 def write_weights(path: Path, weights: dict) -> None:
     """Make the graph inputs named in `weights` (torch tensors) initializers again, their bytes
     written to the graph's data file one tensor at a time."""
+    import torch
+
     if not weights:
         return
     model = onnx.load(str(path), load_external_data=False)
@@ -266,7 +273,7 @@ def write_weights(path: Path, weights: dict) -> None:
     with open(data, "ab") as out:
         for name, tensor in weights.items():
             offset = out.tell()
-            out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch_uint8()).numpy().data)
+            out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=_onnx_float(tensor),
                                      data_location=onnx.TensorProto.EXTERNAL)
             for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
@@ -276,12 +283,6 @@ def write_weights(path: Path, weights: dict) -> None:
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     onnx.save(model, str(path))
-
-
-def torch_uint8():
-    import torch
-
-    return torch.uint8
 
 
 def _onnx_float(tensor) -> int | None:
