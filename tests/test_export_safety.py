@@ -273,3 +273,29 @@ def test_the_fast_gguf_array_reader_gives_the_readers_own_fields(tmp_path, byte_
     assert fields(ours) == fields(theirs)
     assert len(theirs.fields["tokenizer.ggml.tokens"].data) == 5 and len(theirs.fields["test.nested"].types) == 3
     assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors]
+
+
+def test_gguf_tensors_dequantized_a_block_of_rows_at_a_time_equal_the_whole(monkeypatch):
+    """export/source.py dequantizes large GGUF tensors a block of rows at a time (the export's peak
+    memory): on random bytes of every quantized type gguf can read, with a last block shorter than
+    the others, the values must be gguf's own, NaNs and infinities included."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, dequantize
+
+    from edgeinfer.export.source import in_row_blocks
+
+    blocked, rng, tried = in_row_blocks(dequantize, rows=5), np.random.default_rng(0), []
+    for qtype in GGMLQuantizationType:
+        if qtype not in GGML_QUANT_SIZES:
+            continue
+        block, size = GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (13, 2 * size), dtype=np.uint8)  # two blocks of `block` values a row
+        with np.errstate(all="ignore"):  # random scales overflow
+            try:
+                whole = dequantize(data, qtype)
+            except NotImplementedError:
+                continue
+            tried.append(qtype.name)
+            assert np.array_equal(blocked(data, qtype), whole, equal_nan=True), qtype.name
+        assert whole.shape == (13, 2 * block), qtype.name
+    assert {"F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"} <= set(tried), tried

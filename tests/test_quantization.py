@@ -122,3 +122,44 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     table, _ = logits_against_transformers(Engine.load(tmp_path / "table", provider="cpu"), model, [1, 40, 41, 42])
     cosine = (gathered * table).sum(-1) / np.linalg.norm(gathered, axis=-1) / np.linalg.norm(table, axis=-1)
     assert cosine.min() >= 0.85, cosine  # measured 0.90 (zero points) and 0.94 (symmetric)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("method, symmetric", [("int4", False), ("int4", True), ("int8", False)])
+def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_llama, tied, method, symmetric):
+    """quantize_graph hands ONNX Runtime's quantizer the graph without its weights and reads each
+    MatMul's weight as it is quantized: the files written must be byte for byte those of the
+    quantizer run as documented, on the graph with every weight loaded."""
+    import shutil
+
+    from conftest import build_llama
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from edgeinfer.export.graphs import save_graph, tied_embedding
+    from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding
+
+    if tied:
+        build_llama(tmp_path / "hf", tie_word_embeddings=True)
+        export_model(str(tmp_path / "hf"), tmp_path / "fp32")
+        source = tmp_path / "fp32"
+    else:
+        source = tiny_llama[1]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    shutil.copytree(source, ours)
+    shutil.copytree(source, theirs)
+    quantization = Quantization(method, symmetric=symmetric)
+    quantize_graph(ours, quantization)
+
+    bits = BITS[method]
+    model = onnx.load(str(theirs / "model.onnx"))
+    found = tied_embedding(model.graph)
+    assert bool(found) == tied
+    quantizer = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
+        block_size=32, is_symmetric=symmetric, accuracy_level=4, bits=bits))
+    quantizer.process()
+    if found:
+        assert quantized_embedding(quantizer.model.model.graph, *found, bits, 32)
+    save_graph(quantizer.model.model, theirs)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+    assert (ours / "model.onnx.data").stat().st_size < (source / "model.onnx.data").stat().st_size * 0.6
