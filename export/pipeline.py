@@ -170,7 +170,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         torch_model, tokenizer = load_model(source)
     weights = fp32_weights(torch_model)
     check_free_space(work.parent, torch_model)
-    check_memory(torch_model, quantized=bool(options.quantization))
+    check_memory(torch_model)
     with stage("export graph"):
         stage.progress("tracing the model with torch.onnx")
         graph = export_graph(torch_model, work)
@@ -243,28 +243,26 @@ def _references(model, work: Path, options: ExportOptions) -> dict:
 
 # Memory an export takes on top of the loaded PyTorch model, measured as the process's high-water
 # mark (ru_maxrss; a sampler misses the spikes) less the high-water mark once the model was loaded.
-# torch.onnx's tracer gets the weights apart, and once the graph is traced the model is let go: the
-# checks hold ONNX Runtime's weights in its place, and the quantizer the graph's fp32 weights (with
-# a tied embedding, twice). Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32
-# and 0.38 GiB int4 (0.50 GiB of fp32 weights); a 0.5B qwen2 nothing beyond its load (1.84 GiB);
-# Gemma 3 270M 0.14 GiB fp32 and 1.31 GiB int4 (1.00 GiB, its 262k-token embedding kept twice).
+# torch.onnx's tracer gets the weights apart, once the graph is traced the model is let go (the
+# checks hold ONNX Runtime's weights in its place), and the quantizer reads one weight at a time.
+# Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32 and 0.28 GiB int4 (0.50 GiB
+# of fp32 weights); a 0.5B qwen2 nothing beyond its load (1.84 GiB); Gemma 3 270M 0.14 GiB fp32 and
+# 0.59 GiB int4 (1.00 GiB; its lm_head's 671 MB are held twice inside ORT's quantizer).
 EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
-QUANTIZED_MEMORY_FACTOR = 2
 
 
 def fp32_weights(model) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def check_memory(model, quantized: bool = False) -> None:
+def check_memory(model) -> None:
     """Refuse, once the model is loaded and before the graph is traced, where this machine does
     not have the memory the export's next stages take."""
     available = available_memory()
     weights = fp32_weights(model)
-    factor = QUANTIZED_MEMORY_FACTOR if quantized else EXPORT_MEMORY_FACTOR
-    need = int(factor * weights) + EXPORT_MEMORY_BASE
+    need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
     if available is not None and need > available:
-        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({factor:g}x its "
+        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "
                           f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
                           "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)")
 
