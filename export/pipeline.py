@@ -245,9 +245,9 @@ def _references(model, work: Path, options: ExportOptions) -> dict:
 # mark (ru_maxrss; a sampler misses the spikes) less the high-water mark once the model was loaded.
 # torch.onnx's tracer gets the weights apart, once the graph is traced the model is let go (the
 # checks hold ONNX Runtime's weights in its place), and the quantizer reads one weight at a time.
-# Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32 and 0.28 GiB int4 (0.50 GiB
+# Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32 and 0.27 GiB int4 (0.50 GiB
 # of fp32 weights); a 0.5B qwen2 nothing beyond its load (1.84 GiB); Gemma 3 270M 0.14 GiB fp32 and
-# 0.59 GiB int4 (1.00 GiB; its lm_head's 671 MB are held twice inside ORT's quantizer).
+# 0.18 GiB int4 (1.00 GiB).
 EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
 
 
