@@ -161,11 +161,12 @@ def fast_array_parts(original):
 def in_row_blocks(original, rows: int = 8192):
     """`gguf.dequantize` for tensors of more than `rows` rows, `rows` at a time into one output
     array. GGUF's quantization blocks never cross a row, so each block of rows dequantizes alone
-    to the same values."""
+    to the same values. F32 tensors go to `original`, which returns a view of the file's bytes."""
     import numpy as np
+    from gguf import GGMLQuantizationType
 
     def dequantize(data, qtype):
-        if data.ndim < 2 or data.shape[0] <= rows:
+        if data.ndim < 2 or data.shape[0] <= rows or qtype == GGMLQuantizationType.F32:
             return original(data, qtype)
         first = original(data[:rows], qtype)
         out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)

@@ -296,6 +296,8 @@ def test_gguf_tensors_dequantized_a_block_of_rows_at_a_time_equal_the_whole():
             except NotImplementedError:
                 continue
             tried.append(qtype.name)
-            assert np.array_equal(blocked(data, qtype), whole, equal_nan=True), qtype.name
+            ours = blocked(data, qtype)
+            assert np.array_equal(ours, whole, equal_nan=True), qtype.name
+            assert np.shares_memory(ours, data) == (qtype.name == "F32"), qtype.name  # F32 stays a view
         assert whole.shape == (13, 2 * block), qtype.name
     assert {"F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"} <= set(tried), tried
