@@ -140,10 +140,10 @@ def _disk_error(error: OSError, out: Path) -> str:
             "permissions, or export elsewhere")
 
 
-def check_free_space(folder: Path, model) -> None:
+def check_free_space(folder: Path, weights: int) -> None:
     """Refuse before the first graph is written where the disk cannot hold the export: the fp32
-    graph, and a second copy while fusion and quantization rewrite it."""
-    need = 2 * 4 * sum(p.numel() for p in model.parameters())
+    graph (`weights` bytes), and a second copy while fusion and quantization rewrite it."""
+    need = 2 * weights
     free = free_bytes(folder)
     if free < need:
         raise ExportError(f"exporting needs about {size_text(need)} free in {folder}, which has {size_text(free)}: "
@@ -169,8 +169,8 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
     weights = fp32_weights(torch_model)
-    check_free_space(work.parent, torch_model)
-    check_memory(torch_model)
+    check_free_space(work.parent, weights)
+    check_memory(weights)
     with stage("export graph"):
         stage.progress("tracing the model with torch.onnx")
         graph = export_graph(torch_model, work)
@@ -255,11 +255,10 @@ def fp32_weights(model) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def check_memory(model) -> None:
+def check_memory(weights: int) -> None:
     """Refuse, once the model is loaded and before the graph is traced, where this machine does
-    not have the memory the export's next stages take."""
+    not have the memory the export's next stages take, for `weights` bytes of fp32 weights."""
     available = available_memory()
-    weights = fp32_weights(model)
     need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
     if available is not None and need > available:
         raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "

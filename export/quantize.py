@@ -133,7 +133,7 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
 
 
 @dataclass(frozen=True)
-class Reference:
+class QualityReference:
     """The fp32 PyTorch model over the quality text: its tokens, and at each position the top token
     and the log-probability of the next token (`_scores`)."""
 
@@ -142,9 +142,9 @@ class Reference:
     scores: np.ndarray
 
 
-def quality_reference(model, folder: Path) -> Reference:
-    """The PyTorch model's side of `quality`, taken before quantizing so that the model can be let go
-    (SmolLM2: 0.5 GiB) before the graph's weights are loaded."""
+def quality_reference(model, folder: Path) -> QualityReference:
+    """The PyTorch model's side of `quality`, taken right after the graph is traced so that the
+    model can be let go (SmolLM2: 0.5 GiB) before the checks and the quantizer run."""
     import torch
 
     manifest = load_manifest(folder)
@@ -155,10 +155,10 @@ def quality_reference(model, folder: Path) -> Reference:
             out = model(torch.tensor([ids[start:min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
             parts.append(_scores(out.logits[0].float().numpy(), targets[start:start + _CHUNK]))
             past = out.past_key_values
-    return Reference(ids, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    return QualityReference(ids, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
-def quality(reference: Reference, folder: Path) -> dict:
+def quality(reference: QualityReference, folder: Path) -> dict:
     """Next-token quality of the export in `folder` against the fp32 model's `reference` over the
     fixed text: the share of positions where both pick the same top token, and both perplexities."""
     engine = Engine.load(folder, provider="cpu")
