@@ -142,7 +142,8 @@ def _disk_error(error: OSError, out: Path) -> str:
 
 def check_free_space(folder: Path, weights: int) -> None:
     """Refuse before the first graph is written where the disk cannot hold the export: the fp32
-    graph (`weights` bytes), and a second copy while fusion and quantization rewrite it."""
+    graph (`weights` bytes as written, a tied table twice), and a second copy while fusion and
+    quantization rewrite it."""
     need = 2 * weights
     free = free_bytes(folder)
     if free < need:
@@ -169,7 +170,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
     weights = fp32_weights(torch_model)
-    check_free_space(work.parent, weights)
+    check_free_space(work.parent, fp32_weights(torch_model, as_written=True))
     check_memory(weights)
     with stage("export graph"):
         stage.progress("tracing the model with torch.onnx")
@@ -251,8 +252,10 @@ def _references(model, work: Path, options: ExportOptions) -> dict:
 EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
 
 
-def fp32_weights(model) -> int:
-    return 4 * sum(p.numel() for p in model.parameters())
+def fp32_weights(model, as_written: bool = False) -> int:
+    """Bytes of the model's weights in fp32; `as_written`: as the ONNX graph stores them, where a
+    weight shared by two layers (a tied embedding table and lm_head) is written once for each."""
+    return 4 * sum(p.numel() for _, p in model.named_parameters(remove_duplicate=not as_written))
 
 
 def check_memory(weights: int) -> None:

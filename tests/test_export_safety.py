@@ -84,6 +84,25 @@ def test_a_disk_without_room_is_refused_before_writing(tiny_llama, tmp_path, mon
     assert leftovers(tmp_path) == []
 
 
+def test_the_disk_check_counts_a_tied_table_as_the_graph_writes_it(tmp_path, monkeypatch):
+    """A tied embedding table is one parameter in PyTorch and two tensors in the graph (the
+    Gather's table and the lm_head's MatMul weight): the check asks for both, twice (the fp32
+    graph and its rewrite). Gemma 3 270M: 1.07 GB of parameters, 1.74 GB written."""
+    from conftest import build_llama
+
+    from edgeinfer.sdk.memory import size_text
+
+    model = build_llama(tmp_path / "tied", vocab_size=4096, tie_word_embeddings=True)
+    written = pipeline.fp32_weights(model, as_written=True)
+    assert written == pipeline.fp32_weights(model) + 4 * 4096 * 64
+    export_model(str(tmp_path / "tied"), tmp_path / "out")
+    assert written <= (tmp_path / "out" / "model.onnx.data").stat().st_size < 1.01 * written
+    monkeypatch.setattr(pipeline, "free_bytes", lambda folder: 2 * written - 1)
+    with pytest.raises(ExportError, match=rf"exporting needs about {size_text(2 * written)} free in"):
+        export_model(str(tmp_path / "tied"), tmp_path / "again")
+    assert leftovers(tmp_path) == ["out", "tied"]
+
+
 def test_a_disk_that_fills_up_during_export_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     def full(folder):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
