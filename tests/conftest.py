@@ -37,7 +37,7 @@ def offline_env(cache) -> dict:
 
 def linked_copy(export, to):
     """A copy of the export folder `export` at `to` whose weights files (`*.data`) are hard links,
-    not copies: the split tests' real exports are 0.6 and 1.7 GB, and CI's disk can be small.
+    not copies: the split tests' real exports are 0.6 and 1.6 GiB, and CI's disk can be small.
     Splitting only renames its data file and writes new graph files beside it, so the original
     export is left as it was."""
     import os

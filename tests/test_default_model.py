@@ -19,7 +19,7 @@ def first_run(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
                            "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
     yield cache, done
-    shutil.rmtree(cache)  # 0.8 GB: given back before the next module
+    shutil.rmtree(cache)  # 0.8 GiB: given back before the next module
 
 
 def test_first_run_exports_the_default_model_and_answers(first_run):

@@ -22,7 +22,7 @@ def exported(tmp_path_factory):
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     yield cache, out, done
-    shutil.rmtree(cache)  # 2.2 GB: given back before the next module
+    shutil.rmtree(cache)  # 2.1 GiB: given back before the next module
 
 
 @pytest.fixture(scope="module")
