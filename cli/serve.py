@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -20,7 +21,15 @@ from .resolve import load_engine, resolve_export, say
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 1024), help="Requests decoded together.")
 @click.option("--max-context", default=None, type=int, help="Tokens per request, prompt and reply [default: the export's].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 10**6), help="Requests that may wait for a row.")
-@click.option("--api-key", default=None, envvar="EDGEINFER_API_KEY", help="Require 'Authorization: Bearer KEY' [env: EDGEINFER_API_KEY].")
+@click.option("--api-key", default=None, envvar="EDGEINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ [env: EDGEINFER_API_KEY].")
+@click.option("--metrics-key", default=None, envvar="EDGEINFER_METRICS_KEY",
+              help="Require 'Authorization: Bearer KEY' on /metrics [env: EDGEINFER_METRICS_KEY; default: /metrics is open].")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="A web origin (https://app.example) whose pages may call the API; repeatable; '*' for any [default: none].")
+@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a connection may take to send a request's headers.")
+@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds a request may take to send its body.")
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
 @click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV pool may use [default: what is free].")
@@ -37,15 +46,26 @@ from .resolve import load_engine, resolve_export, say
 @click.option("--address", default=None, help="With --ray: the cluster to join (auto, or ray://HOST:10001) [default: a local one].")
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.01), help="With --ray: CPUs per replica.")
 @click.option("--replica-gpus", default=0.0, show_default=True, type=click.FloatRange(min=0), help="With --ray: GPUs per replica.")
-def serve(model, host, port, max_batch, max_context, max_queue, api_key, provider, threads, memory_limit, prefix_cache, draft,
-          speculative, grace, on_ray, replicas, autoscale, address, replica_cpus, replica_gpus):
+def serve(model, host, port, max_batch, max_context, max_queue, api_key, metrics_key, cors_origins, header_timeout, body_timeout,
+          provider, threads, memory_limit, prefix_cache, draft, speculative, grace, on_ray, replicas, autoscale, address,
+          replica_cpus, replica_gpus):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
-    continuous batching, /health and /metrics; with --ray, as Ray Serve replicas."""
+    continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
     try:
-        from edgeinfer.serve import run_server
+        from edgeinfer.serve import ServerOptions, run_server
     except ImportError as e:
         raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
     from edgeinfer.sdk import Scheduler
+
+    for flag, key in (("--api-key", api_key), ("--metrics-key", metrics_key)):
+        if key is not None and not key.strip():
+            raise click.BadParameter("an empty key would turn authentication off: give a key, or leave the option (and its "
+                                     "environment variable) out to serve without one", param_hint=flag)
+    for origin in cors_origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise click.BadParameter(f"{origin!r} is not an origin: scheme and host, with a port where it has one "
+                                     "(http://localhost:3000), no path; or '*' for any", param_hint="--cors-origin")
+    options = ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     path = Path(model).expanduser() if model else None
@@ -57,7 +77,7 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
         settings = ReplicaSettings(str(resolve_export(model, say).resolve()), name, provider, threads, max_context, max_batch,
                                    max_queue, memory_limit * 2**20 if memory_limit else None, prefix_cache, api_key,
                                    None if draft is None else str(resolve_export(draft, say).resolve()), mode)
-        run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, grace)
+        run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, options)
         return
     if (replicas, autoscale, address) != (1, None, None):
         raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
@@ -68,7 +88,7 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, provide
             engine.speculate_by_default(mode)
         return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
-    run_server(load, name, host, port, api_key, grace)
+    run_server(load, name, host, port, options)
 
 
 def _min_max(text: str | None) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from .errors import SettingsError
+from .errors import ConstraintError, SettingsError
 from .settings import Constraint
 from .tokenizer import Tokenizer
 
@@ -53,15 +53,18 @@ class Constraints:
         that does not compile, or that nothing can match, is a SettingsError here."""
         if constraint is None:
             return None
-        llguidance = _llguidance()
-        grammar = _grammar(llguidance.LLMatcher, constraint)
+        llguidance, param = _llguidance(), "choice" if constraint.kind == "choice" else "response_format"
+        try:
+            grammar = _grammar(llguidance.LLMatcher, constraint)
+        except ValueError as e:  # llguidance's parser: e.g. "recursion limit exceeded" past 127 levels of nesting
+            raise SettingsError(f"the {_NAMES[constraint.kind]} cannot be used: {e}", param) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise SettingsError(f"the {_NAMES[constraint.kind]} cannot be used: {matcher.get_error()}")
-        started = Matcher(matcher, self.vocab_size, self.size, self.eos_ids)
+            raise SettingsError(f"the {_NAMES[constraint.kind]} cannot be used: {matcher.get_error()}", param)
+        started = Matcher(matcher, self.vocab_size, self.size, self.eos_ids, _NAMES[constraint.kind])
         if not started.allowed().any() or (started.is_finished and not started.is_complete):
             raise SettingsError(f"no output can match the {_NAMES[constraint.kind]} (nothing this model's tokens can spell "
-                                "matches it): check it")
+                                "matches it): check it", param)
         return started
 
 
@@ -86,10 +89,11 @@ class _Tokens:
 class Matcher:
     """Where one output stands in its constraint."""
 
-    def __init__(self, matcher, vocab_size: int, known: int, eos_ids: list[int]):
+    def __init__(self, matcher, vocab_size: int, known: int, eos_ids: list[int], name: str = "constraint"):
         """`vocab_size`: the model's logits; `known`: the ids llguidance knows (at least those);
-        `eos_ids`: the tokens that end the output where it is complete."""
-        self._matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, list(eos_ids)
+        `eos_ids`: the tokens that end the output where it is complete; `name` what the
+        constraint is, for messages."""
+        self._matcher, self.vocab_size, self.eos_ids, self.name = matcher, vocab_size, list(eos_ids), name
         self._bitmask = np.zeros((1, (known + 31) // 32), np.int32)
 
     def allowed(self) -> np.ndarray:
@@ -98,11 +102,24 @@ class Matcher:
         return np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
     def mask(self, scores: np.ndarray) -> np.ndarray:
-        """`scores` with -inf for every token that may not come next (a new array)."""
-        return np.where(self.allowed(), scores, -np.inf).astype(scores.dtype, copy=False)
+        """`scores` with -inf for every token that may not come next (a new array). Raises
+        ConstraintError at a dead end: an output that does not match yet, which no token continues."""
+        allowed = self.allowed()
+        if not self.is_complete and not _not(allowed, self.eos_ids).any():
+            self._dead_end()
+        return np.where(allowed, scores, -np.inf).astype(scores.dtype, copy=False)
 
     def consume(self, token: int) -> None:
+        """Take the next token; ConstraintError where it leaves an output that does not match and
+        that nothing may follow."""
         self._matcher.consume_token(token)
+        if self.is_finished and not self.is_complete:
+            self._dead_end()
+
+    def _dead_end(self):
+        raise ConstraintError(f"the output cannot match the {self.name}: nothing this model's tokens spell continues it "
+                              "(a JSON schema that no finite JSON satisfies, such as one whose object must hold itself, "
+                              "ends so): check it")
 
     @property
     def is_complete(self) -> bool:
@@ -131,6 +148,13 @@ def _grammar(matcher_class, constraint: Constraint) -> str:
         return matcher_class.grammar_from_lark(constraint.source)
     choices = json.loads(constraint.source)
     return matcher_class.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def _not(allowed: np.ndarray, ids: list[int]) -> np.ndarray:
+    """`allowed` without `ids` (a copy)."""
+    others = allowed.copy()
+    others[[t for t in ids if t < len(others)]] = False
+    return others
 
 
 def _llguidance():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 import warnings
 from collections.abc import Iterator
@@ -189,21 +188,12 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
-        return self.tokenizer.chat_ids(messages)
+        return self.tokenizer.chat_ids(messages, self.max_context)
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in prompt):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.manifest.vocab_size]
-            if bad:
-                raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
-        else:
-            raise GenerationError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise GenerationError("the prompt is empty: pass some text or token ids")
-        return ids
+    def prompt_ids(self, prompt: Prompt, within_context: bool = True) -> list[int]:
+        """The prompt's token ids; text that cannot leave room in the context is refused before
+        it is encoded, unless `within_context` is False (a prompt to truncate)."""
+        return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context if within_context else None)
 
     # Generation.
 
@@ -231,7 +221,7 @@ class Engine:
         configs = [resolve_settings(self.default_config, c, settings) for c in configs]
         for c in configs:
             self._check_token_ids(c)
-        given = [self.prompt_ids(p) for p in prompts]
+        given = [self.prompt_ids(p, c.truncate != "left") for p, c in zip(prompts, configs)]
         ids = [self._truncate(row, c) for row, c in zip(given, configs)]
         room = self._room(ids)
         rows = [Sequence(row, c, min(c.max_new_tokens, room), self.manifest.eos_token_ids, self.tokenizer, start,
@@ -269,6 +259,8 @@ class Engine:
         """Prefill once, then choose → yield → decode until every row has ended."""
         cache, kept = self.new_cache(capacity), GenerationBindings()
         logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
+        for row, cached in zip(rows, cache.cached):
+            row.cached = cached
         while True:
             tokens = self._choose(logits, rows, is_greedy, kept)
             for index, (row, token) in enumerate(zip(rows, tokens)):
@@ -284,6 +276,8 @@ class Engine:
         pass → keep what the model agrees with, until every row has ended."""
         cache, kept = self.new_cache(capacity), GenerationBindings()
         logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
+        for row, cached in zip(rows, cache.cached):
+            row.cached = cached
         for index, (row, token) in enumerate(zip(rows, self._choose(logits, rows, is_greedy, kept))):
             piece = row.add(token)
             if piece is not None:

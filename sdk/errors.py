@@ -52,7 +52,20 @@ class ContextLengthError(GenerationError):
 
 
 class SettingsError(GenerationError):
-    """A generation setting that is unknown or out of its range."""
+    """A generation setting that is unknown or out of its range; `param` names the setting (the
+    SDK's name, e.g. "max_new_tokens"), where one setting is at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # pickled whole (a Ray replica sends it to the server's front)
+        return type(self), (str(self), self.param)
+
+
+class ConstraintError(GenerationError):
+    """A constrained output that reached a point where nothing the model can spell continues it
+    (a JSON schema that no finite JSON satisfies, say): the text so far does not match."""
 
 
 class ExportError(EdgeInferError):

@@ -35,6 +35,7 @@ class KVCache:
         self.past: dict = {}
         self.mask = np.zeros((0, 0), np.int64)  # [batch, length]: 1 where a slot holds a real token
         self.empty_past = True  # during prefill: whether the chunk being run starts on an empty cache
+        self.cached: list[int] = []  # after prefill: each row's prompt tokens taken from the prefix cache
         self._prefix = prefix if prefix is not None and prefix.budget and host is not None else None
         self._host = host
 
@@ -61,6 +62,7 @@ class KVCache:
         if self._prefix is not None and len(prompts) == 1:
             cached, blocks = self._prefix.take(prompts[0])
             self.past.update({name: value[None] for name, value in blocks.items()})
+        self.cached = [cached] + [0] * (len(prompts) - 1)
         for start, end in _chunks(cached, width, chunk, first):
             self.mask, self.empty_past = mask[:, :end], start == 0
             yield {"input_ids": ids[:, start:end], "attention_mask": self.mask, "position_ids": positions[:, start:end],
@@ -202,6 +204,7 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
             ids[row, :len(prompt)] = prompt
         final = np.array([len(p) for p in prompts], np.int64)
         cached = self._restore(prompts[0]) if self._prefix is not None and len(prompts) == 1 else 0
+        self.cached = [cached] + [0] * (len(prompts) - 1)
         for start, end in _chunks(cached, width, chunk, first):
             self.lengths, self.empty_past = np.minimum(final, end), start == 0
             positions = np.tile(np.arange(start, end), (len(prompts), 1))
@@ -225,8 +228,9 @@ class InPlaceKVCache(_RowsInPlace, KVCache):
                                   "slots: make the cache with a larger capacity")
         self.past = {name: self._allocate(self._buffer_shape(name, len(prompts)), self.spec.dtype) for name in self.spec.past}
         self.lengths = np.zeros(len(prompts), np.int64)
+        self.cached = [0] * len(prompts)
         for row, prompt in enumerate(prompts):
-            self.lengths[row] = self._restore(prompt, row)
+            self.lengths[row] = self.cached[row] = self._restore(prompt, row)
             for start in range(int(self.lengths[row]), len(prompt) - 1, chunk):
                 yield row, _extend_row(self.lengths, row, prompt[start:min(start + chunk, len(prompt) - 1)], self.capacity, keep=1)
         yield None, self.decode_inputs([p[-1] for p in prompts])

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import BusyError
+from .errors import BusyError, ConstraintError
 from .kv_cache import SlotPool
 from .memory import check_generation
 from .runtime import GenerationBindings
@@ -78,6 +78,7 @@ class _Row:
     is_greedy: bool
     slot: int = -1
     prefilled: int = 0
+    is_restored: bool = False  # the prefix cache was looked up
     token: int = 0  # the newest token, fed to the next decode pass (set when the prefill ends)
     events: Iterator | None = field(default=None, repr=False)  # one-at-a-time serving: the engine's own loop
 
@@ -202,8 +203,6 @@ class Scheduler:
         while self._waiting and self._free_rows():
             row = self._waiting.popleft()
             row.slot = self.pool.acquire() if self.is_batched else 0
-            if self.is_batched:
-                row.prefilled = self.pool.restore(row.slot, row.sequence.prompt_ids)
             self._rows.append(row)
 
     def _drop_cancelled(self) -> None:
@@ -233,13 +232,20 @@ class Scheduler:
     def _speculate(self, row: _Row) -> None:
         """A row with speculative decoding proposes and checks its tokens in a pass of its own
         (the engine's step, on the pool's row)."""
-        for piece in self.engine.speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
-            row.request._put(piece)
+        try:
+            for piece in self.engine.speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
+                row.request._put(piece)
+        except ConstraintError as error:
+            self._end(row, error)
+            return
         if row.sequence.is_done:
             self._end(row, _END)
 
     def _prefill_chunk(self, row: _Row) -> None:
         ids = row.sequence.prompt_ids
+        if not row.is_restored:  # at its first chunk, not at admission: a prompt admitted beside one that
+            row.is_restored = True  # starts the same way (n choices) finds that one's blocks stored by then
+            row.prefilled = row.sequence.cached = self.pool.restore(row.slot, ids)
         end = min(row.prefilled + self.engine.prefill_chunk, len(ids))
         inputs = self.pool.prefill_inputs(row.slot, ids, row.prefilled, end)
         logits = self.engine.graph.run_rows(inputs, self.pool.pooled, row.slot, 1)
@@ -272,10 +278,25 @@ class Scheduler:
             ids = self.engine.heads.argmax(logits, kept)
             return [ids[position] for position in positions]
         last = self.engine.heads.last(logits)
-        return [row.sequence.choose(last[position]) for row, position in zip(rows, positions)]
+        return [self._choose_one(row, last[position]) for row, position in zip(rows, positions)]
 
-    def _add(self, row: _Row, token: int) -> None:
-        piece = row.sequence.add(token)
+    def _choose_one(self, row: _Row, logits) -> int | None:
+        """A row's next token, or None where its constraint reached a dead end (the row ends with
+        that error; the others go on)."""
+        try:
+            return row.sequence.choose(logits)
+        except ConstraintError as error:
+            self._end(row, error)
+            return None
+
+    def _add(self, row: _Row, token: int | None) -> None:
+        if token is None:  # ended already (_choose_one)
+            return
+        try:
+            piece = row.sequence.add(token)
+        except ConstraintError as error:
+            self._end(row, error)
+            return
         row.token = token
         if piece is not None:
             row.request._put(piece)

@@ -31,6 +31,7 @@ class Piece:
     complete: bool | None = None
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -38,7 +39,8 @@ class GenerationResult:
     """`token_ids` are the new tokens, without the EOS or stop token id that ended generation
     (tokens that spelled a stop string are kept; the text ends before the stop string).
     `finish_reason` is "eos", "stop" or "length". `prompt_tokens` were read; `truncated_tokens`
-    were dropped from the prompt's start (`truncate="left"`). With `logprobs`, one TokenLogprob per
+    were dropped from the prompt's start (`truncate="left"`); `cached_tokens` of the prompt came
+    from the prefix cache instead of being prefilled. With `logprobs`, one TokenLogprob per
     token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
     stands (False where `max_new_tokens` or a stop string cut it short of a match); None without one."""
 
@@ -53,6 +55,7 @@ class GenerationResult:
     complete: bool | None = None
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
+    cached_tokens: int = 0
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
@@ -62,7 +65,7 @@ class GenerationResult:
                    prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
                    decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens,
                    logprobs=logprobs, complete=last.complete, proposed_tokens=last.proposed_tokens,
-                   accepted_tokens=last.accepted_tokens)
+                   accepted_tokens=last.accepted_tokens, cached_tokens=last.cached_tokens)
 
 
 class Sequence:
@@ -87,6 +90,7 @@ class Sequence:
         self.made, self.pending, self.pending_logprobs = 0, [], []
         self.chosen: TokenLogprob | None = None  # the last choice's logprobs, until `add` takes the token
         self.finish_reason: str | None = None
+        self.cached = 0  # prompt tokens restored from the prefix cache (set by whoever prefills)
 
     @property
     def is_done(self) -> bool:
@@ -145,7 +149,7 @@ class Sequence:
         self.finish_reason = "stop" if stopped else reason
         piece = self._piece(text)
         piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = self.finish_reason, self.times[0] - self.start, _rate(self.times)
-        piece.prompt_tokens, piece.truncated_tokens = len(self.prompt_ids), self.truncated
+        piece.prompt_tokens, piece.truncated_tokens, piece.cached_tokens = len(self.prompt_ids), self.truncated, self.cached
         if self.constraint is not None:
             piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text
         if self.speculation is not None:

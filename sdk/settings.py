@@ -96,26 +96,28 @@ class GenerationConfig:
                                                hint=f" and at most {MAX_SPECULATIVE_TOKENS}"),
         }
         if self.truncate not in TRUNCATE:
-            raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}")
+            raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}", "truncate")
         if not isinstance(self.ignore_eos, bool):
-            raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}", "ignore_eos")
         if not isinstance(self.logprobs, bool):
-            raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}")
+            raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}", "logprobs")
         if self.speculative not in SPECULATIVE:
-            raise SettingsError(f"speculative must be 'prompt_lookup', 'draft' (with a draft model) or None, got {self.speculative!r}")
+            raise SettingsError(f"speculative must be 'prompt_lookup', 'draft' (with a draft model) or None, got {self.speculative!r}",
+                                "speculative")
         if checked["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
-            raise SettingsError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}")
+            raise SettingsError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+                                "num_speculative_tokens")
         if checked["top_logprobs"] > MAX_TOP_LOGPROBS:
-            raise SettingsError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
+            raise SettingsError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}", "top_logprobs")
         if checked["top_logprobs"] and not self.logprobs:
-            raise SettingsError("top_logprobs needs logprobs=True")
+            raise SettingsError("top_logprobs needs logprobs=True", "top_logprobs")
         if checked["response_format"] is not None and checked["choice"] is not None:
-            raise SettingsError("give response_format or choice, not both")
+            raise SettingsError("give response_format or choice, not both", "response_format")
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         if self.constraint is not None and self.ignore_eos:
             raise SettingsError("ignore_eos cannot be used with a response_format or choice: a constrained output ends "
-                                "at the model's EOS once it is complete")
+                                "at the model's EOS once it is complete", "ignore_eos")
 
     @property
     def constraint(self) -> Constraint | None:
@@ -141,31 +143,31 @@ def resolve_settings(defaults: GenerationConfig, config: GenerationConfig | None
     (keyword arguments of the call) on top. An unknown keyword is an error."""
     base = defaults if config is None else config
     if not isinstance(base, GenerationConfig):
-        raise SettingsError(f"config must be a GenerationConfig, got {type(base).__name__}")
+        raise SettingsError(f"config must be a GenerationConfig, got {type(base).__name__}", "config")
     unknown = [name for name in overrides if name not in FIELDS]
     if unknown:
         close = difflib.get_close_matches(unknown[0], FIELDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise SettingsError(f"unknown generation setting {unknown[0]!r}: {hint}the settings are {', '.join(FIELDS)}")
+        raise SettingsError(f"unknown generation setting {unknown[0]!r}: {hint}the settings are {', '.join(FIELDS)}", unknown[0])
     return dataclasses.replace(base, **overrides) if overrides else base
 
 
 def _integer(name, value, low, hint="") -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise SettingsError(f"{name} must be an integer of at least {low}{hint}, got {value!r}")
+        raise SettingsError(f"{name} must be an integer of at least {low}{hint}, got {value!r}", name)
     return int(value)
 
 
 def _real(name, value, rule, ok) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise SettingsError(f"{name} must be a number {rule}, got {value!r}")
+        raise SettingsError(f"{name} must be a number {rule}, got {value!r}", name)
     return float(value)
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise SettingsError(f"stop must be a string or a list of non-empty strings, got {stop!r}")
+        raise SettingsError(f"stop must be a string or a list of non-empty strings, got {stop!r}", "stop")
     return tuple(stop)
 
 
@@ -173,7 +175,7 @@ def _token_ids(ids) -> tuple[int, ...]:
     ids = (ids,) if isinstance(ids, numbers.Integral) else ids
     if not isinstance(ids, (list, tuple)) or not all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise SettingsError(f"stop_token_ids must be a list of token ids (integers of at least 0), got {ids!r}")
+        raise SettingsError(f"stop_token_ids must be a list of token ids (integers of at least 0), got {ids!r}", "stop_token_ids")
     return tuple(int(t) for t in ids)
 
 
@@ -182,23 +184,23 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     None is no bias."""
     pairs = () if bias is None else bias.items() if isinstance(bias, dict) else bias
     if not isinstance(pairs, (list, tuple, type({}.items()))):
-        raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+        raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
     out = {}
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}")
+            raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
         token, value = pair
         if isinstance(token, str) and token.strip().isdigit():
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-            raise SettingsError(f"logit_bias keys must be token ids (integers of at least 0), got {token!r}")
+            raise SettingsError(f"logit_bias keys must be token ids (integers of at least 0), got {token!r}", "logit_bias")
         out[int(token)] = _real(f"logit_bias[{token}]", value, "in [-100, 100]", lambda v: -100 <= v <= 100)
     return tuple(sorted(out.items()))
 
 
 def _choices(choice) -> tuple[str, ...]:
     if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) and c for c in choice):
-        raise SettingsError(f"choice must be a non-empty list of non-empty strings, got {choice!r}")
+        raise SettingsError(f"choice must be a non-empty list of non-empty strings, got {choice!r}", "choice")
     return tuple(choice)
 
 
@@ -208,12 +210,14 @@ def _response_format(value) -> Constraint | None:
         return value
     if not isinstance(value, dict) or value.get("type") not in FORMATS:
         got = value.get("type") if isinstance(value, dict) else value
-        raise SettingsError(f"response_format must be a dict whose type is one of {', '.join(FORMATS)}, got {got!r}")
+        raise SettingsError(f"response_format must be a dict whose type is one of {', '.join(FORMATS)}, got {got!r}",
+                            "response_format")
     kind = value["type"]
     allowed = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"pattern"}, "grammar": {"lark"}}[kind]
     extra = set(value) - allowed - {"type"}
     if extra:
-        raise SettingsError(f"response_format of type {kind!r} takes {sorted(allowed) or 'no other keys'}, not {sorted(extra)}")
+        raise SettingsError(f"response_format of type {kind!r} takes {sorted(allowed) or 'no other keys'}, not {sorted(extra)}",
+                            "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -221,10 +225,11 @@ def _response_format(value) -> Constraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise SettingsError('response_format json_schema needs {"json_schema": {"schema": {...}}}, the schema a JSON object')
+            raise SettingsError('response_format json_schema needs {"json_schema": {"schema": {...}}}, the schema a JSON object',
+                                "response_format")
         return Constraint("json_schema", json.dumps(spec["schema"]))
     text = value.get({"regex": "pattern", "grammar": "lark"}[kind])
     if not isinstance(text, str) or not text:
         key = {"regex": "pattern", "grammar": "lark"}[kind]
-        raise SettingsError(f"response_format of type {kind!r} needs {key!r}, a non-empty string")
+        raise SettingsError(f"response_format of type {kind!r} needs {key!r}, a non-empty string", "response_format")
     return Constraint("lark" if kind == "grammar" else kind, text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import re
 from dataclasses import dataclass
 from datetime import datetime
@@ -13,7 +14,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
 
-from .errors import GenerationError, NotAnExportError
+from .errors import ContextLengthError, GenerationError, NotAnExportError
 from .manifest import TokenizerSpec
 
 
@@ -30,7 +31,48 @@ class Tokenizer:
         self.chat_template = (Path(folder) / spec.chat_template).read_text() if spec.chat_template else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`. A lone surrogate (valid in a JSON string, not in text) is a
+        GenerationError. Long texts are encoded without holding the GIL (the batch call releases
+        it), so other threads (a server's event loop) keep running."""
+        if not text.isascii():
+            _check_text(text)
+        if len(text) < _LONG_TEXT:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_within(self, text: str, context: int, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, refusing at once (ContextLengthError) a text too long to leave room in a
+        context of `context` tokens: encoding megabytes would take seconds."""
+        if (least := self.min_tokens(text)) >= context:
+            raise ContextLengthError(f"the prompt has at least {least} tokens ({len(text)} characters) but the context is "
+                                     f"{context}: shorten it", least, context)
+        return self.encode(text, add_special_tokens)
+
+    def prompt_ids(self, prompt: str | list[int], vocab_size: int, context: int | None = None) -> list[int]:
+        """A prompt's token ids (text is encoded, ids are checked against the vocabulary); with
+        `context`, text that cannot leave room in it is refused before it is encoded."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if context is None else self.encode_within(prompt, context)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+        else:
+            raise GenerationError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise GenerationError("the prompt is empty: pass some text or token ids")
+        return ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without encoding it: no token spells more than
+        `longest_token` bytes, and normalization is taken to at most halve the bytes."""
+        return len(text.encode("utf-8", errors="surrogatepass")) // (2 * self.longest_token)
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most bytes one token's text holds, as the vocabulary writes it (added tokens included)."""
+        return max(len(text.encode()) for text in self._tokenizer.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -50,12 +92,17 @@ class Tokenizer:
         """The id of a token given by its text (a special token's), or None."""
         return None if text is None else self._tokenizer.token_to_id(text)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, ready for a reply."""
-        if not isinstance(messages, (list, tuple)) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    def chat_ids(self, messages: list[dict], context: int | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, ready for a reply (refused
+        at once where they cannot leave room in a context of `context` tokens). An assistant
+        message may have `content` None where it has `tool_calls`, as OpenAI's do."""
+        if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
             raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in (self.chat_template or ""):
+            raise GenerationError("this model's chat template does not render tool calls, so an assistant message with "
+                                  "tool_calls cannot be shown to it: send the calls' text as the message's content")
+        text = self.render_chat(messages)
+        return self.encode(text, False) if context is None else self.encode_within(text, context, False)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it."""
@@ -72,6 +119,23 @@ class Tokenizer:
             )
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
+
+
+_LONG_TEXT = 4096  # characters: shorter texts are encoded holding the GIL (the batch call costs more)
+
+
+def _is_message(m) -> bool:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        return False
+    return isinstance(m.get("content"), str) or (m.get("content") is None and bool(m.get("tool_calls")))
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
+                              "a character: send text whose \\uD800-\\uDFFF escapes come in pairs") from None
 
 
 def _raise_template_error(message: str):

@@ -1,26 +1,31 @@
 """The HTTP layer: OpenAI requests in, the scheduler's pieces out as one response or as server-sent
-events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes."""
+events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes,
+guard.py what every request passes before it reaches a route."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError
 from edgeinfer.sdk.sequence import GenerationResult
 
+from .guard import Guard, refusal
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, error_body, from_edgeinfer
+from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, check_room, error_body, fingerprint, from_edgeinfer
 
 log = logging.getLogger("edgeinfer.serve")
-MAX_BODY = 4 * 1024 * 1024  # bytes of a request body
+ROUTES = "/v1/chat/completions, /v1/completions and /v1/models"
 
 
 class _Loaded:
@@ -28,11 +33,15 @@ class _Loaded:
 
     def __init__(self, load: Callable, on_error: Callable):
         self.engine = self.scheduler = self.error = None
+        self.fingerprint = None
         self._thread = threading.Thread(target=self._load, args=(load, on_error), name="edgeinfer-load", daemon=True)
 
     def _load(self, load, on_error) -> None:
         try:
-            self.engine, self.scheduler = load()
+            engine, scheduler = load()
+            self.fingerprint = fingerprint(__version__, *(f"{name} {info.get('sha256')}" for name, info in
+                                                          sorted(engine.manifest.files.items())))
+            self.engine, self.scheduler = engine, scheduler
             log.info("ready: %s", self.scheduler.mode)
         except EdgeInferError as e:
             self.error = e
@@ -45,11 +54,14 @@ class _Loaded:
         return self.engine, self.scheduler
 
 
-def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None) -> FastAPI:
+def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None,
+               metrics_key: str | None = None, cors_origins: tuple[str, ...] = (), body_timeout: float = 30.0) -> FastAPI:
     """`load()` returns (engine, scheduler); it runs in the background from startup, and an
     EdgeInferError it raises goes to `on_load_error` (the server stops on it). The scheduler is
     the SDK's, or one with its `submit` whose requests run elsewhere (replicas.Replicas): a
-    request's `response_headers`, where it has them, go on its response."""
+    request's `response_headers`, where it has them, go on its response. `api_key` guards /v1/,
+    `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
+    within `body_timeout` seconds (guard.py)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
 
     async def lifespan(app):
@@ -58,31 +70,12 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         if loaded.scheduler is not None:
             loaded.scheduler.close(grace=0)
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, title="edgeinfer", version=__version__,
+                  description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.")
     app.state.loaded = loaded
-
-    app.add_middleware(_Guard, api_key=api_key, metrics=metrics)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError):
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"] if part != "body") or None
-        message = f"unknown parameter '{field}'" if first["type"] == "extra_forbidden" else f"{field}: {first['msg']}"
-        return JSONResponse(error_body(message, param=field), status_code=400)
-
-    @app.exception_handler(RequestError)
-    async def refused(request: Request, error: RequestError):
-        return _refusal(error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def not_here(request: Request, error: StarletteHTTPException):
-        return JSONResponse(error_body(f"{request.method} {request.url.path}: {error.detail}", code=str(error.status_code)),
-                            status_code=error.status_code)
-
-    @app.exception_handler(EdgeInferError)
-    async def engine_error(request: Request, error: EdgeInferError):
-        status, body, headers = from_edgeinfer(error)
-        return JSONResponse(body, status_code=status, headers=headers)
+    app.add_middleware(Guard, api_key=api_key, metrics_key=metrics_key, metrics=metrics, cors_origins=cors_origins,
+                       body_timeout=body_timeout, routes=lambda: app.routes)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health():
@@ -98,144 +91,211 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
-        return await _generate(body, lambda engine: engine.chat_prompt(body.conversation()), chat=True)
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        return await _generate(body, http, [body.conversation()], chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await _generate(body, lambda engine: body.prompt, chat=False)
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        return await _generate(body, http, body.prompts(), chat=False)
 
-    async def _generate(body, prompt_of: Callable, chat: bool):
+    async def _generate(body, http: HTTPRequest, prompts: list, chat: bool):
         engine, scheduler = loaded.ready()
         if body.model != model_name:
             raise RequestError(f"the model '{body.model}' is not served here: this server serves '{model_name}'",
                                param="model", status=404, code="model_not_found")
+        choices = body.choice_settings()
         try:
-            request = await _submit(scheduler, prompt_of(engine), body.settings())
+            requests = await _submit(scheduler, lambda: _prompt_ids(engine, prompts, body.asked_tokens, chat), choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply, headers = Reply(chat, model_name, engine.tokenizer.token_bytes), getattr(request, "response_headers", None)
+        reply = Reply(chat, model_name, engine.tokenizer.token_bytes, loaded.fingerprint, len(requests), len(choices))
+        headers = getattr(requests[0], "response_headers", None)
         if body.stream:
-            return StreamingResponse(_events(request, reply, body.include_usage), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(_events(requests, reply, body.include_usage), media_type="text/event-stream", headers=headers)
         try:
-            result = GenerationResult.from_pieces([piece async for piece in _pieces(request)])
+            results = await _whole(requests, http)
         except EdgeInferError as e:
             status, error, more = from_edgeinfer(e)
             return JSONResponse(error, status_code=status, headers={**(headers or {}), **more})
-        _finished(reply.id, result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s, result.finish_reason)
-        return JSONResponse(reply.whole(result), headers=headers)
+        if results is None:  # the client went away: nobody reads this
+            _cancelled(requests, reply.id, 0)
+            return Response(status_code=499)
+        for result in results:
+            _finished(reply.id, result)
+        return JSONResponse(reply.whole(results), headers=headers)
 
-    async def _events(request, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-        made, ended = 0, False
+    async def _events(requests: list, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        pieces, is_done = [[] for _ in requests], [False] * len(requests)
         try:
-            if (first := reply.first_chunk()) is not None:
-                yield _sse(first)
-            async for piece in _pieces(request):
-                made += len(piece.token_ids)
+            for chunk in reply.first_chunks():
+                yield _sse(chunk)
+            async for index, piece in _pieces(requests):
+                pieces[index].append(piece)
                 if piece.text:
-                    yield _sse(reply.piece_chunk(piece))
+                    yield _sse(reply.piece_chunk(index, piece))
                 if piece.finish_reason is not None:
-                    yield _sse(reply.last_chunk(piece.finish_reason))
-                    if include_usage:
-                        yield _sse(reply.usage_chunk(piece.prompt_tokens, made, piece))
-                    _finished(reply.id, piece.prompt_tokens, made, piece.ttft_s, piece.decode_tokens_per_s, piece.finish_reason)
-                    ended = True
+                    is_done[index] = True
+                    yield _sse(reply.last_chunk(index, piece.finish_reason))
+                    _finished(reply.id, GenerationResult.from_pieces(pieces[index]))
+            if include_usage:
+                yield _sse(reply.usage_chunk([GenerationResult.from_pieces(p) for p in pieces]))
             yield "data: [DONE]\n\n"
         except EdgeInferError as e:  # the status is sent already: the error goes in the stream
-            ended = True
+            is_done = [True] * len(requests)
+            for request in requests:
+                request.cancel()
             yield _sse(from_edgeinfer(e)[1])
         finally:
-            if not ended:  # the client went away: its row is freed at the scheduler's next step
-                request.cancel()
-                metrics.cancelled.inc()
-                log.info("%s cancelled: the client went away after %d tokens", reply.id, made)
+            left = [request for request, done in zip(requests, is_done) if not done]
+            if left:  # the client went away: the rows are freed at the scheduler's next step
+                _cancelled(left, reply.id, sum(len(p.token_ids) for ps in pieces for p in ps))
 
-    def _finished(request_id: str, prompt_tokens: int, made: int, ttft_s: float, tokens_per_s: float, finish: str) -> None:
-        metrics.finished(prompt_tokens, made, ttft_s, tokens_per_s)
-        log.info("%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s", request_id, prompt_tokens, made,
-                 ttft_s * 1000, tokens_per_s, finish)
+    def _cancelled(requests: list, request_id: str, made: int) -> None:
+        for request in requests:
+            request.cancel()
+            metrics.cancelled.inc()
+        log.info("%s cancelled: the client went away after %d tokens", request_id, made)
+
+    def _finished(request_id: str, result: GenerationResult) -> None:
+        metrics.finished(result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s)
+        log.info("%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s", request_id, result.prompt_tokens,
+                 len(result.token_ids), result.ttft_s * 1000, result.decode_tokens_per_s, result.finish_reason)
 
     return app
 
 
-class _Guard:
-    """Plain ASGI (a streamed response passes through untouched): the API key and the body's size
-    before the app sees a request, and every response's status counted in /metrics."""
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape, with the field it is about in `param`."""
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: HTTPRequest, error: RequestValidationError):
+        return JSONResponse(error_body(*_validation_message(error.errors()[0])), status_code=400)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = []
+    @app.exception_handler(RequestError)
+    async def refused(request: HTTPRequest, error: RequestError):
+        return refusal(error)
 
-        async def counted(message):
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
+    @app.exception_handler(StarletteHTTPException)
+    async def not_here(request: HTTPRequest, error: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        if error.status_code == 404:
+            message, code = f"Invalid URL ({where}): the API is {ROUTES}", "unknown_url"
+        elif error.status_code == 405:
+            message, code = f"{where}: the method is not allowed here", "method_not_allowed"
+        else:  # the body could not be read as JSON (nested too deep for the parser, say)
+            message, code = f"{where}: {error.detail}: send a JSON object", None
+        return JSONResponse(error_body(message, code=code), status_code=error.status_code, headers=error.headers)
 
-        refusal = self._refusal(scope)
-        if refusal is not None:
-            await _refusal(refusal)(scope, receive, counted)
-        else:
-            await self.app(scope, _limited(receive), counted)
-        self.metrics.requests.labels(scope["path"], str(status[0] if status else 500)).inc()
+    @app.exception_handler(EdgeInferError)
+    async def engine_error(request: HTTPRequest, error: EdgeInferError):
+        status, body, headers = from_edgeinfer(error)
+        return JSONResponse(body, status_code=status, headers=headers)
 
-    def _refusal(self, scope) -> RequestError | None:
-        headers = dict(scope["headers"])
-        if scope["path"].startswith("/v1/") and self.api_key and headers.get(b"authorization") != f"Bearer {self.api_key}".encode():
-            return RequestError("a valid API key is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
-        if int(headers.get(b"content-length") or 0) > MAX_BODY:
-            return _too_large()
-        return None
-
-
-def _limited(receive):
-    """`receive` that refuses a body growing past MAX_BODY (a chunked one has no length to check first)."""
-    seen = 0
-
-    async def limited():
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > MAX_BODY:
-            raise _too_large()
-        return message
-    return limited
+    @app.exception_handler(Exception)
+    async def bug(request: HTTPRequest, error: Exception):  # a bug: still OpenAI's shape, and the log has the traceback
+        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+        return JSONResponse(error_body(f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please "
+                                       "report it with the server's log", "server_error"), status_code=500)
 
 
-def _too_large() -> RequestError:
-    return RequestError(f"the request body is over {MAX_BODY} bytes", status=413, code="request_too_large")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|[A-Z]\w*|literal\[.*\])$")
 
 
-async def _submit(scheduler, prompt, settings: dict):
-    """`scheduler.submit` on a worker thread: compiling a constraint (and, the first time, reading
-    the tokenizer for it) may take a second, which the event loop must not wait for. A request
-    whose client went away meanwhile is cancelled as soon as it exists."""
-    submitted = asyncio.get_running_loop().run_in_executor(None, lambda: scheduler.submit(prompt, **settings))
+def _validation_message(first: dict) -> tuple[str, str, str | None]:
+    """(message, type, param) of pydantic's first complaint about a body."""
+    loc = [part for part in first["loc"][1:] if not (isinstance(part, str) and _UNION_TAG.match(part))]
+    field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
+    text = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "json_invalid":
+        at = f" at byte {first['loc'][1]}" if len(first["loc"]) > 1 else ""
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', text)}{at}): send a JSON object", \
+            "invalid_request_error", None
+    if first["type"] == "extra_forbidden":
+        return f"unknown parameter '{field}'", "invalid_request_error", field
+    if field is None:
+        return f"the request body: {text} (send a JSON object)", "invalid_request_error", None
+    return f"{field}: {text}", "invalid_request_error", field
+
+
+def _prompt_ids(engine, prompts: list, asked: int | None, chat: bool) -> list[list[int]]:
+    """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
+    the chat template and the tokenizer take time on long prompts)."""
+    ids = [engine.chat_prompt(p) if chat else engine.prompt_ids(p) for p in prompts]
+    for prompt in ids:
+        check_room(len(prompt), asked, engine.max_context)
+    return ids
+
+
+async def _submit(scheduler, prompt_ids: Callable, choices: list[dict]) -> list:
+    """Every choice of every prompt submitted, on a worker thread: rendering, encoding and
+    compiling a constraint take time the event loop must not wait for. Where one is refused, the
+    others are cancelled; a request whose client went away meanwhile is cancelled once it exists."""
+
+    def submit_all() -> list:
+        made = []
+        try:
+            for ids in prompt_ids():
+                made += [scheduler.submit(ids, **settings) for settings in choices]
+        except BaseException:
+            for request in made:
+                request.cancel()
+            raise
+        return made
+
+    submitted = asyncio.get_running_loop().run_in_executor(None, submit_all)
     try:
         return await asyncio.shield(submitted)
     except asyncio.CancelledError:
-        submitted.add_done_callback(lambda done: done.exception() is None and done.result().cancel())
+        submitted.add_done_callback(lambda done: done.exception() is None and [r.cancel() for r in done.result()])
         raise
 
 
-async def _pieces(request) -> AsyncIterator:
-    """The request's pieces, awaited on the event loop (a cancelled await, a client gone, returns
-    at once; a thread blocked on the request's own queue could not be cancelled)."""
+async def _whole(requests: list, http: HTTPRequest) -> list[GenerationResult] | None:
+    """Every request's result, or None once the client has gone away (the caller cancels them)."""
+
+    async def collect() -> list[GenerationResult]:
+        pieces = [[] for _ in requests]
+        async for index, piece in _pieces(requests):
+            pieces[index].append(piece)
+        return [GenerationResult.from_pieces(p) for p in pieces]
+
+    results, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
+    done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if results not in done:
+        results.cancel()
+        return None
+    gone.cancel()
+    try:
+        return results.result()
+    except EdgeInferError:
+        for request in requests:
+            request.cancel()
+        raise
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    """Returns when the client has closed its connection (the body has been read by then)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _pieces(requests: list) -> AsyncIterator:
+    """(index, piece) of the requests' pieces as they come, awaited on the event loop (a
+    cancelled await, a client gone, returns at once; a thread blocked on a request's own queue
+    could not be cancelled). An error of any request is raised."""
     loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
-    request.forward(lambda item: loop.call_soon_threadsafe(arrived.put_nowait, item))
-    while (item := await arrived.get()) is not None:
-        if isinstance(item, BaseException):
+    for index, request in enumerate(requests):
+        request.forward(lambda item, i=index: loop.call_soon_threadsafe(arrived.put_nowait, (i, item)))
+    left = len(requests)
+    while left:
+        index, item = await arrived.get()
+        if item is None:
+            left -= 1
+        elif isinstance(item, BaseException):
             raise item
-        yield item
-
-
-def _refusal(error: RequestError) -> JSONResponse:
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return JSONResponse(error_body(str(error), kind, error.param, error.code), status_code=error.status)
+        else:
+            yield index, item
 
 
 def _sse(data: dict) -> str:

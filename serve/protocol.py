@@ -1,94 +1,163 @@
 """OpenAI's wire format: request bodies as pydantic models, their translation into edgeinfer's
 generation settings, and the responses, stream chunks and errors in OpenAI's shape. Nothing here
-knows of HTTP or of the scheduler."""
+knows of HTTP or of the scheduler.
+
+Types are strict, as OpenAI's are: `max_tokens: true` or `stream: "yes"` is a 400, not 1 or True.
+The numeric ranges the SDK checks are written into the OpenAPI description (JSON schema's
+`minimum`, `maximum`), and the SDK's own message answers a value outside them."""
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, model_validator
 
-from edgeinfer.sdk.errors import BusyError, ContextLengthError, EdgeInferError, GenerationError, GraphError, UnavailableError
+from edgeinfer.sdk.errors import (BusyError, ConstraintError, ContextLengthError, EdgeInferError, GenerationError, GraphError,
+                                  SettingsError, UnavailableError)
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
-from edgeinfer.sdk.settings import FIELDS
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
 NOT_YET = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo", "best_of")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_DEPTH = 512  # levels of nesting in a request body (a JSON schema's included; Python's own limit is 1000)
+SEED_MAX = 2**63 - 1
+# The SDK's names of settings whose API field is named otherwise.
+API_NAMES = {"max_new_tokens": "max_tokens"}
+
+Real = Annotated[float, Strict()]  # a JSON number (an integer too), never a string or a boolean
 
 
-class TextPart(BaseModel):
+def _ranged(low: float | None = None, high: float | None = None, **more) -> Any:
+    """A field whose range the SDK checks (with its own message), written into the OpenAPI description."""
+    bounds = {k: v for k, v in (("minimum", low), ("maximum", high)) if v is not None} | more
+
+    def into_the_number(schema: dict) -> None:
+        for option in schema.get("anyOf", [schema]):
+            if option.get("type") in ("number", "integer"):
+                option.update(bounds)
+    return Field(default=None, json_schema_extra=into_the_number)
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: StrictStr
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+class FunctionCall(_Strict):
+    name: StrictStr
+    arguments: StrictStr
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+class ToolCall(_Strict):
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool = False
+class Message(_Strict):
+    """A message of the conversation. "developer" is OpenAI's current name for "system" and is
+    given to the template as "system"; an assistant message may carry `tool_calls` (with
+    `content` null), as agents' histories do."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        return self
+
+    def as_dict(self) -> dict:
+        text = self.content if self.content is None or isinstance(self.content, str) else "".join(p.text for p in self.content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return message
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _Request(_Strict):
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Real | None = _ranged(0)
+    top_p: Real | None = _ranged(None, 1, exclusiveMinimum=0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=SEED_MAX)
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as the OpenAI API allows
+    user: StrictStr | None = None  # accepted and ignored, as the OpenAI API allows
     # edgeinfer's own samplers, as extra fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None  # exactly max_tokens tokens (benchmarks; llama.cpp's server takes it too)
-    choice: list[str] | None = None  # the output is one of these strings
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    top_k: StrictInt | None = _ranged(0)
+    min_p: Real | None = _ranged(0, 1)
+    repetition_penalty: Real | None = _ranged(None, None, exclusiveMinimum=0)
+    ignore_eos: StrictBool | None = None  # exactly max_tokens tokens (benchmarks; llama.cpp's server takes it too)
+    choice: list[StrictStr] | None = None  # the output is one of these strings
+    presence_penalty: Real | None = _ranged(-2, 2)
+    frequency_penalty: Real | None = _ranged(-2, 2)
+    logit_bias: dict[str, Real] | None = None
     response_format: dict[str, Any] | None = None  # checked by GenerationConfig: OpenAI's types and edgeinfer's regex, grammar
-    speculative: str | None = None  # "prompt_lookup", or "draft" where the server has a --draft model
-    num_speculative_tokens: int | None = None
+    speculative: Literal["prompt_lookup", "draft"] | None = None  # draft where the server has a --draft model
+    num_speculative_tokens: StrictInt | None = _ranged(1, 32)
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, body):
+        """Refuse what JSON allows and text does not (a lone surrogate such as "\\ud800"), and
+        nesting deeper than MAX_DEPTH, naming where."""
+        check_json(body)
+        return body
+
     def settings(self) -> dict:
         """The generation settings asked for (the model's defaults apply to the rest)."""
         unsupported = [name for name in NOT_YET if getattr(self, name, None) is not None]
         if unsupported:
             raise RequestError(f"'{unsupported[0]}' is not supported by edgeinfer yet: leave it out", unsupported[0])
-        if self.n not in (None, 1):
-            raise RequestError(f"n={self.n} is not supported: edgeinfer makes one choice per request (n=1); send "
-                               "several requests instead", "n")
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
-        chosen = {"max_new_tokens": self.max_completion_tokens or self.max_tokens, "temperature": self.temperature,
+        chosen = {"max_new_tokens": self.asked_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "top_k": self.top_k, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos, "choice": self.choice,
                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                   "logit_bias": self.logit_bias, "response_format": self.response_format, "speculative": self.speculative,
                   "num_speculative_tokens": self.num_speculative_tokens, **self.logprob_settings()}
         return {name: value for name, value in chosen.items() if value is not None}
+
+    def choice_settings(self) -> list[dict]:
+        """The settings of each of the `n` choices: choice i samples with seed + i (the request's
+        seed is choice 0's), so every choice is reproducible and they differ."""
+        settings = self.settings()
+        if "seed" not in settings:
+            return [settings] * (self.n or 1)
+        return [{**settings, "seed": (settings["seed"] + i) % (SEED_MAX + 1)} for i in range(self.n or 1)]
+
+    @property
+    def asked_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
     def logprob_settings(self) -> dict:
         return {}
@@ -100,8 +169,8 @@ class _Request(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = _ranged(0, 20)
 
     def logprob_settings(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
@@ -109,18 +178,62 @@ class ChatRequest(_Request):
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=20)  # the legacy API: how many alternatives per token
+    """`prompt` is one prompt (text or token ids) or a list of them: each gets its `n` choices,
+    numbered prompt by prompt, as OpenAI numbers them."""
 
-    def logprob_settings(self) -> dict:
-        return {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
+    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # the legacy API: how many alternatives per token
     suffix: Any = None
     echo: Any = None
     best_of: Any = None
+
+    def logprob_settings(self) -> dict:
+        return {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}
+
+    def prompts(self) -> list[str | list[int]]:
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else list(self.prompt)
+
+
+def check_json(value, where: str = "", depth: int = 0) -> None:
+    """RequestError (naming the field) for a lone surrogate anywhere in a JSON value, or nesting
+    past MAX_DEPTH. Iterative, so no value can exhaust Python's stack."""
+    stack = [(value, where, depth)]
+    while stack:
+        item, path, level = stack.pop()
+        if level > MAX_DEPTH:
+            where = path if len(path) < 80 else f"{path[:60]}…"
+            raise RequestError(f"{where or 'the body'} is nested more than {MAX_DEPTH} levels deep: flatten it", _root(path))
+        if isinstance(item, str):
+            _check_text(item, path)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                _check_text(key, path)
+                stack.append((inner, f"{path}.{key}" if path else str(key), level + 1))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{path}[{i}]", level + 1) for i, inner in enumerate(item))
+
+
+def _check_text(text: str, path: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character "
+                               f"{e.start}), which is not text: send UTF-8 text, its \\uD800-\\uDFFF escapes in pairs",
+                               path or None) from None
+
+
+def _root(path: str) -> str | None:
+    return path.split(".")[0].split("[")[0] or None
 
 
 class RequestError(Exception):
@@ -135,6 +248,16 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
+    """OpenAI's rule: a prompt plus the max_tokens asked for must fit the context (a request that
+    does not ask gets what room there is)."""
+    if asked is not None and prompt_tokens < context < prompt_tokens + asked:  # a prompt too long alone: the engine says so
+        room = context - prompt_tokens
+        way = f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"
+        raise RequestError(f"the context is {context} tokens, and the prompt's {prompt_tokens} tokens plus max_tokens {asked} "
+                           f"are {prompt_tokens + asked}: {way}", "max_tokens", code="context_length_exceeded")
+
+
 def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tuple[int, dict, dict]:
     """(status, body, headers) of an edgeinfer error, its message carried through; `prompt_field`
     is the request field that holds the prompt."""
@@ -147,46 +270,78 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
                                param=prompt_field, code="context_length_exceeded"), {}
     if isinstance(error, GraphError) or not isinstance(error, GenerationError):
         return 500, error_body(str(error), "server_error"), {}
-    return 400, error_body(str(error), param=_setting_named(str(error))), {}
+    param = api_name(error.param) if isinstance(error, SettingsError) and error.param else None
+    if param is None and not isinstance(error, SettingsError):
+        param = "response_format" if isinstance(error, ConstraintError) else prompt_field
+    return 400, error_body(str(error), param=param), {}
 
 
-def _setting_named(message: str) -> str | None:
-    """The request field an engine message is about: its settings messages start with the setting's name."""
-    first = message.split(" ", 1)[0]
-    return {"max_new_tokens": "max_tokens"}.get(first, first) if first in FIELDS else None
+def api_name(setting: str) -> str:
+    """The request field of an SDK setting's name ("max_new_tokens" is max_tokens; "logit_bias[5]" is logit_bias)."""
+    root = setting.split("[")[0]
+    return API_NAMES.get(root, root)
+
+
+def fingerprint(*parts: str) -> str:
+    """OpenAI's system_fingerprint: what served the request (edgeinfer's version and the export)."""
+    return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
 class Reply:
     """The response to one request, in OpenAI's shape for chat ("chat.completion") or completions
-    ("text_completion"): whole, or as stream chunks."""
+    ("text_completion"), one choice per request made for it: whole, or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None):
-        """`token_bytes` gives a token's bytes, for logprobs."""
+    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None,
+                 system_fingerprint: str | None = None, choices: int = 1, per_prompt: int = 1):
+        """`token_bytes` gives a token's bytes, for logprobs; `per_prompt` choices share a prompt
+        (n), whose tokens usage counts once."""
         self.chat, self.model, self.token_bytes = chat, model, token_bytes
-        self.offset = 0  # characters of text sent so far (the completions API's text_offset)
+        self.fingerprint, self.per_prompt = system_fingerprint, per_prompt
+        self.offsets = [0] * choices  # characters of text sent so far, per choice (the completions API's text_offset)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def whole(self, result: GenerationResult) -> dict:
-        choice = {"index": 0, "finish_reason": FINISH[result.finish_reason], "logprobs": self._logprobs(result.logprobs)}
-        choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(result.prompt_tokens, len(result.token_ids), result)}
+    def whole(self, results: list[GenerationResult]) -> dict:
+        choices = []
+        for index, result in enumerate(results):
+            choice = {"index": index, "finish_reason": FINISH[result.finish_reason],
+                      "logprobs": self._logprobs(result.logprobs, index)}
+            choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
+            choices.append(choice)
+        return {**self._head(), "choices": choices, "usage": self.usage(results)}
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role."""
-        return self._chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+    def first_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant's role, once per choice."""
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.offsets))] if self.chat else []
 
-    def piece_chunk(self, piece: Piece) -> dict:
-        logprobs = self._logprobs(piece.logprobs)
-        self.offset += len(piece.text)
-        return self._chunk({"content": piece.text} if self.chat else piece.text, None, logprobs)
+    def piece_chunk(self, index: int, piece: Piece) -> dict:
+        logprobs = self._logprobs(piece.logprobs, index)
+        self.offsets[index] += len(piece.text)
+        return self._chunk(index, {"content": piece.text} if self.chat else piece.text, None, logprobs)
 
-    def last_chunk(self, finish_reason: str) -> dict:
-        return self._chunk({} if self.chat else "", FINISH[finish_reason])
+    def last_chunk(self, index: int, finish_reason: str) -> dict:
+        return self._chunk(index, {} if self.chat else "", FINISH[finish_reason])
 
-    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+    def usage_chunk(self, results: list[GenerationResult]) -> dict:
+        return {**self._head(chunk=True), "choices": [], "usage": self.usage(results)}
+
+    def usage(self, results: list[GenerationResult]) -> dict:
+        """OpenAI's usage over the choices: each prompt's tokens once (with those the prefix
+        cache held), every choice's completion tokens; with speculative decoding, the proposed
+        tokens kept and rejected as OpenAI's `completion_tokens_details` reports a prediction's."""
+        firsts = results[::self.per_prompt]
+        prompt, made = sum(r.prompt_tokens for r in firsts), sum(len(r.token_ids) for r in results)
+        counts = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
+                  "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+        proposed = [r for r in results if r.proposed_tokens is not None]
+        if proposed:
+            accepted = sum(last.accepted_tokens for last in proposed)
+            counts["completion_tokens_details"] = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens":
+                                                   sum(last.proposed_tokens for last in proposed) - accepted}
+        return counts
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
         """OpenAI's logprobs of some tokens: chat's `content` list, or the completions API's
         parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
         if logprobs is None:
@@ -196,32 +351,20 @@ class Reply:
             entry = lambda t, lp: {"token": token(t), "logprob": lp, "bytes": list(self.token_bytes(t))}  # noqa: E731
             return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]}
                                 for c in logprobs]}
-        offsets, at = [], self.offset
+        offsets, at = [], self.offsets[index]
         for c in logprobs:
             offsets.append(at)
             at += len(token(c.token))
         return {"tokens": [token(c.token) for c in logprobs], "token_logprobs": [c.logprob for c in logprobs],
                 "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs], "text_offset": offsets}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, last: Piece | None = None) -> dict:
-        return {**self._chunk_head(), "choices": [], "usage": usage(prompt_tokens, completion_tokens, last)}
-
-    def _chunk(self, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
+    def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         choice |= {"delta": delta} if self.chat else {"text": delta}
-        return {**self._chunk_head(), "choices": [choice]}
+        return {**self._head(chunk=True), "choices": [choice]}
 
-    def _chunk_head(self) -> dict:
-        """What every chunk of the stream repeats: chat chunks are "chat.completion.chunk"."""
-        return {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object, "created": self.created,
-                "model": self.model}
-
-
-def usage(prompt_tokens: int, completion_tokens: int, last: GenerationResult | Piece | None = None) -> dict:
-    """OpenAI's usage; with speculative decoding, the proposed tokens kept and rejected as OpenAI's
-    `completion_tokens_details` reports those of a prediction."""
-    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-    if last is not None and last.proposed_tokens is not None:
-        counts["completion_tokens_details"] = {"accepted_prediction_tokens": last.accepted_tokens,
-                                               "rejected_prediction_tokens": last.proposed_tokens - last.accepted_tokens}
-    return counts
+    def _head(self, chunk: bool = False) -> dict:
+        """What the response and every chunk of the stream carry: chat chunks are "chat.completion.chunk"."""
+        kind = self.object + ".chunk" if chunk and self.chat else self.object
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}

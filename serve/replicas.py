@@ -109,14 +109,14 @@ def _replica_class():
             from .app import _pieces, _submit
 
             try:
-                request = await _submit(self.scheduler, prompt, settings)
+                (request,) = await _submit(self.scheduler, lambda: [prompt], [settings])
             except EdgeInferError as e:
                 yield e
                 return
             yield self.name
             ended = False
             try:
-                async for piece in _pieces(request):
+                async for _, piece in _pieces([request]):
                     yield piece
                 ended = True
             except EdgeInferError as e:
@@ -145,7 +145,7 @@ def _front_class():
             from .app import create_app
 
             name = self.settings.model_name or Path(self.settings.folder).name
-            return create_app(lambda: (Prompts(self.settings.folder), Replicas(self.engines)), name, self.settings.api_key)
+            return create_app(lambda: (Prompts(self.settings.folder, self.settings.max_context), Replicas(self.engines)), name, self.settings.api_key)
 
     return EdgeInferFront
 
@@ -163,12 +163,19 @@ def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
 
 
 class Prompts:
-    """What the front needs of an engine: its tokenizer, for the chat template and for the bytes of
-    a token (logprobs). No graph is loaded."""
+    """What the front needs of an engine: its tokenizer, for the chat template, the prompts' ids
+    and the bytes of a token (logprobs), and the context the replicas serve. No graph is loaded."""
 
-    def __init__(self, folder: str | Path):
-        self.tokenizer = Tokenizer(Path(folder), load_manifest(folder).tokenizer)
-        self.chat_prompt = self.tokenizer.chat_ids
+    def __init__(self, folder: str | Path, max_context: int | None = None):
+        self.folder, self.manifest = Path(folder), load_manifest(folder)
+        self.tokenizer = Tokenizer(self.folder, self.manifest.tokenizer)
+        self.max_context = max_context or self.manifest.max_context
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.chat_ids(messages, self.max_context)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context)
 
 
 class Replicas:
@@ -252,15 +259,19 @@ class RemoteRequest:
 
 
 def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int = 1, autoscale: tuple[int, int] | None = None,
-                 address: str | None = None, cpus: float = 1.0, gpus: float = 0.0, grace: float = 30.0) -> None:
+                 address: str | None = None, cpus: float = 1.0, gpus: float = 0.0, options=None) -> None:
     """Start a Ray cluster on this machine (or join the one at `address`), deploy the replicas, and
-    serve them on host:port until SIGTERM or Ctrl-C (`edgeinfer serve`'s server, /health saying 503
-    until every replica has loaded); running requests get `grace` seconds, then the deployment is
-    deleted (and the cluster this call started is stopped)."""
+    serve them on host:port until SIGTERM or Ctrl-C (`edgeinfer serve`'s server with `options`, a
+    server.ServerOptions, /health saying 503 until every replica has loaded); running requests get
+    `options.grace` seconds, then the deployment is deleted (and the cluster this call started is
+    stopped)."""
     import ray
     from ray import serve
 
-    from .server import run_server
+    from .server import ServerOptions, run_server
+
+    options = options or ServerOptions(api_key=settings.api_key)
+    grace = options.grace
 
     _check_reachable(address)
     try:  # "local": a new cluster on this machine, even where RAY_ADDRESS names another
@@ -277,12 +288,12 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
         log.info("%s of %s on Ray Serve", count, settings.folder)
-        return Prompts(settings.folder), Replicas(handle)
+        return Prompts(settings.folder, settings.max_context), Replicas(handle)
 
     try:  # no Ray HTTP proxy: this process is the front
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         name = settings.model_name or Path(settings.folder).name
-        run_server(load, name, host, port, settings.api_key, grace)
+        run_server(load, name, host, port, options)
     finally:
         if APP in serve.status().applications:
             serve.delete(APP)

@@ -1,16 +1,38 @@
 """Running the app with uvicorn, and stopping it cleanly: the first SIGTERM or Ctrl-C stops the
 scheduler taking requests, lets the running ones end within the grace period, ends the rest with
-finish reason "length", and only then lets uvicorn close its connections and exit 0."""
+finish reason "length", and only then lets uvicorn close its connections and exit 0.
+
+Clients that stall cannot hold connections: a connection must deliver a request's headers within
+`header_timeout` seconds of opening (or of its previous response), else it gets a 408 and is
+closed; the body must follow within `body_timeout` (guard.py); an idle kept-alive connection is
+closed after uvicorn's `timeout_keep_alive`."""
 from __future__ import annotations
 
+import json
 import logging
 import threading
+from dataclasses import dataclass
 
 import uvicorn
 
 from .app import create_app
+from .protocol import error_body
 
 log = logging.getLogger("edgeinfer.serve")
+KEEP_ALIVE_S = 5  # an idle connection between requests
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Who may call the server, and how long a client may take: `api_key` guards /v1/,
+    `metrics_key` /metrics (None: open); pages from `cors_origins` may call it ("*": any)."""
+
+    api_key: str | None = None
+    metrics_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    grace: float = 30.0
 
 
 class _Server(uvicorn.Server):
@@ -33,18 +55,68 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               grace: float = 30.0) -> None:
+def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions = ServerOptions()) -> None:
     failed = []
 
     def stop(error):
         failed.append(error)
         server.should_exit = True
 
-    app = create_app(load, model_name, api_key, on_load_error=stop)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    server = _Server(config, grace)
+    app = create_app(load, model_name, options.api_key, stop, options.metrics_key, options.cors_origins, options.body_timeout)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S, http=timed_protocol(options.header_timeout))
+    server = _Server(config, options.grace)
     log.info("listening on http://%s:%d (OpenAI API under /v1); loading %s", host, port, model_name)
     server.run()
     if failed:
         raise failed[0]
+
+
+def timed_protocol(header_timeout: float):
+    """uvicorn's HTTP protocol (httptools where installed, else h11), with a deadline for each
+    request's headers: armed when the connection opens and when a response ends, met when a
+    request's headers are complete (uvicorn then starts its cycle)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class TimedProtocol(Base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._heard = True
+            super().data_received(data)
+
+        def connection_lost(self, exc) -> None:
+            if getattr(self, "_deadline", None) is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if getattr(self, "_deadline", None) is not None:
+                self._deadline.cancel()
+            self._waiting_after, self._heard = self.cycle, False
+            self._deadline = self.loop.call_later(header_timeout, self._expire)
+
+        def _expire(self) -> None:
+            """No new request since the deadline was armed, and none running: the headers are late."""
+            idle = self.cycle is None or self.cycle.response_complete
+            if self.cycle is self._waiting_after and idle and not self.transport.is_closing():
+                if self._heard:  # part of a request came: say why it is closed
+                    self.transport.write(_timeout_response(header_timeout))
+                self.transport.close()
+
+    return TimedProtocol
+
+
+def _timeout_response(seconds: float) -> bytes:
+    body = json.dumps(error_body(f"the request's headers did not arrive within {seconds:g} s", code="request_timeout")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
