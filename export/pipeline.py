@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import gc
 import glob
 import os
@@ -36,6 +37,20 @@ _OPTIONAL_STAGES = {"fuse": "--no-fuse exports without this stage", "fp16": "an 
                     "quantize": "an export without --quantize skips this stage",
                     "split": "the default layout (--graphs single) skips this stage"}
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
+
+
+@functools.cache
+def _stage_failures() -> tuple[type[Exception], ...]:
+    """What a stage's libraries (torch, transformers, optimum, onnx, ONNX Runtime) raise on a model
+    they cannot handle: Python's own kinds, onnx's checker and shape inference errors, and ONNX
+    Runtime's status errors (which derive from Exception alone)."""
+    import onnx.checker
+    import onnx.shape_inference
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    ort = [kind for kind in vars(ort_errors).values() if isinstance(kind, type) and issubclass(kind, Exception)]
+    return (ArithmeticError, AssertionError, AttributeError, ImportError, LookupError, MemoryError, RuntimeError, TypeError,
+            ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError, *ort)
 
 
 @dataclass(frozen=True)
@@ -392,7 +407,7 @@ class _Stages:
             yield
         except (EdgeInferError, OSError):  # the stages' own errors, and the file system's (export_model)
             raise
-        except Exception as e:  # anything else is a bug: one line that says so, the traceback kept as the cause
+        except _stage_failures() as e:  # anything else is a bug: one line that says so, the traceback kept as the cause
             around = f"; {_OPTIONAL_STAGES[name]}" if name in _OPTIONAL_STAGES else ""
             raise ExportError(f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
                               f"please report it with the output of --debug{around}") from e

@@ -190,7 +190,7 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise SettingsError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r}", "logit_bias")
         token, value = pair
-        if isinstance(token, str) and token.strip().isdigit():
+        if isinstance(token, str) and token.strip().isascii() and token.strip().isdecimal():
             token = int(token)
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
             raise SettingsError(f"logit_bias keys must be token ids (integers of at least 0), got {token!r}", "logit_bias")

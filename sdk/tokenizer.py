@@ -25,7 +25,7 @@ class Tokenizer:
             raise NotAnExportError(f"{path} is missing: the export is incomplete, export the model again")
         try:
             self._tokenizer = _Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a malformed file, nothing narrower
             raise NotAnExportError(f"{path} cannot be read ({e}): export the model again") from None
         self.spec = spec
         self.chat_template = (Path(folder) / spec.chat_template).read_text() if spec.chat_template else None

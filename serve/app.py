@@ -73,6 +73,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, title="edgeinfer", version=__version__,
                   description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.")
     app.state.loaded = loaded
+    app.openapi = lambda: _openapi(app, model_name)
     app.add_middleware(Guard, api_key=api_key, metrics_key=metrics_key, metrics=metrics, cors_origins=cors_origins,
                        body_timeout=body_timeout, routes=lambda: app.routes)
     _add_error_handlers(app)
@@ -163,6 +164,15 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
                  len(result.token_ids), result.ttft_s * 1000, result.decode_tokens_per_s, result.finish_reason)
 
     return app
+
+
+def _openapi(app: FastAPI, model_name: str) -> dict:
+    """FastAPI's description of the routes and request models, with `model` the one model served."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for name in ("ChatRequest", "CompletionRequest"):
+            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+    return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:

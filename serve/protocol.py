@@ -44,6 +44,31 @@ def _ranged(low: float | None = None, high: float | None = None, **more) -> Any:
     return Field(default=None, json_schema_extra=into_the_number)
 
 
+def _described(schema: dict) -> Any:
+    """A field whose OpenAPI description is `schema` (the field itself is checked elsewhere, with
+    the SDK's messages)."""
+    def replace(field_schema: dict) -> None:
+        field_schema.clear()
+        field_schema.update(schema)
+    return Field(default=None, json_schema_extra=replace)
+
+
+NOT_SERVED = {"type": "null", "description": "not served yet: any other value is a 400 that names the field"}
+RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"], "additionalProperties": False},
+    {"type": "object", "properties": {"type": {"enum": ["json_schema"]}, "json_schema": {
+        "type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"},
+                                         "description": {"type": "string"}}, "required": ["schema"]}},
+     "required": ["type", "json_schema"], "additionalProperties": False},
+    {"type": "object", "properties": {"type": {"enum": ["regex"]}, "pattern": {"type": "string", "minLength": 1}},
+     "required": ["type", "pattern"], "additionalProperties": False},
+    {"type": "object", "properties": {"type": {"enum": ["grammar"]}, "lark": {"type": "string", "minLength": 1}},
+     "required": ["type", "lark"], "additionalProperties": False},
+    {"type": "null"}]}
+LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}]}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -114,15 +139,15 @@ class _Request(_Strict):
     choice: list[StrictStr] | None = None  # the output is one of these strings
     presence_penalty: Real | None = _ranged(-2, 2)
     frequency_penalty: Real | None = _ranged(-2, 2)
-    logit_bias: dict[str, Real] | None = None
-    response_format: dict[str, Any] | None = None  # checked by GenerationConfig: OpenAI's types and edgeinfer's regex, grammar
+    logit_bias: dict[str, Real] | None = _described(LOGIT_BIAS)  # token id: bias
+    response_format: dict[str, Any] | None = _described(RESPONSE_FORMAT)  # checked by GenerationConfig
     speculative: Literal["prompt_lookup", "draft"] | None = None  # draft where the server has a --draft model
     num_speculative_tokens: StrictInt | None = _ranged(1, 32)
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    tools: Any = _described(NOT_SERVED)
+    tool_choice: Any = _described(NOT_SERVED)
+    functions: Any = _described(NOT_SERVED)
+    function_call: Any = _described(NOT_SERVED)
 
     @model_validator(mode="before")
     @classmethod
@@ -188,12 +213,12 @@ class CompletionRequest(_Request):
     """`prompt` is one prompt (text or token ids) or a list of them: each gets its `n` choices,
     numbered prompt by prompt, as OpenAI numbers them."""
 
-    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # the legacy API: how many alternatives per token
-    suffix: Any = None
-    echo: Any = None
-    best_of: Any = None
+    suffix: Any = _described(NOT_SERVED)
+    echo: Any = _described(NOT_SERVED)
+    best_of: Any = _described(NOT_SERVED)
 
     def logprob_settings(self) -> dict:
         return {} if self.logprobs is None else {"logprobs": True, "top_logprobs": self.logprobs}

@@ -274,11 +274,16 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
     grace = options.grace
 
     _check_reachable(address)
-    try:  # "local": a new cluster on this machine, even where RAY_ADDRESS names another
-        ray.init(address=address or "local", include_dashboard=False, logging_level="WARNING")
+    # "local": a new cluster on this machine, even where RAY_ADDRESS names another; with its
+    # dashboard on loopback, which `serve status` and the dashboard's pages need
+    own = {"include_dashboard": True, "dashboard_host": "127.0.0.1"} if address is None else {}
+    try:
+        context = ray.init(address=address or "local", logging_level="WARNING", **own)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise EdgeInferError(f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
                              "there, or leave --address out for a cluster on this machine") from None
+    if address is None:
+        log.info("%s", ray_tools_note(context.dashboard_url))
     count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
 
     def load():
@@ -300,6 +305,15 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
         if address is None:  # the cluster is this command's own; a joined one keeps its other applications
             serve.shutdown()
         ray.shutdown()
+
+
+def ray_tools_note(dashboard_url: str | None) -> str:
+    """How an operator reaches the cluster this command started with Ray's own tools. A new local
+    cluster has Ray's token authentication on (its token in ~/.ray/auth_token), and Ray's CLI sends
+    the token only in token mode."""
+    dashboard = f"http://{dashboard_url}" if dashboard_url and "://" not in dashboard_url else dashboard_url
+    return (f"Ray dashboard: {dashboard}; Ray's tools: RAY_AUTH_MODE=token ray status, "
+            f"RAY_AUTH_MODE=token serve status --address {dashboard}")
 
 
 def _check_reachable(address: str | None, seconds: float = 5.0) -> None:

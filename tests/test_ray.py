@@ -2,11 +2,13 @@
 user starts it (a subprocess on a free localhost port), driven by the real openai client. Each
 answer is compared with the SDK's, and the stream with the one `edgeinfer serve` sends."""
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,9 +30,7 @@ def start_ray(export, *flags):
                                 "--provider", "cpu", *flags], stdout=log, stderr=log, text=True, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline:
-        log.flush()
-        log.seek(0)
-        assert process.poll() is None, log.read()
+        assert process.poll() is None, Path(log.name).read_text()  # its own handle: a seek on the shared one moves the server's writes
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url, log
@@ -49,7 +49,7 @@ def stop(process) -> int:
 @pytest.fixture(scope="module")
 def replicas(tiny_llama):
     process, url, log = start_ray(tiny_llama[1], "--replicas", "2", "--max-batch", "4")
-    yield url, tiny_llama[1].name
+    yield url, tiny_llama[1].name, log
     assert stop(process) == 0
 
 
@@ -71,7 +71,7 @@ def sse_payloads(response_text: str) -> list:
 def test_answers_and_streams_equal_the_sdk_and_edgeinfer_serve(replicas, engine, tiny_llama):
     import openai
 
-    url, model = replicas
+    url, model, _ = replicas
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=12)
     assert chat.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=12).text
@@ -90,7 +90,7 @@ def test_answers_and_streams_equal_the_sdk_and_edgeinfer_serve(replicas, engine,
 
 
 def test_concurrent_requests_spread_over_both_replicas(replicas, engine):
-    url, model = replicas
+    url, model, _ = replicas
     prompts = [[5 + i, 6, 7] for i in range(8)]
     seen, answers = [None] * 8, [None] * 8
 
@@ -101,6 +101,24 @@ def test_concurrent_requests_spread_over_both_replicas(replicas, engine):
     assert in_threads(call, 8) == []
     assert answers == [engine.generate(p, max_new_tokens=16).text for p in prompts]
     assert len(set(seen)) == 2, seen
+
+
+def test_rays_own_tools_see_the_cluster_the_command_started(replicas):
+    """The dashboard on loopback, `ray status` and `serve status` against the cluster, run as the
+    server's log tells an operator (Ray's CLI sends the cluster's token in token mode only)."""
+    url, model, log = replicas
+    text = Path(log.name).read_text()  # its own handle: seeking the shared one would move the server's writes
+    note = next(line for line in text.splitlines() if line.startswith("Ray dashboard: "))
+    dashboard = note.split("Ray dashboard: ", 1)[1].split(";")[0]
+    assert dashboard.startswith("http://127.0.0.1:")
+    assert httpx.get(dashboard, timeout=30).status_code == 200
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    tool = lambda name: os.path.join(os.path.dirname(sys.executable), name)  # noqa: E731 - the environment's own
+    status = subprocess.run([tool("ray"), "status"], capture_output=True, text=True, timeout=120, env=env)
+    assert status.returncode == 0 and "Total Usage" in status.stdout and " CPU" in status.stdout, status.stderr[-2000:]
+    serving = subprocess.run([tool("serve"), "status", "--address", dashboard], capture_output=True, text=True, timeout=120, env=env)
+    assert serving.returncode == 0, serving.stderr[-2000:]
+    assert "edgeinfer:" in serving.stdout and "HEALTHY" in serving.stdout and "RUNNING: 2" in serving.stdout
 
 
 def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama, engine):

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -67,9 +68,9 @@ def engine(tiny_llama):
 
 
 def server_log(process) -> str:
-    process.log.flush()
-    process.log.seek(0)
-    return process.log.read()
+    """The server's log so far, read through a handle of its own (seeking the one the server writes
+    through would move where its next lines go)."""
+    return Path(process.log.name).read_text()
 
 
 def poll(url: str, condition, seconds: float = 30) -> None:

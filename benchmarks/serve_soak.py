@@ -1,0 +1,213 @@
+"""Soak of `edgeinfer serve` under mixed load: streams, whole requests, clients that drop, bad
+requests and bursts past the queue (429s), for a bounded time, from client threads on this
+machine (loopback only). Prints the requests by status, the largest gap of a stream that runs
+throughout, the server's RSS (after warm-up, peak, at the end of the load and after an idle
+minute) and its open file descriptors.
+
+    python benchmarks/serve_soak.py [--model DIR|NAME] [--seconds 120] [--idle 60] [--clients 6] [--json FILE]
+
+Without --model, a tiny random llama is built and exported here (needs the export extra). The
+server runs with --max-batch 4 --max-queue 4, so the bursts overflow its queue. Figures are
+printed, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import tiny_export  # noqa: E402 - the SDK soak's tiny model
+
+BAD = [  # (path, raw body): each answered with a 4xx
+    ("/v1/completions", b'{"model": "MODEL", "prompt": "a\\ud800b"}'),
+    ("/v1/completions", b'{"model": "MODEL", "prompt": '),
+    ("/v1/completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": true}'),
+    ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}'),
+    ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": -1}'),
+    ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "response_format": '
+                             b'{"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": '
+                             b'{"a": {"$ref": "#"}}, "required": ["a"]}}}}'),
+    ("/v1/nothing", b"{}"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS: the soak reads /proc on Linux")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Load:
+    """The client threads and what they saw."""
+
+    def __init__(self, url: str, model: str, until: float):
+        self.url, self.model, self.until = url, model, until
+        self.statuses, self.lock = Counter(), threading.Lock()
+
+    def count(self, status) -> None:
+        with self.lock:
+            self.statuses[status] += 1
+
+    def client(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as http:
+            while time.monotonic() < self.until:
+                kind = rng.choice(["stream", "whole", "drop_stream", "drop_whole", "bad", "burst"])
+                try:
+                    getattr(self, kind)(http, rng)
+                except httpx.HTTPError as e:
+                    self.count(type(e).__name__)
+
+    def _body(self, rng, **more) -> dict:
+        return {"model": self.model, "prompt": [rng.randrange(3, 300) for _ in range(rng.choice([3, 40, 150]))],
+                "max_tokens": rng.choice([8, 32, 64]), "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1000), **more}
+
+    def stream(self, http, rng) -> None:
+        with http.stream("POST", f"{self.url}/v1/completions", json=self._body(rng, stream=True)) as response:
+            for _ in response.iter_lines():
+                pass
+            self.count(response.status_code)
+
+    def whole(self, http, rng) -> None:
+        self.count(http.post(f"{self.url}/v1/completions", json=self._body(rng, n=rng.choice([1, 2]))).status_code)
+
+    def drop_stream(self, http, rng) -> None:
+        with http.stream("POST", f"{self.url}/v1/completions", json=self._body(rng, stream=True, max_tokens=200)) as response:
+            lines = response.iter_lines()
+            next(lines, None)
+            next(lines, None)
+            self.count(f"dropped stream ({response.status_code})")
+
+    def drop_whole(self, http, rng) -> None:
+        try:
+            httpx.post(f"{self.url}/v1/completions", json=self._body(rng, max_tokens=200), timeout=0.2)
+        except httpx.TimeoutException:
+            self.count("dropped whole")
+
+    def bad(self, http, rng) -> None:
+        path, body = rng.choice(BAD)
+        self.count(http.post(f"{self.url}{path}", content=body.replace(b"MODEL", self.model.encode()),
+                             headers={"content-type": "application/json"}).status_code)
+
+    def burst(self, http, rng) -> None:
+        """Twelve requests at once: past the batch and the queue."""
+        threads = [threading.Thread(target=lambda: self.count(httpx.post(f"{self.url}/v1/completions", json=self._body(rng),
+                                                                         timeout=60).status_code)) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+def watch_stream(url: str, model: str, until: float, gaps: list[float]) -> None:
+    """One long stream after another until `until`, every gap between two of its chunks recorded."""
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        while time.monotonic() < until:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                last = None
+                for _ in response.iter_lines():
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+
+def soak(export: Path, seconds: float, idle: float, clients: int) -> dict:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port),
+                               "--max-batch", "4", "--max-queue", "4", "--provider", "cpu"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the server did not become healthy")
+            time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        start_rss, start_fds = rss_mib(server.pid), open_fds(server.pid)
+        began = time.monotonic()
+        load, gaps = Load(url, model, began + seconds), []
+        threads = [threading.Thread(target=load.client, args=(i,)) for i in range(clients)]
+        threads.append(threading.Thread(target=watch_stream, args=(url, model, began + seconds, gaps)))
+        for thread in threads:
+            thread.start()
+        warm_rss, peak = None, 0.0
+        while any(thread.is_alive() for thread in threads):
+            peak = max(peak, rss_mib(server.pid))
+            if warm_rss is None and time.monotonic() > began + seconds / 10:
+                warm_rss = rss_mib(server.pid)
+            time.sleep(0.5)
+        end_rss, end_fds = rss_mib(server.pid), open_fds(server.pid)
+        time.sleep(idle)
+        idle_rss, idle_fds = rss_mib(server.pid), open_fds(server.pid)
+        healthy = _healthy(url)
+    finally:
+        server.terminate()
+        server.wait(60)
+    return {"seconds": round(time.monotonic() - began - idle, 1), "requests_by_status": dict(sorted((str(k), v) for k, v in
+                                                                                                  load.statuses.items())),
+            "server_errors": sum(v for k, v in load.statuses.items() if isinstance(k, int) and k >= 500),
+            "largest_stream_gap_s": round(max(gaps), 3), "median_stream_gap_s": round(sorted(gaps)[len(gaps) // 2], 4),
+            "rss_start_mib": round(start_rss, 1), "rss_after_warm_up_mib": round(warm_rss or end_rss, 1),
+            "rss_peak_mib": round(peak, 1), "rss_end_of_load_mib": round(end_rss, 1), f"rss_after_{idle:g}_s_idle_mib":
+                round(idle_rss, 1), "idle_against_warm_up_pct": round(100 * (idle_rss / (warm_rss or end_rss) - 1), 2),
+            "fds_start": start_fds, "fds_end_of_load": end_fds, "fds_after_idle": idle_fds, "healthy_after": healthy}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="export folder or catalog name [default: a tiny random llama]")
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--idle", type=float, default=60)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--json", default="serve_soak.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        if args.model is None:
+            export = tiny_export(Path(folder))
+        else:
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from edgeinfer.cli.resolve import resolve_export
+
+            export = resolve_export(args.model, lambda message: print(message, file=sys.stderr))
+        figures = soak(export, args.seconds, args.idle, args.clients)
+    for name, value in figures.items():
+        print(f"{name}: {value}")
+    Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"figures written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
