@@ -4,11 +4,14 @@ machine (loopback only). Prints the requests by status, the largest gap of a str
 throughout, the server's RSS (after warm-up, peak, at the end of the load and after an idle
 minute) and its open file descriptors.
 
-    python benchmarks/serve_soak.py [--model DIR|NAME] [--seconds 120] [--idle 60] [--clients 6] [--json FILE]
+    python benchmarks/serve_soak.py [--model DIR|NAME] [--seconds 120] [--idle 60] [--clients 6] [--prefix-cache MIB]
+                                    [--json FILE]
 
 Without --model, a tiny random llama is built and exported here (needs the export extra). The
-server runs with --max-batch 4 --max-queue 4, so the bursts overflow its queue. Figures are
-printed, never asserted.
+server runs with --max-batch 4 --max-queue 4, so the bursts overflow its queue. The prefix
+cache keeps up to its budget of the prompts' blocks (64 MiB by default) and so grows through a
+soak of distinct prompts by design: its size is printed, and `--prefix-cache 0` leaves it out of
+the RSS figures. Figures are printed, never asserted.
 """
 from __future__ import annotations
 
@@ -129,17 +132,20 @@ def watch_stream(url: str, model: str, until: float, gaps: list[float]) -> None:
         while time.monotonic() < until:
             with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 last = None
-                for _ in response.iter_lines():
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
                     now = time.monotonic()
                     if last is not None:
                         gaps.append(now - last)
                     last = now
 
 
-def soak(export: Path, seconds: float, idle: float, clients: int) -> dict:
+def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: int | None) -> dict:
     port = free_port()
+    cache = [] if prefix_cache is None else ["--prefix-cache", str(prefix_cache)]
     server = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port),
-                               "--max-batch", "4", "--max-queue", "4", "--provider", "cpu"],
+                               "--max-batch", "4", "--max-queue", "4", "--provider", "cpu", *cache],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -166,6 +172,7 @@ def soak(export: Path, seconds: float, idle: float, clients: int) -> dict:
         time.sleep(idle)
         idle_rss, idle_fds = rss_mib(server.pid), open_fds(server.pid)
         healthy = _healthy(url)
+        cached = _metric(url, "edgeinfer_prefix_cache_bytes")
     finally:
         server.terminate()
         server.wait(60)
@@ -176,7 +183,12 @@ def soak(export: Path, seconds: float, idle: float, clients: int) -> dict:
             "rss_start_mib": round(start_rss, 1), "rss_after_warm_up_mib": round(warm_rss or end_rss, 1),
             "rss_peak_mib": round(peak, 1), "rss_end_of_load_mib": round(end_rss, 1), f"rss_after_{idle:g}_s_idle_mib":
                 round(idle_rss, 1), "idle_against_warm_up_pct": round(100 * (idle_rss / (warm_rss or end_rss) - 1), 2),
-            "fds_start": start_fds, "fds_end_of_load": end_fds, "fds_after_idle": idle_fds, "healthy_after": healthy}
+            "prefix_cache_mib": round(cached / 2**20, 1), "fds_start": start_fds, "fds_end_of_load": end_fds, "fds_after_idle": idle_fds, "healthy_after": healthy}
+
+
+def _metric(url: str, name: str) -> float:
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + " "))
 
 
 def _healthy(url: str) -> bool:
@@ -192,6 +204,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--idle", type=float, default=60)
     parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--prefix-cache", type=int, default=None, metavar="MIB", help="the server's --prefix-cache [default: its own]")
     parser.add_argument("--json", default="serve_soak.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -202,7 +215,7 @@ def main() -> None:
             from edgeinfer.cli.resolve import resolve_export
 
             export = resolve_export(args.model, lambda message: print(message, file=sys.stderr))
-        figures = soak(export, args.seconds, args.idle, args.clients)
+        figures = soak(export, args.seconds, args.idle, args.clients, args.prefix_cache)
     for name, value in figures.items():
         print(f"{name}: {value}")
     Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
