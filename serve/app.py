@@ -14,6 +14,8 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
@@ -91,12 +93,14 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: HTTPRequest):
+    @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
+    async def chat(http: HTTPRequest):
+        body = await _read(http, ChatRequest)
         return await _generate(body, http, [body.conversation()], chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HTTPRequest):
+    @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest))
+    async def completions(http: HTTPRequest):
+        body = await _read(http, CompletionRequest)
         return await _generate(body, http, body.prompts(), chat=False)
 
     async def _generate(body, http: HTTPRequest, prompts: list, chat: bool):
@@ -166,10 +170,43 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     return app
 
 
+def _body_of(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads its body itself (_read)."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def _read(http: HTTPRequest, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, parsed and validated on a worker thread: a large body (60,000
+    messages, say) takes longer to validate than the event loop may be held."""
+    raw = await http.body()
+    return await asyncio.get_running_loop().run_in_executor(None, _validated, raw, model)
+
+
+def _validated(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """Any body is read as JSON (whatever its Content-Type, as `curl -d` sends it); the errors are
+    those FastAPI raises, so that one handler words them."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": e.msg}}]) from None
+    except (RecursionError, UnicodeDecodeError) as e:
+        detail = "the JSON is nested too deep" if isinstance(e, RecursionError) else "the body is not UTF-8"
+        raise StarletteHTTPException(400, detail) from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
+
+
 def _openapi(app: FastAPI, model_name: str) -> dict:
     """FastAPI's description of the routes and request models, with `model` the one model served."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
+        _, models = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
+                                       ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
         for name in ("ChatRequest", "CompletionRequest"):
             schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
     return app.openapi_schema
