@@ -7,8 +7,6 @@ The numeric ranges the SDK checks are written into the OpenAPI description (JSON
 `minimum`, `maximum`), and the SDK's own message answers a value outside them."""
 from __future__ import annotations
 
-import json
-
 import hashlib
 import time
 import uuid
@@ -232,30 +230,7 @@ class CompletionRequest(_Request):
 
 def check_json(value, where: str = "", depth: int = 0) -> None:
     """RequestError (naming the field) for a lone surrogate anywhere in a JSON value, or nesting
-    past MAX_DEPTH. Iterative, so no value can exhaust Python's stack; the fields' names are
-    only spelled out for a value that has a fault."""
-    if not _is_clean(value, depth):
-        _find_fault(value, where, depth)
-
-
-def _is_clean(value, depth: int) -> bool:
-    """No lone surrogate (the C encoder writes them as they are, and UTF-8 has none) and no
-    nesting past MAX_DEPTH (a walk of the containers only)."""
-    try:
-        json.dumps(value, ensure_ascii=False, check_circular=False).encode("utf-8")
-    except (UnicodeEncodeError, RecursionError, TypeError, ValueError):  # the walk below names the fault
-        return False
-    stack = [(value, depth)] if isinstance(value, (dict, list)) else []
-    while stack:
-        item, level = stack.pop()
-        if level > MAX_DEPTH:
-            return False
-        inner = item.values() if isinstance(item, dict) else item
-        stack.extend((each, level + 1) for each in inner if isinstance(each, (dict, list)))
-    return True
-
-
-def _find_fault(value, where: str, depth: int) -> None:
+    past MAX_DEPTH. Iterative, so no value can exhaust Python's stack."""
     stack = [(value, where, depth)]
     while stack:
         item, path, level = stack.pop()
