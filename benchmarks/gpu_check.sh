@@ -29,10 +29,10 @@ python - "$out/fp16" <<'PY'
 import sys
 from edgeinfer import Engine
 engine = Engine.load(sys.argv[1], provider="cuda")
-cache = engine.new_cache(64)
-logits = engine.prefill([engine.prompt_ids("The capital of France is")], cache)
-engine.decode([engine.heads.argmax(logits)[0]], cache)
-places = {value.device_name() for value in cache.past.values()} | {logits.device_name()}
+batch = engine.runner.new_batch(1, 64)
+logits = engine.runner.prefill(batch, [engine.prompt_ids("The capital of France is")])
+logits = engine.runner.decode(batch, [engine.runner.heads.argmax(logits)[0]])
+places = {value.device_name() for value in batch.cache.buffers.values()} | {logits.device_name()}
 print("KV cache and logits live on:", ", ".join(sorted(places)))
 sys.exit(0 if places == {"cuda"} else 1)
 PY

@@ -25,8 +25,8 @@ def main(export_dir: str, prompts_path: str) -> None:
         ttft = [engine.generate(system + q, max_new_tokens=1).ttft_s for q in questions]
         later = statistics.median(ttft[1:])
         print(f"{name:9s} TTFT ms: " + " ".join(f"{1000 * t:6.0f}" for t in ttft) +
-              f"   later / first: {later / ttft[0]:.3f}   (hits {engine.prefix_cache.hits}, held "
-              f"{engine.prefix_cache.held / 2**20:.1f} MiB)")
+              f"   later / first: {later / ttft[0]:.3f}   (hits {engine.prefix_cache.hit_tokens}, held "
+              f"{engine.prefix_cache.num_bytes / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, metrics
         engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)
         if mode:  # the default of requests that do not say
             engine.speculate_by_default(mode)
-        return engine, Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+        return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
     run_server(load, name, host, port, options)
 

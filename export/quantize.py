@@ -177,11 +177,11 @@ def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) 
     checks its guesses). One decode step per token took 21 s of SmolLM2's int4 export; this takes
     about 4. Each chunk's logits are reduced as they come: all of them at once, in float64, took
     466 MB for SmolLM2's vocabulary, and as much again for each step of the softmax."""
-    cache = engine.new_cache(len(ids))
-    parts = [_scores(engine.prefill([ids[:1]], cache).numpy()[0, -1:], targets[:1])]
+    cache = engine.runner.new_batch(1, len(ids))
+    parts = [_scores(engine.runner.prefill(cache, [ids[:1]]).numpy()[0, -1:], targets[:1])]
     rest, step = ids[1:-1], engine.prefill_chunk
     for start in range(0, len(rest), step):
-        logits = engine.extend(rest[start:start + step], cache).numpy()[0]
+        logits = engine.runner.verify(cache, 0, rest[start:start + step]).numpy()[0]
         parts.append(_scores(logits, targets[1 + start:1 + start + len(logits)]))
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 

@@ -88,11 +88,11 @@ def _outputs(folder: Path, prompts: list[list[int]], context: int) -> dict:
     logits, tokens = [], []
     greedy = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     for ids in prompts:
-        cache = engine.new_cache()
-        step = engine.prefill([ids], cache).numpy()[0, -1].astype(np.float32)
+        cache = engine.runner.new_batch()
+        step = engine.runner.prefill(cache, [ids]).numpy()[0, -1].astype(np.float32)
         logits.append(step)
         for _ in range(min(4, engine.max_context - len(ids))):
-            step = engine.decode([int(np.argmax(step))], cache).numpy()[0, -1].astype(np.float32)
+            step = engine.runner.decode(cache, [int(np.argmax(step))]).numpy()[0, -1].astype(np.float32)
             logits.append(step)
         tokens.append(engine.generate(ids, greedy).token_ids)
     short = prompts[0][: max(1, len(prompts[0]) // 3)]

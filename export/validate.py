@@ -82,10 +82,10 @@ def logits_differences(engine: Engine, reference: Reference) -> dict:
     prompt's last position (prefill), for PyTorch's first greedy token (decode), and for every
     position of a pass of EXTEND_TOKENS more; and the tolerance for them."""
     ids, token = reference.ids, reference.greedy[0]
-    cache = engine.new_cache()
-    onnx_prefill = engine.prefill([ids], cache).numpy()[0, -1].astype(np.float32)
-    onnx_decode = engine.decode([token], cache).numpy()[0, -1].astype(np.float32)
-    onnx_extend = engine.extend(ids[:EXTEND_TOKENS], cache).numpy()[0].astype(np.float32)
+    cache = engine.runner.new_batch()
+    onnx_prefill = engine.runner.prefill(cache, [ids]).numpy()[0, -1].astype(np.float32)
+    onnx_decode = engine.runner.decode(cache, [token]).numpy()[0, -1].astype(np.float32)
+    onnx_extend = engine.runner.verify(cache, 0, ids[:EXTEND_TOKENS]).numpy()[0].astype(np.float32)
     return {
         "max_abs_diff_prefill": float(np.abs(onnx_prefill - reference.prefill).max()),
         "max_abs_diff_decode": float(np.abs(onnx_decode - reference.decode).max()),

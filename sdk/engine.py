@@ -2,33 +2,24 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-
 from .constraints import Constraints
-from .errors import ContextLengthError, GenerationError, ManifestError, SettingsError
-from .kv_cache import PAD_ID, InPlaceKVCache, KVCache, PrefixCache
+from .errors import GenerationError, ManifestError, SettingsError
+from .generation import generate
 from .manifest import Manifest, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
-from .runtime import Graph, GenerationBindings, LogitsHeads, RowCopy, RuntimeOptions, choose_provider, load_weights
+from .prepare import prepare, speculation
+from .runner import ModelRunner
+from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
-from .settings import GenerationConfig, resolve_settings
-from .speculative import DraftModel, PromptLookup, Speculation
+from .settings import GenerationConfig
 from .tokenizer import Tokenizer
 
-# Prefilling in chunks gives bit-identical logits with a smaller memory peak (README, "Chunked
-# prefill", has the figures measured on SmolLM2).
-DEFAULT_PREFILL_CHUNK = 256
-# MiB of prompts' keys and values kept for prompts that start the same way (SmolLM2: 46 KiB a
-# token, so about 1,400 tokens).
-DEFAULT_PREFIX_CACHE_MIB = 64
-# Inputs the engine knows how to fill, besides the KV cache.
-_STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a prefill pass takes: the same logits, a smaller peak
+DEFAULT_PREFIX_CACHE_MIB = 64  # prompts' keys and values kept for prompts that start the same way
 
 Prompt = str | list[int]
 
@@ -54,29 +45,12 @@ class Engine:
         weight_copies = 2 if manifest.prefill is not None and self.provider == "cpu" else 1
         plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch, weight_copies)
         self.memory = dataclasses.replace(plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
-        self._memory_limit = limits.memory_limit
+        self.memory_limit = limits.memory_limit
         self.memory.check(*available)  # before the weights are read
-        # The split layout (export --graphs split): a prefill graph for the first chunk of a prompt,
-        # on an empty past; everything else runs on `graph`, its decode graph. On a GPU both
-        # sessions use one copy of the weights, loaded once on the device; on the CPU each session
-        # keeps its own (pre-packed) copy, the smallest of the options measured (README, "Split graphs").
-        shared = None
-        if manifest.prefill is not None and self.provider != "cpu":
-            shared = load_weights(self.folder / manifest.graph.file, self.provider)
-        self.graph = self._open_graph(manifest.graph, options, shared)
-        self.prefill_graph = self._open_graph(manifest.prefill, options, shared) if manifest.prefill is not None else None
-        self._shared_weights = shared  # the sessions use these values: they live as long as the engine
-        self.static = manifest.static_context is not None  # the decode graph's shapes are fixed
-        self.heads = LogitsHeads(self.graph.output_types["logits"], self.provider)
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
-        # Prompts' keys and values kept for the next prompt that starts the same way, on the host
-        # (kv_cache.PrefixCache): read and written through host views of the buffers on the CPU
-        # provider, copied (runtime.RowCopy) elsewhere.
-        usable = manifest.kv.sequence_axis == 2 and not self.static  # its prompts' tails would go one token a pass
-        self.prefix_cache = PrefixCache(self.memory.prefix_cache if usable else 0)
-        # Where the cache's buffers have no host view, the prefix cache copies a row's cached tokens.
-        copies = manifest.kv.in_place and self.provider != "cpu" and manifest.kv.dtype in ("float32", "float16")
-        self.row_copy = RowCopy(manifest.kv.dtype, self.provider) if copies else None
+        self.runner = ModelRunner(self.folder, manifest, self.provider, options, self.max_context, prefill_chunk,
+                                  self.memory.prefix_cache)
+        self.prefix_cache = self.runner.prefix_cache
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
         self.draft: Engine | None = None
@@ -125,7 +99,7 @@ class Engine:
         """Make `mode` ("prompt_lookup" or "draft") the speculative decoding of calls that do not
         set theirs (a server's default); raises now where this engine cannot."""
         config = dataclasses.replace(self.default_config, speculative=mode)
-        self._speculation(config, 1, self.max_context)
+        speculation(self, config, 1, self.max_context)
         self.default_config = config
 
     def attach_draft(self, draft: Engine) -> None:
@@ -135,14 +109,6 @@ class Engine:
             raise ManifestError(f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
                                 f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer")
         self.draft = draft
-
-    def _open_graph(self, spec, options: RuntimeOptions, shared: dict | None = None) -> Graph:
-        graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
-        graph.check_names(spec.inputs, spec.outputs)
-        unknown = set(graph.inputs) - _STEP_INPUTS - set(self.manifest.kv.past)
-        if unknown:
-            raise ManifestError(f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`")
-        return graph
 
     # The public calls. Settings: `config=` (a GenerationConfig; default: the model's own) and/or
     # any of its fields as keywords, e.g. `generate(prompt, temperature=0.7, seed=1)`.
@@ -195,241 +161,25 @@ class Engine:
         it is encoded, unless `within_context` is False (a prompt to truncate)."""
         return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context if within_context else None)
 
-    # Generation.
+    def prepare(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
+                **settings) -> list[Sequence]:
+        """Each prompt's Sequence, checked (prepare.py); raises, before any work, on bad settings or prompts."""
+        return prepare(self, prompts, config, settings)
 
-    def _start(self, prompts: list[Prompt], config: GenerationConfig | None, settings: dict) -> Iterator[tuple[int, Piece]]:
+    def run(self, sequences: list[Sequence]) -> Iterator[tuple[int, Piece]]:
+        """The generation loop of prepared sequences, once their KV cache is known to fit: (row,
+        piece) as it is iterated."""
+        capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in sequences)
+        self.check_memory(len(sequences), capacity)
+        return generate(self.runner, sequences, capacity)
+
+    def check_memory(self, num_rows: int, capacity: int) -> None:
+        """Raises where `num_rows` rows of `capacity` tokens of KV cache do not fit beside the weights."""
+        check_generation(self.memory, num_rows, capacity, self.provider, self.memory_limit)
+
+    def _start(self, prompts: list[Prompt], config, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
-        return self._generate(*self._sequences(prompts, config, settings))
-
-    def _generate(self, rows: list[Sequence], is_greedy: bool) -> Iterator[tuple[int, Piece]]:
-        """The generation loop for rows already checked, once their KV cache is known to fit."""
-        capacity = max(len(row.prompt_ids) + row.budget for row in rows)
-        check_generation(self.memory, len(rows), capacity, self.provider, self._memory_limit)
-        if any(row.speculation for row in rows):
-            return self._speculative_loop(rows, is_greedy, capacity)
-        return self._loop(rows, is_greedy, capacity)
-
-    def _sequences(self, prompts: list[Prompt], config, settings: dict) -> tuple[list[Sequence], bool]:
-        """Each prompt's Sequence (its token budget, stop conditions, sampler and constraint), and
-        whether every row is greedy; raises, before any work, on bad settings or prompts. `config`
-        is one GenerationConfig for every row, or a list of one per prompt. In a batch the longest
-        prompt sets the room left in the context for every row."""
-        start = time.perf_counter()
-        configs = config if isinstance(config, (list, tuple)) else [config] * len(prompts)
-        if len(configs) != len(prompts):
-            raise SettingsError(f"{len(configs)} configs for {len(prompts)} prompts: pass one config, or one per prompt")
-        configs = [resolve_settings(self.default_config, c, settings) for c in configs]
-        for c in configs:
-            self._check_token_ids(c)
-        given = [self.prompt_ids(p, c.truncate != "left") for p, c in zip(prompts, configs)]
-        ids = [self._truncate(row, c) for row, c in zip(given, configs)]
-        room = self._room(ids)
-        rows = [Sequence(row, c, min(c.max_new_tokens, room), self.manifest.eos_token_ids, self.tokenizer, start,
-                         len(full) - len(row), self.constraints.start(c.constraint))
-                for row, full, c in zip(ids, given, configs)]
-        for row, c in zip(rows, configs):
-            row.speculation = self._speculation(c, len(rows), len(row.prompt_ids) + row.budget)
-        return rows, all(c.is_greedy for c in configs)
-
-    def _speculation(self, config: GenerationConfig, batch: int, capacity: int) -> Speculation | None:
-        """A row's speculative decoding as its settings ask, or None; raises where this engine cannot."""
-        if config.speculative is None:
-            return None
-        if "logits_to_keep" not in self.graph.inputs:
-            raise SettingsError("this export gives the logits of the last position only, and speculative decoding checks "
-                                f"several: export the model again with this edgeinfer (`edgeinfer export MODEL -o {self.folder} "
-                                "--force`)")
-        if batch > 1 and not self.manifest.kv.in_place:
-            raise SettingsError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
-                                "prompt at a time: generate the prompts one by one")
-        if config.speculative == "draft" and self.draft is None:
-            raise SettingsError("speculative='draft' needs a draft model: load the engine with Engine.load(path, draft=DRAFT_DIR) "
-                                "(--draft DIR), or use speculative='prompt_lookup'")
-        proposer = DraftModel(self.draft, capacity) if config.speculative == "draft" else PromptLookup()
-        return Speculation(proposer, config.num_speculative_tokens)
-
-    def _truncate(self, ids: list[int], config: GenerationConfig) -> list[int]:
-        """With `truncate="left"`, the end of a prompt that leaves too little room for
-        `max_new_tokens` (at least one prompt token is kept)."""
-        if config.truncate != "left":
-            return ids
-        return ids[-max(1, self.max_context - config.max_new_tokens):]
-
-    def _loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
-        """Prefill once, then choose → yield → decode until every row has ended."""
-        cache, kept = self.new_cache(capacity), GenerationBindings()
-        logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
-        for row, cached in zip(rows, cache.cached):
-            row.cached = cached
-        while True:
-            tokens = self._choose(logits, rows, is_greedy, kept)
-            for index, (row, token) in enumerate(zip(rows, tokens)):
-                piece = None if row.is_done else row.add(token)
-                if piece is not None:
-                    yield index, piece
-            if all(row.is_done for row in rows):
-                return
-            logits = self._run(cache.decode_inputs([PAD_ID if row.is_done else t for row, t in zip(rows, tokens)]), cache, kept)
-
-    def _speculative_loop(self, rows: list[Sequence], is_greedy: bool, capacity: int) -> Iterator[tuple[int, Piece]]:
-        """Prefill once, choose each row's first token; then, row by row, propose → check in one
-        pass → keep what the model agrees with, until every row has ended."""
-        cache, kept = self.new_cache(capacity), GenerationBindings()
-        logits = self._prefill([row.prompt_ids for row in rows], cache, kept)
-        for row, cached in zip(rows, cache.cached):
-            row.cached = cached
-        for index, (row, token) in enumerate(zip(rows, self._choose(logits, rows, is_greedy, kept))):
-            piece = row.add(token)
-            if piece is not None:
-                yield index, piece
-        while not all(row.is_done for row in rows):
-            for index, row in enumerate(rows):
-                if not row.is_done:
-                    yield from ((index, piece) for piece in self.speculate(index, row, cache, kept))
-
-    def speculate(self, index: int, row: Sequence, cache: KVCache, kept: GenerationBindings) -> Iterator[Piece]:
-        """One step of one row: its newest token (not yet in the cache) and the proposed ones run
-        in one pass; each position's choice is taken while it equals the proposal, and the first
-        that differs (or the one after the last proposal) is the step's last. The cache then
-        forgets the rejected proposals."""
-        speculation = row.speculation
-        proposal = speculation.propose(row.history, row.budget - row.made - 1) if speculation else []
-        logits = self.extend([row.history[-1], *proposal], cache, index, kept)
-        greedy = self.heads.tokens(logits)[0] if row.is_plain_greedy else None
-        every = None if row.is_plain_greedy else self.heads.every(logits)[0]
-        accepted = 0
-        for i in range(len(proposal) + 1):
-            guess = proposal[i] if i < len(proposal) else None
-            token = int(greedy[i]) if greedy is not None else row.choose(every[i], guess)
-            if token == guess:
-                accepted += 1
-                speculation.accepted += 1  # before `add`, whose last piece carries the counts
-            piece = row.add(token)
-            if piece is not None:
-                yield piece
-            if row.is_done or token != guess:
-                break
-        if speculation:
-            speculation.record(len(proposal), accepted)
-        cache.drop(index, len(proposal) - accepted)
-
-    def _choose(self, logits: ort.OrtValue, rows: list[Sequence], is_greedy: bool, kept: GenerationBindings) -> list[int]:
-        """The next token of every row. Greedy needs only the ids, so ArgMax runs on the device
-        that holds the logits; sampling brings each row's last-position logits to the host."""
-        if is_greedy:
-            return self.heads.argmax(logits, kept)
-        last = self.heads.last(logits)
-        return [PAD_ID if row.is_done else row.choose(last[i]) for i, row in enumerate(rows)]
-
-    def new_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty KV cache for one generation of at most `capacity` tokens per row, prompt
-        included (default: the engine's context). Only a graph that writes its cache in place
-        (`kv.in_place`) allocates it, once, at the first prefill."""
-        shapes = {name: self.graph.inputs[name].shape for name in self.manifest.kv.past}
-        if self.static:  # the decode graph takes buffers of exactly this capacity
-            capacity = self.manifest.static_context
-        if self.manifest.kv.in_place:
-            return InPlaceKVCache(self.manifest.kv, shapes, capacity or self.max_context, self.graph.allocate,
-                                  self.prefix_cache, self.graph, self.row_copy, self.static)
-        return KVCache(self.manifest.kv, shapes, self.prefix_cache, self.graph)
-
-    def prefill(self, prompts: list[list[int]], cache: KVCache) -> ort.OrtValue:
-        """Run the graph over the prompts (one batch), `prefill_chunk` positions at a time, the
-        first chunk on an empty past; fills `cache` and returns the last position's logits
-        [batch, 1, vocab], left on the device. Each call returns a new logits value."""
-        return self._prefill(prompts, cache, None)
-
-    def decode(self, tokens: list[int], cache: KVCache) -> ort.OrtValue:
-        """Run the graph for one new token per row on top of `cache`; returns the logits
-        [batch, 1, vocab], left on the device. Each call returns a new logits value."""
-        return self._run(cache.decode_inputs(tokens), cache, None)
-
-    def extend(self, tokens: list[int], cache: KVCache, row: int = 0, kept: GenerationBindings | None = None,
-               keep: int | None = None) -> ort.OrtValue:
-        """Run the graph for several new tokens of one row on top of `cache`; returns the logits of
-        each (of the last `keep`, where given), [1, positions, vocab], left on the device
-        (speculative decoding checks proposed tokens so). With `kept`, the row's binding is kept
-        there for the next call."""
-        if "logits_to_keep" not in self.graph.inputs:
-            raise GenerationError("this export gives the logits of the last position only: export the model again with this "
-                                  "edgeinfer (`edgeinfer export`)")
-        if self.static and len(tokens) > 1:  # a decode graph of fixed shapes takes one token a pass
-            logits = np.concatenate([self.extend([token], cache, row, None).numpy() for token in tokens][-(keep or len(tokens)):], axis=1)
-            value = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, logits.dtype, "cpu", 0)  # owns its memory
-            value.update_inplace(logits)  # (ortvalue_from_numpy would point into the array, freed on return)
-            return value
-        inputs = cache.extend_inputs(row, tokens, keep)
-        if not self.manifest.kv.in_place:
-            return self._run(inputs, cache, None)
-        return self._run_row(inputs, cache, row, kept)
-
-    def _run_row(self, inputs: dict, cache: KVCache, row: int, kept: GenerationBindings | None) -> ort.OrtValue:
-        """One pass on one row of a cache written in place, bound alone (kept in `kept.rows`)."""
-        binding = kept.rows.get(row) if kept is not None else None
-        if binding is None:
-            binding = self.graph.bind_rows(cache.pooled, row, 1)
-            if kept is not None:
-                kept.rows[row] = binding
-        binding.run(inputs, fresh=("logits",))
-        return binding.outputs()[-1]
-
-    def _prefill(self, prompts: list[list[int]], cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
-        if cache.prefills_by_row(prompts):  # a batch with rows in the prefix cache
-            for row, chunk in cache.prefill_rows(prompts, self.prefill_chunk):
-                logits = self._run(chunk, cache, kept) if row is None else self._run_row(chunk, cache, row, kept)
-            return logits
-        if self.prefill_graph is None:
-            for chunk in cache.prefill_chunks(prompts, self.prefill_chunk):
-                logits = self._run(chunk, cache, kept)
-            return logits
-        # The split layout: the prefill graph reads the first chunk (its fixed length, where it has
-        # one); the rest of a longer prompt goes through the decode graph, one token a pass where
-        # its shapes are fixed.
-        chunk = 1 if self.static else self.prefill_chunk
-        for inputs in cache.prefill_chunks(prompts, chunk, self.manifest.prefill_length):
-            logits = self._run_prefill_graph(inputs, cache) if cache.empty_past else self._run(inputs, cache, kept)
-        return logits
-
-    def _run_prefill_graph(self, inputs: dict, cache: KVCache) -> ort.OrtValue:
-        """One pass of the split layout's prefill graph (no past); its presents fill the cache."""
-        graph = self.prefill_graph
-        outputs, _ = graph.run({name: value for name, value in inputs.items() if name in graph.inputs},
-                               keep=[*self.manifest.kv.present, "logits"], fetch=[])
-        cache.fill(outputs)
-        return outputs["logits"]
-
-    def _run(self, inputs: dict, cache: KVCache, kept: GenerationBindings | None) -> ort.OrtValue:
-        """One pass of the graph: the inputs it takes plus the cache's past; the presents and the
-        logits stay on the device. With `kept` (the generation loop's), a cache written in place
-        stays bound with one logits value from pass to pass, which each pass overwrites."""
-        inputs = {name: value for name, value in inputs.items() if name in self.graph.inputs}
-        if kept is not None and kept.graph is not None:  # two binds and a run
-            kept.graph.run(inputs)
-            return kept.logits
-        outputs, _ = self.graph.run({**inputs, **cache.past}, keep=[*cache.keep, "logits"], fetch=[], into=cache.into)
-        cache.update(outputs)
-        if kept is not None and cache.into:
-            kept.logits = outputs["logits"]
-            kept.graph = self.graph.bind(cache.past, {**cache.into, "logits": kept.logits})
-        return outputs["logits"]
-
-    def _check_token_ids(self, config: GenerationConfig) -> None:
-        for name, ids in (("stop_token_ids", config.stop_token_ids), ("logit_bias", [t for t, _ in config.logit_bias])):
-            bad = [t for t in ids if t >= self.manifest.vocab_size]
-            if bad:
-                raise SettingsError(f"{name} {bad[:5]} are outside the vocabulary (0..{self.manifest.vocab_size - 1})")
-
-    def _room(self, prompts: list[list[int]]) -> int:
-        """New tokens each row may make before the context ends. In a batch the longest prompt
-        sets the room left for every row."""
-        longest = max(len(p) for p in prompts)
-        room = self.max_context - longest
-        if room < 1:
-            which = "the prompt has" if len(prompts) == 1 else "the longest prompt of the batch has"
-            context = "model's" if self.max_context == self.manifest.max_context else "engine's (max_context)"
-            raise ContextLengthError(f"{which} {longest} tokens but the {context} context is {self.max_context}: shorten the "
-                                     "prompt, or pass truncate='left' (--truncate left) to keep its end", longest, self.max_context)
-        return room
+        return self.run(prepare(self, prompts, config, settings))
 
 
 def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, memory_limit: int | None) -> int:

@@ -139,11 +139,11 @@ class Graph:
                 f"{inputs} and {outputs}: the graph and manifest come from different exports, export the model again"
             )
 
-    def run(self, inputs: dict, keep: list[str], fetch: list[str], into: dict | None = None) -> tuple[dict, dict]:
+    def run(self, inputs: dict, on_device: list[str], to_host: list[str], into: dict | None = None) -> tuple[dict, dict]:
         """Run once. `inputs` maps names to numpy arrays (copied to the device) or OrtValues
         (bound where they are). Outputs named in `into` are written into the OrtValues given
-        there (which may also be inputs: a KV cache updated in place); those in `keep` stay on
-        the device as new OrtValues; those in `fetch` come back to the host as numpy arrays."""
+        there (which may also be inputs: a KV cache updated in place); those in `on_device` stay
+        on the device as new OrtValues; those in `to_host` come back as numpy arrays."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, ort.OrtValue):
@@ -152,15 +152,15 @@ class Graph:
                 binding.bind_cpu_input(name, value)
         for name, value in (into or {}).items():
             binding.bind_ortvalue_output(name, value)
-        for name in keep:
+        for name in on_device:
             binding.bind_output(name, self.device)
-        for name in fetch:
+        for name in to_host:
             binding.bind_output(name, "cpu")
         _run(self.session, binding, self.name)
         values = binding.get_outputs()[len(into or {}):]
-        kept = dict(zip(keep, values[: len(keep)]))
-        fetched = {name: value.numpy() for name, value in zip(fetch, values[len(keep):])}
-        return kept, fetched
+        device_values = dict(zip(on_device, values[: len(on_device)]))
+        host_values = {name: value.numpy() for name, value in zip(to_host, values[len(on_device):])}
+        return device_values, host_values
 
     def bind(self, inputs: dict, outputs: dict) -> Binding:
         """An IO binding kept across runs, with `inputs` and `outputs` (OrtValues) bound once."""
@@ -207,13 +207,6 @@ class Graph:
         else:
             binding.io.bind_output("logits", self.device)
         return binding
-
-    def run_rows(self, inputs: dict[str, np.ndarray], pooled: dict[str, tuple[ort.OrtValue, str]], first: int,
-                 rows: int) -> ort.OrtValue:
-        """Run once on rows of a KV pool (see `bind_rows`); returns the logits, a new value on the device."""
-        binding = self.bind_rows(pooled, first, rows)
-        binding.run(inputs)
-        return binding.outputs()[-1]
 
 
 def load_weights(graph_file: Path, provider: str) -> dict[str, ort.OrtValue]:
@@ -282,6 +275,27 @@ def _run(session: ort.InferenceSession, binding, name: str) -> None:
                          "max_context or batch; otherwise check the export with `edgeinfer check`, or export it again") from e
 
 
+class HostCopy:
+    """Copies the first tokens of one row of CPU buffers [rows, kv_heads, capacity, head_size] to
+    and from the host through views of their memory (the prefix cache's copier on the CPU provider)."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+
+    def write(self, buffer: ort.OrtValue, row: int, values: np.ndarray) -> None:
+        """Write `values` [kv_heads, tokens, head_size] into the first tokens of `row`."""
+        self._graph.host_view(buffer)[row, :, :values.shape[1]] = values
+
+    def read(self, buffer: ort.OrtValue, row: int, tokens: int) -> np.ndarray:
+        """A view of the first `tokens` of `row`, [kv_heads, tokens, head_size], valid while the buffer lives."""
+        return self._graph.host_view(buffer)[row, :, :tokens]
+
+    def fill(self, buffer: ort.OrtValue, present: ort.OrtValue, slots: int) -> None:
+        """Copy the first `slots` positions of `present` [rows, kv_heads, positions, head_size] into
+        the same rows of `buffer`."""
+        self._graph.host_view(buffer)[:, :, :slots] = self._graph.host_view(present)[:, :, :slots]
+
+
 class RowCopy:
     """Copies the first tokens of one row of KV buffers [rows, kv_heads, capacity, head_size] between
     the host and the buffers' device, head by head (a head's tokens are contiguous), through an
@@ -330,21 +344,18 @@ class RowCopy:
 
 
 @dataclass
-class GenerationBindings:
-    """What one generation keeps bound from one step to the next, made by the generation loop and
-    dropped with it: the model graph bound to the KV cache's buffers and to one `logits` value
-    that every step overwrites, and the argmax head bound to that value (`argmax_logits`) and to a
-    host array, `token_ids`, that receives each step's greedy tokens. Empty until the first step
-    fills it; a step on a cache that is not written in place binds anew every time instead.
-    `rows` holds, per row, a binding of that row of the cache alone, for passes of several tokens
-    on one row (speculative decoding's checks), whose logits ONNX Runtime allocates at each run."""
+class Bindings:
+    """What a batch keeps bound from one step to the next (runner.Batch): per number of rows, a
+    decode pass's binding of those rows of the cache with the logits value it overwrites
+    (`decode`); per row, a binding of that row alone (`rows`), for passes of several tokens on
+    one row, whose logits ONNX Runtime allocates at each run; and the argmax head bound to one
+    logits value and to the host array `token_ids` that receives its greedy tokens."""
 
-    graph: Binding | None = None
-    logits: ort.OrtValue | None = None
+    decode: dict[int, tuple[Binding, ort.OrtValue]] = field(default_factory=dict)
+    rows: dict[int, Binding] = field(default_factory=dict)
     argmax: Binding | None = None
     argmax_logits: ort.OrtValue | None = None
     token_ids: np.ndarray | None = None
-    rows: dict[int, Binding] = field(default_factory=dict)
 
 
 class LogitsHeads:
@@ -365,25 +376,25 @@ class LogitsHeads:
         """The `tokens` head, loaded at its first use (speculative decoding): not at every load."""
         return Graph(load_head("tokens", self._type), self._provider, threads=1)
 
-    def argmax(self, logits: ort.OrtValue, kept: GenerationBindings | None = None) -> list[int]:
+    def argmax(self, logits: ort.OrtValue, bindings: Bindings | None = None) -> list[int]:
         """Each row's greedy token: the largest logit of its last position. Given a generation's
         bindings, the head stays bound to `logits` and to a host array for the ids."""
-        if kept is None:
-            return self._argmax.run({"logits": logits}, keep=[], fetch=["argmax"])[1]["argmax"].tolist()
-        if kept.argmax_logits is not logits:
-            kept.token_ids = np.zeros(logits.shape()[0], np.int64)
-            kept.argmax_logits = logits
-            kept.argmax = self._argmax.bind({"logits": logits}, {"argmax": ort.OrtValue.ortvalue_from_numpy(kept.token_ids)})
-        kept.argmax.run({})
-        return kept.token_ids.tolist()
+        if bindings is None:
+            return self._argmax.run({"logits": logits}, on_device=[], to_host=["argmax"])[1]["argmax"].tolist()
+        if bindings.argmax_logits is not logits:
+            bindings.token_ids = np.zeros(logits.shape()[0], np.int64)
+            bindings.argmax_logits = logits
+            bindings.argmax = self._argmax.bind({"logits": logits}, {"argmax": ort.OrtValue.ortvalue_from_numpy(bindings.token_ids)})
+        bindings.argmax.run({})
+        return bindings.token_ids.tolist()
 
     def last(self, logits: ort.OrtValue) -> np.ndarray:
         """Each row's last-position logits on the host, [batch, vocab] float32."""
-        return self._last.run({"logits": logits}, keep=[], fetch=["last"])[1]["last"].astype(np.float32, copy=False)
+        return self._last.run({"logits": logits}, on_device=[], to_host=["last"])[1]["last"].astype(np.float32, copy=False)
 
     def tokens(self, logits: ort.OrtValue) -> np.ndarray:
         """The greedy token of every position, [batch, positions] (on the device that holds them)."""
-        return self._tokens.run({"logits": logits}, keep=[], fetch=["tokens"])[1]["tokens"]
+        return self._tokens.run({"logits": logits}, on_device=[], to_host=["tokens"])[1]["tokens"]
 
     @staticmethod
     def every(logits: ort.OrtValue) -> np.ndarray:

@@ -2,11 +2,12 @@
 
 Callers in any thread `submit` a prompt and iterate the `Request` they get back. A request joins
 the running batch at the next step and leaves it when it ends, so a short request never waits for
-a long one; an idle scheduler sleeps. Each step admits waiting requests into free rows of the KV
-pool (kv_cache.SlotPool), prefills one chunk of one new prompt (alone in its row), then decodes one
-token for every row past its prefill, in one pass; a row with speculative decoding checks its
-proposed tokens in a pass of its own. Exports whose attention does not write its cache in place
-(`kv.in_place` false) are served one request at a time.
+a long one; an idle scheduler sleeps. Each request is a Slot whose state goes waiting →
+prefilling → decoding → done. Each step admits waiting slots into free rows of one KV cache
+(kv_cache.SlotCache), prefills one chunk of one prompt (alone in its row), then decodes one token
+for every decoding row in one pass; a row with speculative decoding takes a step of its own. The
+runner (runner.py) runs every pass. Exports whose rows cannot be at different steps
+(`runner.batches_continuously` false) are served one request at a time, through the engine's loop.
 
     scheduler = Scheduler(engine, max_batch=8)
     request = scheduler.submit("The capital of France is", max_new_tokens=16)   # from any thread
@@ -15,6 +16,7 @@ proposed tokens in a pass of its own. Exports whose attention does not write its
 """
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 from collections import deque
@@ -22,11 +24,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import BusyError, ConstraintError
-from .kv_cache import SlotPool
-from .memory import check_generation
-from .runtime import GenerationBindings
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
+from .speculative import step
 
 _END = object()  # what a request's queue gets after its last piece
 
@@ -41,6 +41,7 @@ class Request:
         self._scheduler, self._pieces = scheduler, queue.Queue()
         self._lock, self._deliver = threading.Lock(), self._pieces.put
         self.cancelled = False
+        self.response_headers: dict[str, str] = {}  # what a server adds to the request's response
 
     def forward(self, deliver: Callable[[Piece | BaseException | None], None]) -> None:
         """From now on, hand each item to `deliver` (on the scheduler's thread) instead of the
@@ -69,45 +70,42 @@ class Request:
         self._scheduler._wake_up()
 
 
+class State(enum.Enum):
+    WAITING = "waiting"  # queued for a row
+    PREFILLING = "prefilling"  # in a row, its prompt going in chunk by chunk
+    DECODING = "decoding"  # one token a step
+    DONE = "done"
+
+
 @dataclass
-class _Row:
-    """A request being served: its Sequence, its row of the pool and how far its prefill got."""
+class Slot:
+    """A request being served: its Sequence, its state, its row of the cache and how many of its
+    prompt's tokens the cache holds."""
 
     request: Request
     sequence: Sequence
-    is_greedy: bool
-    slot: int = -1
-    prefilled: int = 0
-    is_restored: bool = False  # the prefix cache was looked up
-    token: int = 0  # the newest token, fed to the next decode pass (set when the prefill ends)
+    state: State = State.WAITING
+    row: int = -1
+    num_prefilled: int = 0
+    token: int = 0  # the newest token, fed to the next decode pass
     events: Iterator | None = field(default=None, repr=False)  # one-at-a-time serving: the engine's own loop
-
-    @property
-    def is_decoding(self) -> bool:
-        return self.prefilled == len(self.sequence.prompt_ids)
 
 
 class Scheduler:
     """Continuous batching over one engine, for callers in many threads (see the module's text).
     `max_batch` rows are allocated once, each of the engine's `max_context` tokens, within its
-    memory plan; `max_queue` requests may wait for a row before `submit` raises BusyError."""
+    memory plan; `max_queue` requests may wait for a row before `submit` raises BusyError. It
+    uses the engine's public parts alone: `runner`, `prepare`, `run`, `check_memory`."""
 
     def __init__(self, engine, max_batch: int = 8, max_queue: int = 64):
-        self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        # A decode graph of fixed shapes (split layout, --static-context) takes one token a pass on
-        # a cache of its own capacity: requests then run one at a time through the engine's loop.
-        self.is_batched = engine.manifest.kv.in_place and not engine.static
-        self.pool = None
+        self.engine, self.runner, self.max_batch, self.max_queue = engine, engine.runner, max_batch, max_queue
+        self.is_batched = self.runner.batches_continuously
+        self.batch = None
         if self.is_batched:
-            check_generation(engine.memory, max_batch, engine.max_context, engine.provider, engine._memory_limit)
-            shapes = {name: engine.graph.inputs[name].shape for name in engine.manifest.kv.past}
-            prefix = engine.prefix_cache if engine.provider == "cpu" or engine.row_copy else None
-            self.pool = SlotPool(engine.manifest.kv, shapes, max_batch, engine.max_context, engine.graph.allocate,
-                                 prefix, engine.graph, engine.row_copy)
-        self._bindings: dict[int, GenerationBindings] = {}  # decode passes, by their number of rows
-        self._speculation_bindings = GenerationBindings()  # each row's own passes (speculative decoding)
-        self._waiting: deque[_Row] = deque()
-        self._rows: list[_Row] = []
+            engine.check_memory(max_batch, engine.max_context)
+            self.batch = self.runner.new_batch(max_batch, engine.max_context, reuses_logits=True)
+        self._waiting: deque[Slot] = deque()
+        self._slots: list[Slot] = []  # those holding a row
         self._wake = threading.Condition()
         self._closing = False  # no new requests
         self._stopping = False  # end the running ones now
@@ -118,29 +116,53 @@ class Scheduler:
     def mode(self) -> str:
         if self.is_batched:
             return f"continuous batching of up to {self.max_batch} rows"
-        if self.engine.static:
+        if self.runner.is_static:
             return "one request at a time (this export's decode graph has fixed shapes: --static-context)"
         return "one request at a time (this export's attention does not write its cache in place)"
 
+    # What a server needs besides `submit` and `close` (serve/backend.py's Backend).
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def manifest(self):
+        return self.engine.manifest
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def stats(self) -> dict[str, float]:
+        """The queue, the running rows and the prefix cache's counts, by name."""
+        cache = self.engine.prefix_cache
+        return {"queue_length": self.waiting, "running_rows": self.running, "prefix_cache_hit_tokens": cache.hit_tokens,
+                "prefix_cache_miss_tokens": cache.missed_tokens, "prefix_cache_bytes": cache.num_bytes}
+
     def submit(self, prompt, config: GenerationConfig | None = None, **settings) -> Request:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread."""
-        (sequence,), is_greedy = self.engine._sequences([prompt], config, settings)
-        request = Request(self)
-        row = _Row(request, sequence, is_greedy)
+        (sequence,) = self.engine.prepare([prompt], config, **settings)
+        slot = Slot(Request(self), sequence)
         if not self.is_batched:
-            row.events = self.engine._generate([sequence], is_greedy)
+            slot.events = self.engine.run([sequence])
         with self._wake:
             if self._closing:
                 raise BusyError("the scheduler is shutting down and takes no new requests")
-            waiting = len(self._waiting) - self._free_rows()  # those that just came in take the free rows at the next step
-            if waiting >= self.max_queue:
-                raise BusyError(f"{waiting} requests are already waiting (max_queue {self.max_queue}): retry later")
-            self._waiting.append(row)
+            num_waiting = len(self._waiting) - self._num_free_rows()  # those that just came in take the free rows
+            if num_waiting >= self.max_queue:
+                raise BusyError(f"{num_waiting} requests are already waiting (max_queue {self.max_queue}): retry later")
+            self._waiting.append(slot)
             self._wake.notify()
-        return request
+        return slot.request
 
-    def _free_rows(self) -> int:
-        return self.pool.free_slots if self.is_batched else int(not self._rows)
+    def _num_free_rows(self) -> int:
+        return self.batch.cache.num_free if self.is_batched else int(not self._slots)
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows of the cache no request holds."""
+        return self._num_free_rows()
 
     @property
     def is_alive(self) -> bool:
@@ -149,12 +171,12 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        return len(self._slots)
 
     @property
     def waiting(self) -> int:
         """Requests waiting for a row (not those about to take a free one)."""
-        return max(0, len(self._waiting) - self._free_rows())
+        return max(0, len(self._waiting) - self._num_free_rows())
 
     def close(self, grace: float | None = None) -> None:
         """Take no new requests; let the others end within `grace` seconds (None: however long
@@ -183,143 +205,120 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._waiting or self._rows or self._closing):
+                while not (self._waiting or self._slots or self._closing):
                     self._wake.wait()
-                if self._stopping or (self._closing and not (self._waiting or self._rows)):
+                if self._stopping or (self._closing and not (self._waiting or self._slots)):
                     break
             self._drop_cancelled()
             with self._wake:
                 self._admit()
             try:
                 self._step()
-            except Exception as error:  # noqa: BLE001 - the loop must outlive any step: its rows get the error
-                for row in list(self._rows):
-                    self._end(row, error)
-        for row in [*self._rows, *self._waiting]:
-            self._end(row, row.sequence.finish("length"))
+            except Exception as error:  # noqa: BLE001 - the loop must outlive any step: its slots get the error
+                for slot in list(self._slots):
+                    self._end(slot, error)
+        for slot in [*self._slots, *self._waiting]:
+            self._end(slot, slot.sequence.finish("length"))
         self._waiting.clear()
 
     def _admit(self) -> None:
-        while self._waiting and self._free_rows():
-            row = self._waiting.popleft()
-            row.slot = self.pool.acquire() if self.is_batched else 0
-            self._rows.append(row)
+        while self._waiting and self._num_free_rows():
+            slot = self._waiting.popleft()
+            slot.row = self.batch.cache.acquire() if self.is_batched else 0
+            slot.state = State.PREFILLING
+            self._slots.append(slot)
 
     def _drop_cancelled(self) -> None:
         """Requests whose caller cancelled them: running ones free their row, waiting ones leave the queue."""
-        for row in [r for r in self._rows if r.request.cancelled]:
-            self._end(row, _END)
+        for slot in [s for s in self._slots if s.request.cancelled]:
+            self._end(slot, _END)
         with self._wake:
-            gone = [r for r in self._waiting if r.request.cancelled]
-            for row in gone:
-                self._waiting.remove(row)
-        for row in gone:
-            self._end(row, _END)
+            gone = [s for s in self._waiting if s.request.cancelled]
+            for slot in gone:
+                self._waiting.remove(slot)
+        for slot in gone:
+            self._end(slot, _END)
 
     def _step(self) -> None:
+        """The step plan: one prefill chunk, one decode pass over the decoding rows, then each
+        speculative row's own step."""
         if not self.is_batched:
             self._step_alone()
             return
-        prefilling = next((row for row in self._rows if not row.is_decoding), None)
+        prefilling = next((s for s in self._slots if s.state is State.PREFILLING), None)
         if prefilling is not None:
-            self._prefill_chunk(prefilling)
-        decoding = [row for row in self._rows if row.is_decoding and not row.sequence.speculation]
+            self._prefill(prefilling)
+        decoding = [s for s in self._slots if s.state is State.DECODING and not s.sequence.speculation]
         if decoding:
             self._decode(decoding)
-        for row in [row for row in self._rows if row.is_decoding and row.sequence.speculation]:
-            self._speculate(row)
+        for slot in [s for s in self._slots if s.state is State.DECODING and s.sequence.speculation]:
+            self._speculate(slot)
 
-    def _speculate(self, row: _Row) -> None:
-        """A row with speculative decoding proposes and checks its tokens in a pass of its own
-        (the engine's step, on the pool's row)."""
+    def _prefill(self, slot: Slot) -> None:
+        ids = slot.sequence.prompt_ids
+        if slot.num_prefilled == 0:  # at its first chunk, not at admission: a prompt admitted beside one that
+            # starts the same way (n choices) finds that one's blocks stored by then
+            slot.num_prefilled = slot.sequence.num_cached = self.runner.restore(self.batch, slot.row, ids)
+        end = min(slot.num_prefilled + self.engine.prefill_chunk, len(ids))
+        logits = self.runner.prefill_span(self.batch, slot.row, ids, slot.num_prefilled, end)
+        slot.num_prefilled = end
+        if end == len(ids):
+            self.runner.store(self.batch, slot.row, ids)
+            slot.state = State.DECODING
+            self._add(slot, self.runner.choose(logits, [slot.sequence], [0])[0])
+
+    def _decode(self, slots: list[Slot]) -> None:
+        tokens: list[int | None] = [None] * (max(s.row for s in slots) + 1)
+        for slot in slots:
+            tokens[slot.row] = slot.token
+        logits = self.runner.decode(self.batch, tokens)
+        chosen = self.runner.choose(logits, [s.sequence for s in slots], [s.row for s in slots], self.batch.bindings)
+        for slot, token in zip(slots, chosen):
+            self._add(slot, token)
+
+    def _speculate(self, slot: Slot) -> None:
         try:
-            for piece in self.engine.speculate(row.slot, row.sequence, self.pool, self._speculation_bindings):
-                row.request._put(piece)
+            for piece in step(self.runner, self.batch, slot.row, slot.sequence):
+                slot.request._put(piece)
         except ConstraintError as error:
-            self._end(row, error)
+            self._end(slot, error)
             return
-        if row.sequence.is_done:
-            self._end(row, _END)
+        if slot.sequence.is_done:
+            self._end(slot, _END)
 
-    def _prefill_chunk(self, row: _Row) -> None:
-        ids = row.sequence.prompt_ids
-        if not row.is_restored:  # at its first chunk, not at admission: a prompt admitted beside one that
-            row.is_restored = True  # starts the same way (n choices) finds that one's blocks stored by then
-            row.prefilled = row.sequence.cached = self.pool.restore(row.slot, ids)
-        end = min(row.prefilled + self.engine.prefill_chunk, len(ids))
-        inputs = self.pool.prefill_inputs(row.slot, ids, row.prefilled, end)
-        logits = self.engine.graph.run_rows(inputs, self.pool.pooled, row.slot, 1)
-        row.prefilled = end
-        if row.is_decoding:
-            self.pool.store(row.slot, ids)
-            token = self._choose(logits, [row], [0])[0]
-            self._add(row, token)
-
-    def _decode(self, rows: list[_Row]) -> None:
-        count = max(row.slot for row in rows) + 1
-        inputs = self.pool.decode_inputs(count, {row.slot: row.token for row in rows})
-        kept = self._decode_bindings(count)
-        kept.graph.run(inputs)
-        for row, token in zip(rows, self._choose(kept.logits, rows, [row.slot for row in rows], kept)):
-            self._add(row, token)
-
-    def _decode_bindings(self, rows: int) -> GenerationBindings:
-        """What a decode pass over the first `rows` rows keeps bound from one step to the next
-        (the pool's rows and one logits value), made at the first such pass."""
-        if rows not in self._bindings:
-            graph = self.engine.graph
-            logits = graph.allocate_output("logits", [rows, 1, self.engine.manifest.vocab_size])
-            self._bindings[rows] = GenerationBindings(graph.bind_rows(self.pool.pooled, 0, rows, logits), logits)
-        return self._bindings[rows]
-
-    def _choose(self, logits, rows: list[_Row], positions: list[int], kept: GenerationBindings | None = None) -> list[int]:
-        """Each row's next token, from the logits of the pass at its position."""
-        if all(row.is_greedy for row in rows):
-            ids = self.engine.heads.argmax(logits, kept)
-            return [ids[position] for position in positions]
-        last = self.engine.heads.last(logits)
-        return [self._choose_one(row, last[position]) for row, position in zip(rows, positions)]
-
-    def _choose_one(self, row: _Row, logits) -> int | None:
-        """A row's next token, or None where its constraint reached a dead end (the row ends with
-        that error; the others go on)."""
+    def _add(self, slot: Slot, token: int | ConstraintError) -> None:
+        """The slot's next token into its sequence; a constraint's dead end ends the slot alone."""
         try:
-            return row.sequence.choose(logits)
+            if isinstance(token, ConstraintError):
+                raise token
+            piece = slot.sequence.add(token)
         except ConstraintError as error:
-            self._end(row, error)
-            return None
-
-    def _add(self, row: _Row, token: int | None) -> None:
-        if token is None:  # ended already (_choose_one)
+            self._end(slot, error)
             return
-        try:
-            piece = row.sequence.add(token)
-        except ConstraintError as error:
-            self._end(row, error)
-            return
-        row.token = token
+        slot.token = token
         if piece is not None:
-            row.request._put(piece)
-        if row.sequence.is_done:
-            self._end(row, _END)
+            slot.request._put(piece)
+        if slot.sequence.is_done:
+            self._end(slot, _END)
 
     def _step_alone(self) -> None:
-        row = self._rows[0]
+        slot = self._slots[0]
         try:
-            _, piece = next(row.events)
-            row.request._put(piece)
+            _, piece = next(slot.events)
+            slot.request._put(piece)
         except StopIteration:
-            self._end(row, _END)
+            self._end(slot, _END)
 
-    def _end(self, row: _Row, last) -> None:
-        """Free the request's row, then give it its last item (a final piece, an error, or nothing
-        more): a caller that sees its request end no longer counts it as running."""
-        if row in self._rows:
-            self._rows.remove(row)
+    def _end(self, slot: Slot, last) -> None:
+        """Free the slot's row, then give its request the last item (a final piece, an error, or
+        nothing more): a caller that sees its request end no longer counts it as running."""
+        if slot in self._slots:
+            self._slots.remove(slot)
             if self.is_batched:
-                self.pool.release(row.slot)
-            elif row.events is not None:
-                row.events.close()
+                self.batch.cache.release(slot.row)
+            elif slot.events is not None:
+                slot.events.close()
+        slot.state = State.DONE
         if last is not _END:
-            row.request._put(last)
-        row.request._put(_END)
+            slot.request._put(last)
+        slot.request._put(_END)

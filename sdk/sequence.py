@@ -69,17 +69,17 @@ class GenerationResult:
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, budget: int, eos_ids: Iterable[int],
-                 tokenizer: Tokenizer, start: float, truncated: int = 0, constraint: Matcher | None = None):
+    def __init__(self, prompt_ids: list[int], config: GenerationConfig, max_new_tokens: int, eos_ids: Iterable[int],
+                 tokenizer: Tokenizer, start: float, num_truncated: int = 0, constraint: Matcher | None = None):
         self.prompt_ids = prompt_ids
-        self.truncated = truncated
+        self.num_truncated = num_truncated
         self.history = list(prompt_ids)  # what the repetition penalty looks at
         self.generated: list[int] = []  # what the presence and frequency penalties look at
-        self.budget = budget
+        self.max_new_tokens = max_new_tokens  # this sequence's, within the room the context leaves
         self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
         self.sampler = Sampler(config)
-        self.is_plain_greedy = config.is_greedy  # the device's argmax is the choice
-        self.speculation = None  # speculative.Speculation, set by the engine where asked for
+        self.chooses_by_argmax = config.chooses_by_argmax  # the device's argmax is the choice
+        self.speculation = None  # speculative.Speculation, where its settings ask for it
         self.constraint = constraint
         if constraint is not None:  # the constraint's end is the output's end
             self.end_ids |= {t: "eos" for t in constraint.eos_ids if t not in self.end_ids}
@@ -87,10 +87,10 @@ class Sequence:
         self.detokenizer = Detokenizer(tokenizer)
         self.stops = StopStrings(config.stop)
         self.start, self.times = start, []
-        self.made, self.pending, self.pending_logprobs = 0, [], []
+        self.num_generated, self.pending, self.pending_logprobs = 0, [], []
         self.chosen: TokenLogprob | None = None  # the last choice's logprobs, until `add` takes the token
         self.finish_reason: str | None = None
-        self.cached = 0  # prompt tokens restored from the prefix cache (set by whoever prefills)
+        self.num_cached = 0  # prompt tokens restored from the prefix cache (set by whoever prefills)
 
     @property
     def is_done(self) -> bool:
@@ -119,13 +119,13 @@ class Sequence:
             self.pending_logprobs.append(self.chosen)
         if self.constraint is not None:
             self.constraint.consume(token)
-        self.made += 1
+        self.num_generated += 1
         text, stopped = self.stops.add(self.detokenizer.add(token))
         if stopped:
             return self._end("stop", text, stopped=True)
         if self.constraint is not None and self.constraint.is_finished:  # only the EOS could follow
             return self._end("eos", text)
-        if self.made == self.budget:
+        if self.num_generated == self.max_new_tokens:
             return self._end("length", text)
         if not text:
             return None
@@ -149,7 +149,7 @@ class Sequence:
         self.finish_reason = "stop" if stopped else reason
         piece = self._piece(text)
         piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = self.finish_reason, self.times[0] - self.start, _rate(self.times)
-        piece.prompt_tokens, piece.truncated_tokens, piece.cached_tokens = len(self.prompt_ids), self.truncated, self.cached
+        piece.prompt_tokens, piece.truncated_tokens, piece.cached_tokens = len(self.prompt_ids), self.num_truncated, self.num_cached
         if self.constraint is not None:
             piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text
         if self.speculation is not None:

@@ -127,7 +127,7 @@ class GenerationConfig:
         return self.response_format
 
     @property
-    def is_greedy(self) -> bool:
+    def chooses_by_argmax(self) -> bool:
         """The next token is always the largest logit as the graph gives it: nothing to sample,
         penalize, mask or report, so the host never needs the logits."""
         return ((self.temperature == 0 or self.top_k == 1) and self.repetition_penalty == 1.0

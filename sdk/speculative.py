@@ -18,6 +18,7 @@ proposes less often, and text where lookup finds nothing costs nothing extra).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,37 +61,64 @@ class DraftModel:
     `record` drops the guesses the model rejected from it."""
 
     def __init__(self, engine, capacity: int):
-        from .runtime import GenerationBindings
-
-        self.engine, self.capacity = engine, capacity
-        self.cache, self.kept = None, GenerationBindings()
-        self.seen = 0  # tokens of the sequence in the draft's cache
-        self._guesses_in_cache = 0  # of the last proposal, the ones fed back into the cache
+        self.runner, self.capacity = engine.runner, capacity
+        self.batch = None  # runner.Batch of the draft's one row, made at the first proposal
+        self.num_seen = 0  # tokens of the sequence in the draft's cache
+        self._num_guesses_in_cache = 0  # of the last proposal, the ones fed back into the cache
 
     def propose(self, tokens: list[int], count: int) -> list[int]:
         if count < 1:
             return []
-        engine, new = self.engine, tokens[self.seen:]
-        if self.cache is None:
-            self.cache = engine.new_cache(self.capacity)
-            logits = engine.prefill([new], self.cache)
+        runner, new = self.runner, tokens[self.num_seen:]
+        if self.batch is None:
+            self.batch = runner.new_batch(1, self.capacity)
+            logits = runner.prefill(self.batch, [new])
         else:
-            logits = engine.extend(new, self.cache, 0, self.kept, keep=1)  # only the last position proposes
-        self.seen = len(tokens)
+            logits = runner.verify(self.batch, 0, new, num_logits=1)  # only the last position proposes
+        self.num_seen = len(tokens)
         guesses = []
         for i in range(count):
-            guesses.append(int(engine.heads.tokens(logits)[0, -1]))
+            guesses.append(int(runner.heads.tokens(logits)[0, -1]))
             if i + 1 < count:
-                logits = engine.extend(guesses[-1:], self.cache, 0, self.kept, keep=1)
-        self._guesses_in_cache = count - 1
+                logits = runner.verify(self.batch, 0, guesses[-1:], num_logits=1)
+        self._num_guesses_in_cache = count - 1
         return guesses
 
     def record(self, proposed: int, accepted: int) -> None:
         """Keep the guesses the model accepted in the draft's cache, and drop the others."""
-        kept = min(accepted, self._guesses_in_cache)
-        self.cache.drop(0, self._guesses_in_cache - kept)
-        self.seen += kept
-        self._guesses_in_cache = 0
+        kept = min(accepted, self._num_guesses_in_cache)
+        self.batch.cache.trim(0, self._num_guesses_in_cache - kept)
+        self.num_seen += kept
+        self._num_guesses_in_cache = 0
+
+
+def step(runner, batch, row: int, sequence) -> Iterator:
+    """One speculative step of one row (the only one, for the engine and the scheduler alike): its
+    newest token (not yet in the cache) and the proposed ones run in one pass; each position's
+    choice is taken while it equals the proposal, and the first that differs (or the one after
+    the last proposal) is the step's last. The cache then forgets the rejected proposals. Yields
+    the row's pieces."""
+    speculation = sequence.speculation
+    room = sequence.max_new_tokens - sequence.num_generated - 1
+    proposal = speculation.propose(sequence.history, room) if speculation else []
+    logits = runner.verify(batch, row, [sequence.history[-1], *proposal])
+    greedy = runner.heads.tokens(logits)[0] if sequence.chooses_by_argmax else None
+    every = None if greedy is not None else runner.heads.every(logits)[0]
+    accepted = 0
+    for i in range(len(proposal) + 1):
+        guess = proposal[i] if i < len(proposal) else None
+        token = int(greedy[i]) if greedy is not None else sequence.choose(every[i], guess)
+        if token == guess:
+            accepted += 1
+            speculation.accepted += 1  # before `add`, whose last piece carries the counts
+        piece = sequence.add(token)
+        if piece is not None:
+            yield piece
+        if sequence.is_done or token != guess:
+            break
+    if speculation:
+        speculation.record(len(proposal), accepted)
+    batch.cache.trim(row, len(proposal) - accepted)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError
 from edgeinfer.sdk.sequence import GenerationResult
 
+from . import backend as backends
+from .backend import Backend
 from .guard import Guard, refusal
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, check_room, error_body, fingerprint, from_edgeinfer
@@ -31,37 +33,36 @@ ROUTES = "/v1/chat/completions, /v1/completions and /v1/models"
 
 
 class _Loaded:
-    """The engine and scheduler, loaded in the background while /health says 503."""
+    """The backend, loaded in the background while /health says 503."""
 
     def __init__(self, load: Callable, on_error: Callable):
-        self.engine = self.scheduler = self.error = None
-        self.fingerprint = None
+        self.backend: Backend | None = None
+        self.error = self.fingerprint = None
         self._thread = threading.Thread(target=self._load, args=(load, on_error), name="edgeinfer-load", daemon=True)
 
     def _load(self, load, on_error) -> None:
         try:
-            engine, scheduler = load()
+            backend = load()
             self.fingerprint = fingerprint(__version__, *(f"{name} {info.get('sha256')}" for name, info in
-                                                          sorted(engine.manifest.files.items())))
-            self.engine, self.scheduler = engine, scheduler
-            log.info("ready: %s", self.scheduler.mode)
+                                                          sorted(backend.manifest.files.items())))
+            self.backend = backend
+            log.info("ready: %s", backend.mode)
         except EdgeInferError as e:
             self.error = e
             on_error(e)
 
-    def ready(self):
-        if self.scheduler is None:
+    def ready(self) -> Backend:
+        if self.backend is None:
             raise RequestError(f"the model failed to load: {self.error}" if self.error else "the model is loading: retry shortly",
                                status=503, code="model_not_ready")
-        return self.engine, self.scheduler
+        return self.backend
 
 
 def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None,
                metrics_key: str | None = None, cors_origins: tuple[str, ...] = (), body_timeout: float = 30.0) -> FastAPI:
-    """`load()` returns (engine, scheduler); it runs in the background from startup, and an
-    EdgeInferError it raises goes to `on_load_error` (the server stops on it). The scheduler is
-    the SDK's, or one with its `submit` whose requests run elsewhere (replicas.Replicas): a
-    request's `response_headers`, where it has them, go on its response. `api_key` guards /v1/,
+    """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
+    in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
+    server stops on it). A request's `response_headers` go on its response. `api_key` guards /v1/,
     `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
     within `body_timeout` seconds (guard.py)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
@@ -69,8 +70,8 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     async def lifespan(app):
         loaded._thread.start()
         yield
-        if loaded.scheduler is not None:
-            loaded.scheduler.close(grace=0)
+        if loaded.backend is not None:
+            loaded.backend.close(grace=0)
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, title="edgeinfer", version=__version__,
                   description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.")
@@ -82,12 +83,11 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
 
     @app.get("/health")
     async def health():
-        engine, scheduler = loaded.ready()
-        return {"status": "ok", "model": model_name, "mode": scheduler.mode}
+        return {"status": "ok", "model": model_name, "mode": loaded.ready().mode}
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(loaded.scheduler), media_type=CONTENT_TYPE)
+        return Response(metrics.render(loaded.backend.stats() if loaded.backend is not None else {}), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -104,18 +104,18 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         return await _generate(body, http, body.prompts(), chat=False)
 
     async def _generate(body, http: HTTPRequest, prompts: list, chat: bool):
-        engine, scheduler = loaded.ready()
+        backend = loaded.ready()
         if body.model != model_name:
             raise RequestError(f"the model '{body.model}' is not served here: this server serves '{model_name}'",
                                param="model", status=404, code="model_not_found")
         choices = body.choice_settings()
         try:
-            requests = await _submit(scheduler, lambda: _prompt_ids(engine, prompts, body.asked_tokens, chat), choices)
+            requests = await backends.submit_all(backend, lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat), choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name, engine.tokenizer.token_bytes, loaded.fingerprint, len(requests), len(choices))
-        headers = getattr(requests[0], "response_headers", None)
+        reply = Reply(chat, model_name, backend.tokenizer.token_bytes, loaded.fingerprint, len(requests), len(choices))
+        headers = requests[0].response_headers or None
         if body.stream:
             return StreamingResponse(_events(requests, reply, body.include_usage), media_type="text/event-stream", headers=headers)
         try:
@@ -135,7 +135,7 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         try:
             for chunk in reply.first_chunks():
                 yield _sse(chunk)
-            async for index, piece in _pieces(requests):
+            async for index, piece in backends.pieces(requests):
                 pieces[index].append(piece)
                 if piece.text:
                     yield _sse(reply.piece_chunk(index, piece))
@@ -265,37 +265,14 @@ def _validation_message(first: dict) -> tuple[str, str, str | None]:
     return f"{field}: {text}", "invalid_request_error", field
 
 
-def _prompt_ids(engine, prompts: list, asked: int | None, chat: bool) -> list[list[int]]:
+def _prompt_ids(backend: Backend, prompts: list, asked: int | None, chat: bool) -> list[list[int]]:
     """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
     the chat template and the tokenizer take time on long prompts)."""
-    ids = [engine.chat_prompt(p) if chat else engine.prompt_ids(p) for p in prompts]
+    tokenizer, context = backend.tokenizer, backend.max_context
+    ids = [tokenizer.chat_ids(p, context) if chat else tokenizer.prompt_ids(p, backend.manifest.vocab_size, context) for p in prompts]
     for prompt in ids:
-        check_room(len(prompt), asked, engine.max_context)
+        check_room(len(prompt), asked, context)
     return ids
-
-
-async def _submit(scheduler, prompt_ids: Callable, choices: list[dict]) -> list:
-    """Every choice of every prompt submitted, on a worker thread: rendering, encoding and
-    compiling a constraint take time the event loop must not wait for. Where one is refused, the
-    others are cancelled; a request whose client went away meanwhile is cancelled once it exists."""
-
-    def submit_all() -> list:
-        made = []
-        try:
-            for ids in prompt_ids():
-                made += [scheduler.submit(ids, **settings) for settings in choices]
-        except BaseException:
-            for request in made:
-                request.cancel()
-            raise
-        return made
-
-    submitted = asyncio.get_running_loop().run_in_executor(None, submit_all)
-    try:
-        return await asyncio.shield(submitted)
-    except asyncio.CancelledError:
-        submitted.add_done_callback(lambda done: done.exception() is None and [r.cancel() for r in done.result()])
-        raise
 
 
 async def _whole(requests: list, http: HTTPRequest) -> list[GenerationResult] | None:
@@ -303,7 +280,7 @@ async def _whole(requests: list, http: HTTPRequest) -> list[GenerationResult] | 
 
     async def collect() -> list[GenerationResult]:
         pieces = [[] for _ in requests]
-        async for index, piece in _pieces(requests):
+        async for index, piece in backends.pieces(requests):
             pieces[index].append(piece)
         return [GenerationResult.from_pieces(p) for p in pieces]
 
@@ -325,24 +302,6 @@ async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has closed its connection (the body has been read by then)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _pieces(requests: list) -> AsyncIterator:
-    """(index, piece) of the requests' pieces as they come, awaited on the event loop (a
-    cancelled await, a client gone, returns at once; a thread blocked on a request's own queue
-    could not be cancelled). An error of any request is raised."""
-    loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
-    for index, request in enumerate(requests):
-        request.forward(lambda item, i=index: loop.call_soon_threadsafe(arrived.put_nowait, (i, item)))
-    left = len(requests)
-    while left:
-        index, item = await arrived.get()
-        if item is None:
-            left -= 1
-        elif isinstance(item, BaseException):
-            raise item
-        else:
-            yield index, item
 
 
 def _sse(data: dict) -> str:

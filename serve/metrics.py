@@ -5,6 +5,9 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+GAUGES = {"queue_length": "Requests waiting for a row", "running_rows": "Requests in the running batch",
+          "prefix_cache_hit_tokens": "Prompt tokens taken from the prefix cache",
+          "prefix_cache_miss_tokens": "Prompt tokens prefilled", "prefix_cache_bytes": "Bytes the prefix cache holds"}
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -16,7 +19,7 @@ class Metrics:
         self.generated_tokens = Counter("edgeinfer_generated_tokens", "Tokens generated", registry=self.registry)
         self.cancelled = Counter("edgeinfer_cancelled_requests", "Streams whose client went away before the end", registry=self.registry)
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=self.registry)
-        self.engine_gauges = None  # made at the first render with the SDK's scheduler
+        self.backend_gauges: dict[str, Gauge] = {}  # made at the first render that has them
         self.inter_token = Histogram("edgeinfer_inter_token_latency_seconds", "Mean time between tokens, per generation",
                                      buckets=_LATENCY, registry=self.registry)
 
@@ -27,18 +30,11 @@ class Metrics:
         if tokens_per_s > 0:
             self.inter_token.observe(1 / tokens_per_s)
 
-    def render(self, scheduler) -> bytes:
-        """The registry's text; with the SDK's scheduler, also its queue, batch and prefix cache (a
-        front of Ray replicas, replicas.Replicas, has none of its own, so it shows none)."""
-        if getattr(scheduler, "engine", None) is not None:
-            if self.engine_gauges is None:
-                self.engine_gauges = {name: Gauge(f"edgeinfer_{name}", text, registry=self.registry) for name, text in (
-                    ("queue_length", "Requests waiting for a row"), ("running_rows", "Requests in the running batch"),
-                    ("prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache"),
-                    ("prefix_cache_miss_tokens", "Prompt tokens prefilled"), ("prefix_cache_bytes", "Bytes the prefix cache holds"))}
-            cache = scheduler.engine.prefix_cache
-            for name, value in (("queue_length", scheduler.waiting), ("running_rows", scheduler.running),
-                                ("prefix_cache_hit_tokens", cache.hits), ("prefix_cache_miss_tokens", cache.misses),
-                                ("prefix_cache_bytes", cache.held)):
-                self.engine_gauges[name].set(value)
+    def render(self, stats: dict[str, float]) -> bytes:
+        """The registry's text, with the backend's `stats` as gauges (a front of Ray replicas has
+        none of its own, so it shows none)."""
+        for name, value in stats.items():
+            if name not in self.backend_gauges:
+                self.backend_gauges[name] = Gauge(f"edgeinfer_{name}", GAUGES.get(name, name), registry=self.registry)
+            self.backend_gauges[name].set(value)
         return generate_latest(self.registry)

@@ -10,7 +10,7 @@ the replica, restarts one that dies, and scales between a minimum and a maximum.
 
     app = application(ReplicaSettings(folder="/models/smollm2"), replicas=2)
     ray.init(); handle = serve.run(app, name="edgeinfer", route_prefix=None)
-    create_app(lambda: (Prompts(folder), Replicas(handle)), "smollm2")  # under uvicorn
+    create_app(lambda: Replicas(handle, folder), "smollm2")  # under uvicorn
 
 The front is this process, not Ray's HTTP proxy in front of replicas that each run the app: the
 proxy answers the requests of a replica that died itself (a plain-text 500, or a cut stream), where
@@ -106,17 +106,17 @@ def _replica_class():
         async def generate(self, prompt, settings: dict):
             """First this replica's name, or the EdgeInferError that refused the request; then the
             request's pieces, and an error of the step loop as an item (sent whole, its type kept)."""
-            from .app import _pieces, _submit
+            from .backend import pieces, submit_all
 
             try:
-                (request,) = await _submit(self.scheduler, lambda: [prompt], [settings])
+                (request,) = await submit_all(self.scheduler, lambda: [prompt], [settings])
             except EdgeInferError as e:
                 yield e
                 return
             yield self.name
             ended = False
             try:
-                async for _, piece in _pieces([request]):
+                async for _, piece in pieces([request]):
                     yield piece
                 ended = True
             except EdgeInferError as e:
@@ -145,7 +145,8 @@ def _front_class():
             from .app import create_app
 
             name = self.settings.model_name or Path(self.settings.folder).name
-            return create_app(lambda: (Prompts(self.settings.folder, self.settings.max_context), Replicas(self.engines)), name, self.settings.api_key)
+            return create_app(lambda: Replicas(self.engines, self.settings.folder, self.settings.max_context), name,
+                              self.settings.api_key)
 
     return EdgeInferFront
 
@@ -162,29 +163,17 @@ def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
     return engine, Scheduler(engine, max_batch=settings.max_batch, max_queue=settings.max_queue)
 
 
-class Prompts:
-    """What the front needs of an engine: its tokenizer, for the chat template, the prompts' ids
-    and the bytes of a token (logprobs), and the context the replicas serve. No graph is loaded."""
-
-    def __init__(self, folder: str | Path, max_context: int | None = None):
-        self.folder, self.manifest = Path(folder), load_manifest(folder)
-        self.tokenizer = Tokenizer(self.folder, self.manifest.tokenizer)
-        self.max_context = max_context or self.manifest.max_context
-
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.chat_ids(messages, self.max_context)
-
-    def prompt_ids(self, prompt) -> list[int]:
-        return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context)
-
-
 class Replicas:
-    """The front's scheduler: `submit` sends a request to one replica of the deployment behind
-    `handle` (Ray Serve picks it) and returns once the replica has taken it, or raises what refused
-    it (a full queue, a bad setting: the replica's own error). `close` stops taking requests and
-    gives those in flight `grace` seconds."""
+    """The front's backend (backend.Backend): `submit` sends a request to one replica of the
+    deployment behind `handle` (Ray Serve picks it) and returns once the replica has taken it, or
+    raises what refused it (a full queue, a bad setting: the replica's own error). `close` stops
+    taking requests and gives those in flight `grace` seconds. The tokenizer of the export at
+    `folder` renders and encodes the prompts here; no graph is loaded."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, folder: str | Path, max_context: int | None = None):
+        self.manifest = load_manifest(folder)
+        self.tokenizer = Tokenizer(Path(folder), self.manifest.tokenizer)
+        self.max_context = max_context or self.manifest.max_context
         self.handle = handle
         self.mode = f"Ray Serve replicas ({handle.mode.remote().result()} each)"
         self.running: set[RemoteRequest] = set()  # in flight through this front
@@ -200,6 +189,9 @@ class Replicas:
         request.response_headers = {REPLICA_HEADER: first}
         self.running.add(request)
         return request
+
+    def stats(self) -> dict[str, float]:
+        return {}  # each replica keeps its own queue and cache
 
     def close(self, grace: float | None = None) -> None:
         self.closing = True
@@ -293,7 +285,7 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
         log.info("%s of %s on Ray Serve", count, settings.folder)
-        return Prompts(settings.folder, settings.max_context), Replicas(handle)
+        return Replicas(handle, settings.folder, settings.max_context)
 
     try:  # no Ray HTTP proxy: this process is the front
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})

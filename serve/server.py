@@ -48,10 +48,10 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._drain, name="edgeinfer-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        scheduler = self.config.app.state.loaded.scheduler
+        backend = self.config.app.state.loaded.backend
         log.info("stopping: no new requests; running ones get %.0f s to finish", self.grace)
-        if scheduler is not None:
-            scheduler.close(self.grace)
+        if backend is not None:
+            backend.close(self.grace)
         self.should_exit = True
 
 

@@ -82,9 +82,9 @@ def logits_against_transformers(engine, model, ids: list[int], new_tokens: int =
         tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
         reference = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float().numpy()
-    cache = engine.new_cache()
-    ours = [engine.prefill([ids], cache).numpy()[0, -1]]
-    ours += [engine.decode([token], cache).numpy()[0, -1] for token in tokens[:-1]]
+    cache = engine.runner.new_batch()
+    ours = [engine.runner.prefill(cache, [ids]).numpy()[0, -1]]
+    ours += [engine.runner.decode(cache, [token]).numpy()[0, -1] for token in tokens[:-1]]
     return np.stack(ours).astype(np.float32), reference
 
 
@@ -121,7 +121,7 @@ def count_graph_runs(engine) -> list[int]:
     """Count every run of the engine's model graph from now on: a pass that binds anew and one that
     reuses the generation's binding both end in the session's run_with_iobinding, which this wraps.
     Returns a list that grows by one (the run's number) per run."""
-    session = engine.graph.session
+    session = engine.runner.graph.session
     runs, run = [], session.run_with_iobinding
 
     def counted(binding, *args, **kwargs):

@@ -55,10 +55,10 @@ def transformers_logits(model, ids):
 def test_a_single_prompt_in_chunks_equals_one_pass_and_transformers(exports, hf, layout):
     one, chunked = engines(exports, layout)
     runs = count_graph_runs(chunked)
-    logits = chunked.prefill([LONG], chunked.new_cache()).numpy()[0, -1]
+    logits = chunked.runner.prefill(chunked.runner.new_batch(), [LONG]).numpy()[0, -1]
     assert len(runs) == RUNS[layout, "single"]
     single_runs = count_graph_runs(one)
-    np.testing.assert_allclose(logits, one.prefill([LONG], one.new_cache()).numpy()[0, -1], atol=1e-5)
+    np.testing.assert_allclose(logits, one.runner.prefill(one.runner.new_batch(), [LONG]).numpy()[0, -1], atol=1e-5)
     assert len(single_runs) == 1
     np.testing.assert_allclose(logits, transformers_logits(hf, LONG), atol=1e-4)
     assert chunked.generate(LONG, max_new_tokens=12).token_ids == hf_greedy(hf, LONG, 12)
@@ -70,12 +70,12 @@ def test_a_batch_in_chunks_equals_each_prompt_alone_and_transformers(exports, hf
     one, chunked = engines(exports, layout)
     prompts = BATCHES[batch]
     runs = count_graph_runs(chunked)
-    cache = chunked.new_cache()
-    logits = chunked.prefill(prompts, cache).numpy()[:, -1]
+    batch_ = chunked.runner.new_batch(len(prompts))
+    logits = chunked.runner.prefill(batch_, prompts).numpy()[:, -1]
     assert len(runs) == RUNS[layout, batch]
-    assert cache.length == len(LONG)
+    assert int(batch_.cache.lengths.max()) == len(LONG)
     for row, ids in enumerate(prompts):
-        np.testing.assert_allclose(logits[row], one.prefill([ids], one.new_cache()).numpy()[0, -1], atol=1e-5)
+        np.testing.assert_allclose(logits[row], one.runner.prefill(one.runner.new_batch(), [ids]).numpy()[0, -1], atol=1e-5)
         np.testing.assert_allclose(logits[row], transformers_logits(hf, ids), atol=1e-4)
     rows = chunked.generate_batch(prompts, max_new_tokens=10)
     assert [r.token_ids for r in rows] == [hf_greedy(hf, ids, 10) for ids in prompts]

@@ -2,7 +2,7 @@
 import pytest
 
 from edgeinfer import Engine
-from edgeinfer.sdk.runtime import cuda_unusable_reason
+from edgeinfer.sdk.runtime import RowCopy, cuda_unusable_reason
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(cuda_unusable_reason() is not None, reason=f"no CUDA: {cuda_unusable_reason()}")]
 
@@ -15,17 +15,17 @@ def engines(tiny_llama):
 def test_cuda_gives_the_cpu_tokens_and_keeps_the_cache_and_logits_on_the_gpu(engines):
     gpu, cpu = engines
     assert gpu.generate("The capital", max_new_tokens=16).token_ids == cpu.generate("The capital", max_new_tokens=16).token_ids
-    cache = gpu.new_cache()
-    gpu.prefill([[5, 6, 7]], cache)
-    logits = gpu.decode([8], cache)
-    assert all(v.device_name().lower() == "cuda" for v in cache.past.values())
+    batch = gpu.runner.new_batch()
+    gpu.runner.prefill(batch, [[5, 6, 7]])
+    logits = gpu.runner.decode(batch, [8])
+    assert all(v.device_name().lower() == "cuda" for v in batch.cache.buffers.values())
     assert logits.device_name().lower() == "cuda"
-    assert gpu.heads.argmax(logits) == cpu.heads.argmax(cpu.decode([8], _prefilled(cpu, [5, 6, 7])))
+    assert gpu.runner.heads.argmax(logits) == cpu.runner.heads.argmax(cpu.runner.decode(_prefilled(cpu, [5, 6, 7]), [8]))
 
 
 def _prefilled(engine, ids):
-    cache = engine.new_cache()
-    engine.prefill([ids], cache)
+    cache = engine.runner.new_batch()
+    engine.runner.prefill(cache, [ids])
     return cache
 
 
@@ -56,7 +56,7 @@ def test_cuda_speculation_and_the_prefix_cache_give_the_cpu_tokens(engines, tiny
 
     _, cpu = engines
     gpu = Engine.load(tiny_llama[1], provider="cuda", prefix_cache=16)
-    assert gpu.row_copy is not None
+    assert isinstance(gpu.runner.copier, RowCopy)
     start = [(7 * i) % 300 + 3 for i in range(100)]
     prompts = [start + [5], start + [6], [5, 6, 7, 5, 6]]
     expected = [cpu.generate(p, max_new_tokens=16, ignore_eos=True).token_ids for p in prompts]
@@ -66,7 +66,7 @@ def test_cuda_speculation_and_the_prefix_cache_give_the_cpu_tokens(engines, tiny
     with Scheduler(gpu, max_batch=2) as scheduler:
         results = [scheduler.submit(p, max_new_tokens=16, ignore_eos=True, speculative="prompt_lookup").result() for p in prompts]
     assert [r.token_ids for r in results] == expected
-    assert gpu.prefix_cache.hits >= 3 * 96
+    assert gpu.prefix_cache.hit_tokens >= 3 * 96
 
 
 @pytest.mark.parametrize("shapes", [{}, {"prefill_length": 16, "static_context": 96}])
@@ -77,7 +77,7 @@ def test_cuda_runs_the_split_layout_on_one_copy_of_the_weights(tiny_llama, tmp_p
 
     export_model(str(tiny_llama[0]), tmp_path / "split", ExportOptions(graphs="split", **shapes))
     gpu, cpu = Engine.load(tmp_path / "split", provider="cuda"), Engine.load(tiny_llama[1], provider="cpu")
-    assert gpu._shared_weights and all(v.device_name().lower() == "cuda" for v in gpu._shared_weights.values())
+    assert gpu.runner._shared_weights and all(v.device_name().lower() == "cuda" for v in gpu.runner._shared_weights.values())
     for prompt in ["The capital", "The capital of France is" * 2]:
         assert gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == \
             cpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids

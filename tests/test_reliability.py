@@ -104,9 +104,9 @@ def test_the_memory_plan_counts_the_weights_and_the_cache_the_engine_allocates(e
     files = load_manifest(engine.folder).files
     assert plan.weights == files["model.onnx"]["size"] + files["model.onnx.data"]["size"]
     assert (plan.kv_per_token, plan.context, plan.batch) == (KV_PER_TOKEN, 256, 1)
-    cache = engine.new_cache(40)
-    engine.prefill([[5, 6, 7], [8, 9]], cache)
-    allocated = sum(value.numpy().nbytes for value in cache.past.values())
+    batch = engine.runner.new_batch(2, 40)
+    engine.runner.prefill(batch, [[5, 6, 7], [8, 9]])
+    allocated = sum(value.numpy().nbytes for value in batch.cache.buffers.values())
     assert allocated == plan.kv_per_token * 40 * 2
 
 

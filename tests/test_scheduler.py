@@ -51,7 +51,7 @@ def test_rows_decode_together_in_one_pass(engine):
         made = sum(len(r.result().token_ids) for r in requests)
     assert made == 256
     assert len(runs) <= 8 + 32 + 8  # 8 prefills, and about one decode pass per token position
-    del engine.graph.session.run_with_iobinding  # the counter: back to the session's own method
+    del engine.runner.graph.session.run_with_iobinding  # the counter: back to the session's own method
 
 
 def test_a_short_request_joins_the_running_batch_and_leaves_first(engine):
@@ -76,10 +76,10 @@ def test_a_cancelled_request_frees_its_row_and_the_others_go_on(engine):
         assert len(list(doomed)) < 199  # it ended early
         assert kept.result().token_ids == engine.generate("The capital of France is", max_new_tokens=30).token_ids
         for _ in range(1000):  # the row is back in the pool within a step
-            if scheduler.pool.free_slots == 2:
+            if scheduler.num_free_rows == 2:
                 break
             threading.Event().wait(0.001)
-        assert scheduler.pool.free_slots == 2 and scheduler.running == 0
+        assert scheduler.num_free_rows == 2 and scheduler.running == 0
 
 
 def test_bad_requests_are_refused_in_the_callers_thread_and_the_queue_has_a_limit(engine):

@@ -79,13 +79,13 @@ def test_response_formats_become_one_constraint():
 
 
 def test_greedy_means_nothing_is_sampled_or_penalized():
-    assert GenerationConfig().is_greedy
-    assert GenerationConfig(temperature=0.9, top_k=1).is_greedy
-    assert not GenerationConfig(temperature=0.9).is_greedy
-    assert not GenerationConfig(repetition_penalty=1.2).is_greedy
+    assert GenerationConfig().chooses_by_argmax
+    assert GenerationConfig(temperature=0.9, top_k=1).chooses_by_argmax
+    assert not GenerationConfig(temperature=0.9).chooses_by_argmax
+    assert not GenerationConfig(repetition_penalty=1.2).chooses_by_argmax
     for setting in ({"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logit_bias": {1: 1}}, {"choice": ["a"]},
                     {"response_format": {"type": "json_object"}}, {"logprobs": True}):
-        assert not GenerationConfig(**setting).is_greedy, setting
+        assert not GenerationConfig(**setting).chooses_by_argmax, setting
 
 
 def test_keywords_override_the_config_which_replaces_the_model_defaults():

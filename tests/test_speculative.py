@@ -48,12 +48,12 @@ def test_lookup_proposes_what_followed_the_latest_match():
 
 def test_several_tokens_in_one_pass_give_the_logits_of_one_at_a_time(engine):
     ids, more = PROMPTS[1], [11, 12, 13, 14]
-    one = engine.new_cache(64)
-    engine.prefill([ids], one)
-    single = np.concatenate([engine.decode([t], one).numpy()[:, -1] for t in more])
-    several = engine.new_cache(64)
-    engine.prefill([ids], several)
-    np.testing.assert_allclose(engine.extend(more, several).numpy()[0], single, atol=1e-5)
+    one = engine.runner.new_batch(1, 64)
+    engine.runner.prefill(one, [ids])
+    single = np.concatenate([engine.runner.decode(one, [t]).numpy()[:, -1] for t in more])
+    several = engine.runner.new_batch(1, 64)
+    engine.runner.prefill(several, [ids])
+    np.testing.assert_allclose(engine.runner.verify(several, 0, more).numpy()[0], single, atol=1e-5)
 
 
 @pytest.mark.parametrize("count", [1, 3, 8])

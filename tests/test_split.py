@@ -59,18 +59,18 @@ def test_split_writes_two_graphs_on_one_weights_file(layouts):
 @pytest.mark.parametrize("layout", ["split", "static"])
 def test_split_layouts_give_the_single_graphs_tokens_and_logits(layouts, layout):
     single, split = Engine.load(layouts["single"]), Engine.load(layouts[layout])
-    assert split.prefill_graph is not None and single.prefill_graph is None
+    assert split.runner.prefill_graph is not None and single.runner.prefill_graph is None
     for prompt in PROMPTS:  # the second is longer than the static prefill graph's 12 positions
         assert split.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == \
             single.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
     ids = single.prompt_ids(PROMPTS[1])
     ours, theirs = [], []
     for engine, out in ((split, ours), (single, theirs)):
-        cache = engine.new_cache()
-        logits = engine.prefill([ids], cache).numpy()[0, -1]
+        cache = engine.runner.new_batch()
+        logits = engine.runner.prefill(cache, [ids]).numpy()[0, -1]
         out.append(logits)
         for _ in range(6):
-            logits = engine.decode([int(np.argmax(logits))], cache).numpy()[0, -1]
+            logits = engine.runner.decode(cache, [int(np.argmax(logits))]).numpy()[0, -1]
             out.append(logits)
     assert np.abs(np.stack(ours) - np.stack(theirs)).max() <= 1e-4
     short = ["The capital", "Edge"]  # a batch that fits the prefill graph's positions

@@ -90,8 +90,8 @@ def test_token_id_prompt_gives_the_same_tokens(engine, hf):
 def test_logits_match_pytorch_at_every_step(engine, hf):
     model = hf[0]
     ids = hf[1](PROMPT).input_ids
-    cache = engine.new_cache()
-    logits = engine.prefill([ids], cache).numpy()
+    cache = engine.runner.new_batch()
+    logits = engine.runner.prefill(cache, [ids]).numpy()
     with torch.no_grad():
         ref = model(torch.tensor([ids]), use_cache=True)
     assert logits.shape == (1, 1, 320)
@@ -99,32 +99,32 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
     past = ref.past_key_values
     for _ in range(8):
         token = int(np.argmax(logits[0, -1]))
-        logits = engine.decode([token], cache).numpy()
+        logits = engine.runner.decode(cache, [token]).numpy()
         with torch.no_grad():
             ref = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
         past = ref.past_key_values
         np.testing.assert_allclose(logits[0, -1], ref.logits[0, -1].numpy(), atol=1e-4)
-    assert cache.length == len(ids) + 8
+    assert int(cache.cache.lengths.max()) == len(ids) + 8
 
 
 def test_kv_cache_is_written_in_place_on_the_device(engine):
-    cache = engine.new_cache(capacity=12)
-    engine.prefill([[5, 6, 7]], cache)
-    buffers = dict(cache.past)
-    engine.decode([8], cache)
-    assert list(cache.past) == engine.manifest.kv.past
-    assert all(cache.past[name] is buffers[name] for name in buffers)  # the same buffers, not new outputs
-    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in cache.past.values())
-    assert [v.shape() for v in cache.past.values()] == [[1, 2, 12, 16]] * 4
-    assert cache.length == 4
+    batch = engine.runner.new_batch(1, 12)
+    engine.runner.prefill(batch, [[5, 6, 7]])
+    buffers = dict(batch.cache.buffers)
+    engine.runner.decode(batch, [8])
+    assert list(batch.cache.buffers) == engine.manifest.kv.past
+    assert all(batch.cache.buffers[name] is buffers[name] for name in buffers)  # the same buffers, not new outputs
+    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in batch.cache.buffers.values())
+    assert [v.shape() for v in batch.cache.buffers.values()] == [[1, 2, 12, 16]] * 4
+    assert int(batch.cache.lengths.max()) == 4
     # the step wrote slot 3 and nothing else: mark slots 4.. beforehand and compare
-    cache = engine.new_cache(capacity=12)
-    engine.prefill([[5, 6, 7]], cache)
-    keys = cache.past["past_key_values.0.key"].numpy()  # a view of the buffer on the CPU
+    batch = engine.runner.new_batch(1, 12)
+    engine.runner.prefill(batch, [[5, 6, 7]])
+    keys = batch.cache.buffers["past_key_values.0.key"].numpy()  # a view of the buffer on the CPU
     keys[0, :, 3:] = 7.0
     before = keys.copy()
-    engine.decode([8], cache)
-    after = cache.past["past_key_values.0.key"].numpy()
+    engine.runner.decode(batch, [8])
+    after = batch.cache.buffers["past_key_values.0.key"].numpy()
     assert np.array_equal(after[0, :, :3], before[0, :, :3]) and np.all(after[0, :, 4:] == 7.0)
     assert not np.any(after[0, :, 3] == 7.0)
 
@@ -233,13 +233,13 @@ def test_a_tied_fp32_model_keeps_a_table_to_gather_rows_from(tmp_path):
 
 
 def test_public_steps_return_logits_that_later_steps_do_not_overwrite(engine):
-    """Only the generation loop keeps one logits value bound from step to step; prefill and
-    decode called by an app return new logits every time."""
-    cache = engine.new_cache(16)
-    first = engine.prefill([[5, 6, 7]], cache).numpy()
+    """Only the generation loops keep one logits value bound from step to step; prefill and
+    decode called on a batch of an app's return new logits every time."""
+    batch = engine.runner.new_batch(1, 16)
+    first = engine.runner.prefill(batch, [[5, 6, 7]]).numpy()
     kept = first.copy()
-    second = engine.decode([8], cache).numpy()
-    engine.decode([9], cache)
+    second = engine.runner.decode(batch, [8]).numpy()
+    engine.runner.decode(batch, [9])
     assert np.array_equal(first, kept) and not np.array_equal(first, second)
 
 

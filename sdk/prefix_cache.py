@@ -1,0 +1,110 @@
+"""The prefix cache: keys and values of recent prompts, kept on the host in blocks, so that a
+prompt that starts like an earlier one prefills only the rest; and the copying of a row's cached
+tokens between those blocks and a cache's buffers."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+class RowCopier(Protocol):
+    """Copies the first tokens of one row of buffers [rows, kv_heads, capacity, head_size] to and
+    from the host (runtime.HostCopy through host views, runtime.RowCopy on a device)."""
+
+    def write(self, buffer, row: int, values: np.ndarray) -> None: ...
+
+    def read(self, buffer, row: int, tokens: int) -> np.ndarray: ...
+
+
+def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier) -> int:
+    """The cached blocks that start `ids` written into `row` of `buffers`; how many tokens they hold."""
+    num_cached, blocks = prefix.take(ids)
+    for name, values in blocks.items():
+        copier.write(buffers[name], row, values)
+    return num_cached
+
+
+def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier) -> None:
+    """Keep the whole blocks of `ids`, prefilled in `row` of `buffers`."""
+    whole = len(ids) // prefix.block * prefix.block
+    if prefix.budget and whole:
+        prefix.store(ids, {name: copier.read(buffer, row, whole) for name, buffer in buffers.items()})
+
+
+@dataclass
+class _Block:
+    id: int
+    kv: dict[str, np.ndarray]  # each past input's keys or values of the block's tokens [kv_heads, block, head_size]
+
+
+@dataclass
+class PrefixCache:
+    """Keys and values of recent prompts, kept on the host in blocks of `block` tokens, so that a
+    prompt that starts like an earlier one prefills only the rest (a system prompt, a document
+    asked about again, a conversation's earlier turns). A block is found by its tokens and the
+    block before it, so it stands for its tokens and every token before them, compared exactly.
+    Blocks used least recently leave first once `budget` bytes are held; 0 turns it off.
+
+    `take` joins the blocks that start a prompt ([kv_heads, tokens, head_size] each); `store` keeps a
+    prefilled prompt's blocks."""
+
+    budget: int
+    block: int = 32
+    hit_tokens: int = 0  # prompt tokens that came from the cache
+    missed_tokens: int = 0  # prompt tokens that were prefilled
+    num_bytes: int = 0  # what the blocks hold
+    _blocks: OrderedDict = field(default_factory=OrderedDict)  # (parent id, tokens) -> _Block
+    _next_id: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # an engine serves many threads
+
+    def has_start(self, ids: list[int]) -> bool:
+        """Whether the first block of `ids` is cached (counted neither as hit nor as miss)."""
+        with self._lock:
+            return bool(self.budget) and len(ids) > self.block and (0, tuple(ids[:self.block])) in self._blocks
+
+    def take(self, ids: list[int]) -> tuple[int, dict[str, np.ndarray]]:
+        """The cached blocks that start `ids`, joined: how many tokens, and each past input's keys
+        or values of them [kv_heads, tokens, head_size] (a cache that grows from its past)."""
+        with self._lock:
+            blocks = self._match(ids)
+        if not blocks:
+            return 0, {}
+        return len(blocks) * self.block, {name: np.concatenate([b.kv[name] for b in blocks], axis=1) for name in blocks[0].kv}
+
+    def _match(self, ids: list[int]) -> list[_Block]:
+        found, parent = [], 0
+        while self.budget and (len(found) + 1) * self.block < len(ids):
+            key = (parent, tuple(ids[len(found) * self.block:(len(found) + 1) * self.block]))
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            self._blocks.move_to_end(key)
+            found.append(block)
+            parent = block.id
+        self.hit_tokens += len(found) * self.block
+        self.missed_tokens += len(ids) - len(found) * self.block
+        return found
+
+    def store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
+        """Keep the whole blocks of `ids`, whose keys and values `rows` now hold."""
+        with self._lock:
+            self._store(ids, rows)
+
+    def _store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
+        parent = 0
+        for start in range(0, len(ids) - self.block + 1, self.block) if self.budget else ():
+            key = (parent, tuple(ids[start:start + self.block]))
+            if key not in self._blocks:
+                kv = {name: row[:, start:start + self.block].copy() for name, row in rows.items()}
+                self._blocks[key] = _Block(self._next_id, kv)
+                self._next_id += 1
+                self.num_bytes += sum(a.nbytes for a in kv.values())
+            self._blocks.move_to_end(key)
+            parent = self._blocks[key].id
+        while self.num_bytes > self.budget and self._blocks:
+            _, dropped = self._blocks.popitem(last=False)
+            self.num_bytes -= sum(a.nbytes for a in dropped.kv.values())

@@ -1,0 +1,352 @@
+"""The model runner: the only owner of the graphs, and the only code that builds their inputs.
+
+Each step of generation is one call: `prefill` (whole prompts into a new batch), `prefill_span`
+(one chunk of one row's prompt), `decode` (one token for each decoding row), `verify` (several
+tokens of one row with the logits of each: speculative decoding's check) and `choose` (each
+sequence's next token from the logits). The caches (kv_cache.py) keep the books; the runner reads
+them into `input_ids`, `attention_mask`, `position_ids` and `logits_to_keep`, runs the graph, and
+brings the books up to date. The split layout (a prefill graph beside the decode graph), a decode
+graph of fixed shapes and optimum-onnx's attention (a past that grows) are its business alone.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from .errors import ConstraintError, GenerationError, ManifestError
+from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape
+from .manifest import GraphSpec, Manifest
+from .prefix_cache import PrefixCache, restore_row, store_row
+from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, load_weights
+from .sequence import Sequence
+
+STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
+LAST_ONLY = np.array(1, np.int64)  # `logits_to_keep` of a pass whose last position alone is read
+
+
+@dataclass
+class Batch:
+    """The rows the runner runs together: their KV cache, what stays bound from step to step, and
+    (after `prefill`) how many tokens of each prompt came from the prefix cache. With
+    `reuses_logits` (the loops, which read each pass's logits before the next), a decode pass
+    overwrites one logits value; otherwise each pass returns a new one."""
+
+    cache: GrowingCache | SlotCache
+    reuses_logits: bool = False
+    bindings: Bindings = field(default_factory=Bindings)
+    num_cached: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Runs one export's graphs on one device (see the module's text)."""
+
+    def __init__(self, folder: Path, manifest: Manifest, provider: str, options: RuntimeOptions, max_context: int,
+                 prefill_chunk: int, prefix_budget: int):
+        self.folder, self.manifest, self.kv = Path(folder), manifest, manifest.kv
+        self.provider, self.max_context, self.prefill_chunk = provider, max_context, prefill_chunk
+        # The split layout's two sessions share one copy of the weights on a GPU; on the CPU each
+        # keeps its own pre-packed copy.
+        shared = load_weights(self.folder / manifest.graph.file, provider) if manifest.prefill and provider != "cpu" else None
+        self.graph = self._open(manifest.graph, options, shared)
+        self.prefill_graph = self._open(manifest.prefill, options, shared) if manifest.prefill is not None else None
+        self._shared_weights = shared  # the sessions use these values: they live as long as the runner
+        self.is_static = manifest.static_context is not None  # the decode graph's shapes are fixed
+        self.heads = LogitsHeads(self.graph.output_types["logits"], provider)
+        self.copier = self._copier()
+        # Off where a static decode graph would take a prompt's tail one token a pass, and where a
+        # slot cache has no copier.
+        usable = not self.is_static and self.kv.sequence_axis == 2 and (not self.kv.in_place or self.copier is not None)
+        self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
+        self._past_shapes = {name: self.graph.inputs[name].shape for name in self.kv.past}
+
+    def _open(self, spec: GraphSpec, options: RuntimeOptions, shared: dict | None) -> Graph:
+        graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
+        graph.check_names(spec.inputs, spec.outputs)
+        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past)
+        if unknown:
+            raise ManifestError(f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`")
+        return graph
+
+    def _copier(self) -> HostCopy | RowCopy | None:
+        """What copies a row's tokens between a slot cache's buffers and the host (the prefix cache,
+        the split layout's prefill): views on the CPU, an Identity graph on a device."""
+        if not self.kv.in_place:
+            return None
+        if self.provider == "cpu":
+            return HostCopy(self.graph)
+        return RowCopy(self.kv.dtype, self.provider) if self.kv.dtype in ("float32", "float16") else None
+
+    @property
+    def _prefix_on(self) -> bool:
+        return bool(self.prefix_cache.budget)
+
+    @property
+    def batches_continuously(self) -> bool:
+        """Whether rows of one batch can be at different steps (one prefilling beside others
+        decoding): a cache written in place, and a decode graph whose shapes are not fixed."""
+        return self.kv.in_place and not self.is_static
+
+    @property
+    def can_verify(self) -> bool:
+        """Whether the graph gives the logits of several positions (speculative decoding checks them)."""
+        return "logits_to_keep" in self.graph.inputs
+
+    # The caches.
+
+    def new_batch(self, num_rows: int = 1, capacity: int | None = None, reuses_logits: bool = False) -> Batch:
+        """An empty batch of `num_rows` rows of at most `capacity` tokens each, prompt included
+        (default: the context served). A slot cache's buffers are allocated here, once."""
+        if not self.kv.in_place:
+            return Batch(GrowingCache(self.kv, {}, [0] * num_rows), reuses_logits)
+        capacity = self.manifest.static_context if self.is_static else capacity or self.max_context
+        buffers = {name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, capacity), self.kv.dtype)
+                   for name in self.kv.past}
+        return Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
+
+    def restore(self, batch: Batch, row: int, ids: list[int]) -> int:
+        """Fill an empty row of a slot cache with the cached blocks that start `ids`; how many tokens they hold."""
+        if not self._prefix_on:
+            return 0
+        num_cached = restore_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier)
+        batch.cache.append([row], num_cached)
+        return num_cached
+
+    def store(self, batch: Batch, row: int, ids: list[int]) -> None:
+        """Keep the whole blocks of a prompt that a row of a slot cache holds, prefilled."""
+        if self._prefix_on:
+            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier)
+
+    # Prefill.
+
+    def prefill(self, batch: Batch, prompts: list[list[int]]) -> ort.OrtValue:
+        """Prompts into the rows of a new batch, in chunks of `prefill_chunk` (the same logits as one
+        pass, with a smaller peak), each starting from the prefix cache where it can; returns the
+        last position's logits [rows, 1, vocab], left on the device."""
+        if isinstance(batch.cache, GrowingCache):
+            return self._prefill_growing(batch, prompts)
+        rows = [batch.cache.acquire() for _ in prompts]
+        assert rows == list(range(len(prompts))), "prefill fills a new batch"
+        if len(prompts) > 1 and not (self._prefix_on and any(self.prefix_cache.has_start(p) for p in prompts)):
+            logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
+            batch.num_cached = [0] * len(prompts)
+        elif len(prompts) > 1:  # rows from the prefix cache: each alone, then every last token in one pass
+            batch.num_cached = [self._prefill_row(batch, row, ids, len(ids) - 1, alone=False)[1] for row, ids in enumerate(prompts)]
+            logits = self.decode(batch, [ids[-1] for ids in prompts])
+        else:
+            logits, num_cached = self._prefill_row(batch, 0, prompts[0], len(prompts[0]))
+            batch.num_cached = [num_cached]
+        for row, ids in enumerate(prompts):
+            self.store(batch, row, ids)
+        return logits
+
+    def _prefill_row(self, batch: Batch, row: int, ids: list[int], end: int, alone: bool = True) -> tuple[ort.OrtValue | None, int]:
+        """The first `end` tokens of `ids` into `row`, after those the prefix cache holds: the
+        logits of the last pass (None where nothing ran), and how many came from the cache. The
+        split layout's prefill graph serves a batch's only row (`alone`)."""
+        logits, num_cached = None, self.restore(batch, row, ids)
+        for start, stop in self.spans(num_cached, end, alone):
+            if start == 0 and alone and self.prefill_graph is not None:
+                logits = self._prefill_together(batch, [ids], stop)
+            else:
+                logits = self.prefill_span(batch, row, ids, start, stop)
+        return logits, num_cached
+
+    def spans(self, start: int, end: int, by_prefill_graph: bool = True) -> Iterator[tuple[int, int]]:
+        """(start, stop) of each prefill pass over positions start..end of one prompt: the split
+        layout's prefill graph reads the first (of its fixed length, where it has one); a decode
+        graph of fixed shapes takes one token a pass."""
+        if start == 0 and by_prefill_graph and self.prefill_graph is not None and end > 0:
+            start = min(self.manifest.prefill_length or self.prefill_chunk, end)
+            yield 0, start
+        step = 1 if self.is_static else self.prefill_chunk
+        for begin in range(start, end, step):
+            yield begin, min(begin + step, end)
+
+    def prefill_span(self, batch: Batch, row: int, ids: list[int], start: int, end: int) -> ort.OrtValue:
+        """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
+        run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
+        batch of one); returns the last position's logits [1, 1, vocab]."""
+        return self._run_row(batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY})
+
+    def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> ort.OrtValue:
+        """The first `length` tokens of every prompt into empty rows 0.. of a slot cache in one
+        pass (through the split layout's prefill graph where there is one, padded to its length)."""
+        fixed = self.manifest.prefill_length if self.prefill_graph is not None else None
+        width = max(length, fixed or 0)
+        if fixed and len(prompts) > 1 and length > fixed:
+            raise GenerationError(f"the longest prompt of this batch has {length} tokens, more than the "
+                                  f"{fixed} positions of this export's prefill graph, which a batch must fit: run such prompts "
+                                  "one at a time, or export with a larger --prefill-length")
+        inputs = prepare_together(batch.cache, prompts, length, width)
+        lengths = batch.cache.lengths[:len(prompts)]
+        if self.prefill_graph is None:
+            binding = self.graph.bind_rows(batch.cache.pooled, 0, len(prompts))
+            binding.run(inputs)
+            return binding.outputs()[-1]
+        graph = self.prefill_graph
+        outputs, _ = graph.run({k: v for k, v in inputs.items() if k in graph.inputs}, on_device=[*self.kv.present, "logits"],
+                               to_host=[])
+        for past, present in zip(self.kv.past, self.kv.present):  # the presents [rows, kv_heads, width, head_size]
+            self.copier.fill(batch.cache.buffers[past], outputs[present], int(lengths.max()))
+        return outputs["logits"]
+
+    def _prefill_growing(self, batch: Batch, prompts: list[list[int]]) -> ort.OrtValue:
+        """Prompts left-padded to the longest into a cache that grows, chunk by chunk; a single
+        prompt starts from the prefix cache's blocks and leaves its own there."""
+        cache, first = batch.cache, self.manifest.prefill_length if self.prefill_graph is not None else None
+        width = max(max(len(p) for p in prompts), first or 0)
+        shapes = {name: buffer_shape(self.kv, self._past_shapes[name], len(prompts), 0) for name in self.kv.past}
+        buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
+        num_cached, blocks = self.prefix_cache.take(prompts[0]) if self._prefix_on and len(prompts) == 1 else (0, {})
+        buffers.update({name: value[None] for name, value in blocks.items()})
+        cache.buffers, batch.num_cached = buffers, [num_cached] + [0] * (len(prompts) - 1)
+        cache.fill(num_cached, np.full(len(prompts), num_cached, np.int64))
+        for start, end, inputs in prepare_left_padded(cache, prompts, width, self.spans(num_cached, width)):
+            logits = self._run_growing(cache, inputs, self.prefill_graph if start == 0 and self.prefill_graph else self.graph)
+        if self._prefix_on and len(prompts) == 1:
+            self.prefix_cache.store(prompts[0], {name: _host(value)[0] for name, value in cache.buffers.items()})
+        return logits
+
+    # Decode and verify.
+
+    def decode(self, batch: Batch, tokens: list[int | None]) -> ort.OrtValue:
+        """One pass over rows 0..len(tokens)-1, one new token for each row that has one (None: a
+        row not decoding, which gets a pad token written just past its own, where its next pass
+        writes again); returns the logits [rows, 1, vocab], left on the device. A slot cache's pass
+        keeps its binding (and, where the batch reuses logits, one logits value per number of rows)."""
+        inputs = prepare_decode(batch.cache, tokens, self.is_static)
+        if isinstance(batch.cache, GrowingCache):
+            return self._run_growing(batch.cache, inputs, self.graph)
+        binding, logits = self._decode_binding(batch, len(tokens))
+        if not batch.reuses_logits:
+            binding.run(inputs, fresh=("logits",))
+            return binding.outputs()[-1]
+        binding.run(inputs)
+        return logits
+
+    def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> ort.OrtValue:
+        """Several new tokens of one row in one pass, with the logits of each (of the last
+        `num_logits`, where given), [1, positions, vocab], left on the device."""
+        if not self.can_verify:
+            raise GenerationError("this export gives the logits of the last position only: export the model again with this "
+                                  "edgeinfer (`edgeinfer export`)")
+        if self.is_static and len(tokens) > 1:  # one token a pass
+            logits = np.concatenate([self.verify(batch, row, [t]).numpy() for t in tokens][-(num_logits or len(tokens)):], axis=1)
+            value = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, logits.dtype, "cpu", 0)  # owns its memory
+            value.update_inplace(logits)
+            return value
+        inputs = {**prepare_row(batch.cache, row, tokens, self.is_static), "logits_to_keep": np.array(num_logits or len(tokens), np.int64)}
+        if isinstance(batch.cache, SlotCache):
+            return self._run_row(batch, row, inputs)
+        return self._run_growing(batch.cache, inputs, self.graph)
+
+    # Choosing tokens.
+
+    def choose(self, logits: ort.OrtValue, sequences: list[Sequence], positions: list[int],
+               bindings: Bindings | None = None) -> list[int | ConstraintError]:
+        """Each sequence's next token from the logits of the pass at its position (its row), or the
+        ConstraintError of one whose constraint reached a dead end. Argmax runs on the device that
+        holds the logits; sampling brings the last position's logits to the host."""
+        if all(s.chooses_by_argmax for s in sequences):
+            ids = self.heads.argmax(logits, bindings)
+            return [ids[p] for p in positions]
+        last = self.heads.last(logits)
+        return [_choose(s, last[p]) for s, p in zip(sequences, positions)]
+
+    # Running the graph.
+
+    def _run_row(self, batch: Batch, row: int, inputs: dict) -> ort.OrtValue:
+        """One pass on one row of a slot cache, bound alone (the binding kept in the batch)."""
+        binding = batch.bindings.rows.get(row)
+        if binding is None:
+            binding = batch.bindings.rows[row] = self.graph.bind_rows(batch.cache.pooled, row, 1)
+        binding.run(inputs, fresh=("logits",))
+        return binding.outputs()[-1]
+
+    def _decode_binding(self, batch: Batch, num_rows: int):
+        """The binding of a decode pass over rows 0..num_rows-1 and the logits value it overwrites."""
+        if num_rows not in batch.bindings.decode:
+            logits = self.graph.allocate_output("logits", [num_rows, 1, self.manifest.vocab_size])
+            batch.bindings.decode[num_rows] = (self.graph.bind_rows(batch.cache.pooled, 0, num_rows, logits), logits)
+        return batch.bindings.decode[num_rows]
+
+    def _run_growing(self, cache: GrowingCache, inputs: dict, graph: Graph) -> ort.OrtValue:
+        """One pass on a cache that grows: the past bound where it is, the presents kept on the device."""
+        inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
+        past = cache.buffers if graph is self.graph else {}
+        outputs, _ = graph.run({**inputs, **past}, on_device=[*self.kv.present, "logits"], to_host=[])
+        cache.take(outputs)
+        return outputs["logits"]
+
+
+# The inputs of each pass, from the caches' books (pure: tested on hand-made caches).
+
+def prepare_decode(cache: GrowingCache | SlotCache, tokens: list[int | None], is_static: bool = False) -> dict[str, np.ndarray]:
+    """One new token for each row that has one (None: a pad token), on top of what each holds; the
+    books grow by them. A growing cache's rows are left-padded (every row grows); a slot cache's
+    rows are right-padded, and a static graph's mask spans the whole capacity."""
+    ids = np.array([[PAD_ID if t is None else t] for t in tokens], np.int64)
+    lengths = cache.lengths[:len(tokens)].copy()
+    if isinstance(cache, GrowingCache):
+        cache.append()
+        mask = np.arange(cache.width)[None, :] >= cache.width - cache.lengths[:, None]
+    else:
+        cache.append([row for row, t in enumerate(tokens) if t is not None])
+        mask = np.arange(cache.capacity if is_static else int(lengths.max()) + 1)[None, :] <= lengths[:, None]
+    return {"input_ids": ids, "attention_mask": mask.astype(np.int64), "position_ids": lengths[:, None], "logits_to_keep": LAST_ONLY}
+
+
+def prepare_row(cache: GrowingCache | SlotCache, row: int, tokens: list[int], is_static: bool = False) -> dict[str, np.ndarray]:
+    """`tokens` on top of what `row` holds, for a pass on that row alone; its length grows by them.
+    A growing cache serves it for a batch of one."""
+    if isinstance(cache, GrowingCache) and len(cache.lengths) != 1:
+        raise GenerationError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
+                              "one prompt at a time: generate the prompts one by one")
+    start = int(cache.lengths[row])
+    cache.append([row], len(tokens))
+    end = start + len(tokens)
+    width = cache.capacity if is_static and cache.capacity else end
+    return {"input_ids": np.array([tokens], np.int64), "attention_mask": (np.arange(width) < end).astype(np.int64)[None, :],
+            "position_ids": np.arange(start, end, dtype=np.int64)[None, :]}
+
+
+def prepare_together(cache: SlotCache, prompts: list[list[int]], length: int, width: int) -> dict[str, np.ndarray]:
+    """The first `length` tokens of every prompt into empty rows 0.. in one pass of `width`
+    positions (right-padded); each row's length grows by its tokens."""
+    ids = np.full((len(prompts), width), PAD_ID, np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, :min(len(prompt), width)] = prompt[:width]
+    lengths = np.array([min(len(p), length) for p in prompts], np.int64)
+    for row, count in enumerate(lengths):
+        cache.append([row], int(count))
+    return {"input_ids": ids, "attention_mask": (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64),
+            "position_ids": np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1)), "logits_to_keep": LAST_ONLY}
+
+
+def prepare_left_padded(cache: GrowingCache, prompts: list[list[int]], width: int,
+                        spans: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """(start, end, inputs) of each prefill pass of prompts left-padded to `width` on a growing
+    cache; the books are brought to each pass's end once it has run (at the next item)."""
+    ids, mask = np.full((len(prompts), width), PAD_ID, np.int64), np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
+    for start, end in spans:
+        yield start, end, {"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], "position_ids": positions[:, start:end],
+                           "logits_to_keep": LAST_ONLY}
+        cache.fill(end, mask[:, :end].sum(axis=1))
+
+
+def _choose(sequence: Sequence, logits: np.ndarray) -> int | ConstraintError:
+    try:
+        return sequence.choose(logits)
+    except ConstraintError as error:
+        return error
+
+
+def _host(value) -> np.ndarray:
+    return value if isinstance(value, np.ndarray) else value.numpy()

@@ -1,0 +1,125 @@
+"""The scheduler's plan driven by a stand-in runner: no model, no graph. The stand-in keeps the real
+slot cache's books and logs every pass; its "model" says the token after t is t + 1. Admission,
+the order of passes (a long prompt's chunks interleaved with the other rows' decode passes),
+cancellation and the queue limit are checked exactly."""
+import threading
+import time
+
+import pytest
+
+from edgeinfer import BusyError, GenerationConfig, Scheduler
+from edgeinfer.sdk.kv_cache import SlotCache
+from edgeinfer.sdk.manifest import KVSpec
+from edgeinfer.sdk.runner import Batch, prepare_decode, prepare_row
+from edgeinfer.sdk.sequence import Sequence
+
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_size=1, dtype="float32", sequence_axis=2, past=["past"], present=["present"])
+
+
+class StandInRunner:
+    batches_continuously, is_static = True, False
+
+    def __init__(self):
+        self.passes = []
+
+    def new_batch(self, num_rows, capacity, reuses_logits=False):
+        return Batch(SlotCache(SPEC, {}, num_rows, capacity), reuses_logits)
+
+    def restore(self, batch, row, ids):
+        return 0
+
+    def store(self, batch, row, ids):
+        pass
+
+    def prefill_span(self, batch, row, ids, start, end):
+        prepare_row(batch.cache, row, ids[start:end])
+        self.passes.append(("prefill", row, start, end))
+        return {0: ids[end - 1] + 1}
+
+    def decode(self, batch, tokens):
+        time.sleep(0.001)  # a pass takes time, so that a caller can act between passes
+        prepare_decode(batch.cache, tokens)
+        self.passes.append(("decode", *[row for row, t in enumerate(tokens) if t is not None]))
+        return {row: t + 1 for row, t in enumerate(tokens) if t is not None}
+
+    def choose(self, logits, sequences, positions, bindings=None):
+        return [logits[p] for p in positions]
+
+
+class Letters:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+class StandInEngine:
+    prefill_chunk, max_context = 4, 4096
+
+    def __init__(self):
+        self.runner, self.tokenizer = StandInRunner(), Letters()
+
+    def check_memory(self, num_rows, capacity):
+        pass
+
+    def prepare(self, prompts, config=None, **settings):
+        config = GenerationConfig(**settings)
+        return [Sequence(list(p), config, config.max_new_tokens, (), self.tokenizer, time.perf_counter()) for p in prompts]
+
+
+def queued(scheduler, *jobs):
+    """Submit every (prompt, max_new_tokens) while the step loop waits, so that they arrive together."""
+    with scheduler._wake:
+        return [scheduler.submit(prompt, max_new_tokens=count) for prompt, count in jobs]
+
+
+def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_the_other_row_decodes():
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=2) as scheduler:
+        short, long = queued(scheduler, ([10, 11], 6), (list(range(100, 112)), 3))
+        assert short.result().token_ids == [12, 13, 14, 15, 16, 17]
+        assert long.result().token_ids == [112, 113, 114]
+    assert engine.runner.passes == [
+        ("prefill", 0, 0, 2), ("decode", 0),
+        ("prefill", 1, 0, 4), ("decode", 0),
+        ("prefill", 1, 4, 8), ("decode", 0),
+        ("prefill", 1, 8, 12), ("decode", 0, 1),
+        ("decode", 0, 1)]
+
+
+def test_requests_past_the_rows_wait_and_take_the_first_row_freed():
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=2) as scheduler:
+        requests = queued(scheduler, ([1], 2), ([20], 4), ([40], 1))
+        assert [r.result().token_ids for r in requests] == [[2, 3], [21, 22, 23, 24], [41]]
+    prefills = [p for p in engine.runner.passes if p[0] == "prefill"]
+    assert prefills == [("prefill", 0, 0, 1), ("prefill", 1, 0, 1), ("prefill", 0, 0, 1)]  # the third took row 0 once freed
+
+
+def test_a_cancelled_request_frees_its_row_and_a_waiting_one_leaves_the_queue():
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=1, max_queue=4) as scheduler:
+        with scheduler._wake:
+            running = scheduler.submit([1], max_new_tokens=2000)
+            waiting = scheduler.submit([5], max_new_tokens=3)
+            waiting.cancel()
+        pieces = iter(running)
+        next(pieces)
+        running.cancel()
+        assert len(list(pieces)) < 1999 and list(waiting) == []
+        after = scheduler.submit([7], max_new_tokens=2).result()
+        assert after.token_ids == [8, 9]
+        for _ in range(1000):
+            if scheduler.num_free_rows == 1 and scheduler.running == 0:
+                break
+            threading.Event().wait(0.001)
+        assert (scheduler.num_free_rows, scheduler.running, scheduler.waiting) == (1, 0, 0)
+    assert [p for p in engine.runner.passes if p[0] == "prefill"] == [("prefill", 0, 0, 1)] * 2  # the cancelled waiting one never ran
+
+
+def test_the_queue_limit_counts_the_requests_waiting_for_a_row():
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=1, max_queue=1) as scheduler:
+        with scheduler._wake:
+            first, second = scheduler.submit([1], max_new_tokens=2), scheduler.submit([3], max_new_tokens=2)
+            with pytest.raises(BusyError, match=r"1 requests are already waiting \(max_queue 1\): retry later"):
+                scheduler.submit([5], max_new_tokens=2)
+        assert [first.result().token_ids, second.result().token_ids] == [[2, 3], [4, 5]]
