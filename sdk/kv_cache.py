@@ -71,7 +71,7 @@ class GrowingCache:
         self.width -= count
         self.lengths -= count
         cut = (slice(None),) * self.spec.sequence_axis + (slice(0, self.width),)
-        self.buffers = {name: np.ascontiguousarray(_host(value)[cut]) for name, value in self.buffers.items()}
+        self.buffers = {name: np.ascontiguousarray(host_array(value)[cut]) for name, value in self.buffers.items()}
         return count
 
     @property
@@ -127,7 +127,7 @@ class SlotCache:
         return sum(_nbytes(value) for value in self.buffers.values())
 
 
-def _host(value) -> np.ndarray:
+def host_array(value) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else value.numpy()
 
 

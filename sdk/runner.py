@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .errors import ConstraintError, GenerationError, ManifestError
-from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape
+from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, host_array
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, load_weights
@@ -208,7 +208,7 @@ class ModelRunner:
         for start, end, inputs in prepare_left_padded(cache, prompts, width, self.spans(num_cached, width)):
             logits = self._run_growing(cache, inputs, self.prefill_graph if start == 0 and self.prefill_graph else self.graph)
         if self._prefix_on and len(prompts) == 1:
-            self.prefix_cache.store(prompts[0], {name: _host(value)[0] for name, value in cache.buffers.items()})
+            self.prefix_cache.store(prompts[0], {name: host_array(value)[0] for name, value in cache.buffers.items()})
         return logits
 
     # Decode and verify.
@@ -346,7 +346,3 @@ def _choose(sequence: Sequence, logits: np.ndarray) -> int | ConstraintError:
         return sequence.choose(logits)
     except ConstraintError as error:
         return error
-
-
-def _host(value) -> np.ndarray:
-    return value if isinstance(value, np.ndarray) else value.numpy()

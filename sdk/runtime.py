@@ -179,11 +179,6 @@ class Graph:
         memory = (ctypes.c_byte * (int(np.prod(shape)) * dtype.itemsize)).from_address(value.data_ptr())
         return np.frombuffer(memory, dtype).reshape(shape)
 
-    @staticmethod
-    def read(value: ort.OrtValue) -> np.ndarray:
-        """A copy of a value on the host."""
-        return value.numpy()
-
     def allocate_output(self, name: str, shape: list[int]) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device for output `name`, of `shape`."""
         return self.allocate(shape, _NUMPY_TYPES[self.output_types[name]])

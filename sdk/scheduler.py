@@ -149,20 +149,17 @@ class Scheduler:
         with self._wake:
             if self._closing:
                 raise BusyError("the scheduler is shutting down and takes no new requests")
-            num_waiting = len(self._waiting) - self._num_free_rows()  # those that just came in take the free rows
+            num_waiting = len(self._waiting) - self.num_free_rows  # those that just came in take the free rows
             if num_waiting >= self.max_queue:
                 raise BusyError(f"{num_waiting} requests are already waiting (max_queue {self.max_queue}): retry later")
             self._waiting.append(slot)
             self._wake.notify()
         return slot.request
 
-    def _num_free_rows(self) -> int:
-        return self.batch.cache.num_free if self.is_batched else int(not self._slots)
-
     @property
     def num_free_rows(self) -> int:
         """Rows of the cache no request holds."""
-        return self._num_free_rows()
+        return self.batch.cache.num_free if self.is_batched else int(not self._slots)
 
     @property
     def is_alive(self) -> bool:
@@ -176,7 +173,7 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests waiting for a row (not those about to take a free one)."""
-        return max(0, len(self._waiting) - self._num_free_rows())
+        return max(0, len(self._waiting) - self.num_free_rows)
 
     def close(self, grace: float | None = None) -> None:
         """Take no new requests; let the others end within `grace` seconds (None: however long
@@ -222,7 +219,7 @@ class Scheduler:
         self._waiting.clear()
 
     def _admit(self) -> None:
-        while self._waiting and self._num_free_rows():
+        while self._waiting and self.num_free_rows:
             slot = self._waiting.popleft()
             slot.row = self.batch.cache.acquire() if self.is_batched else 0
             slot.state = State.PREFILLING

@@ -99,6 +99,7 @@ def test_rows_are_handed_out_lowest_first_and_taken_back_empty():
 
 def test_trimming_forgets_a_rows_last_tokens_and_never_more_than_it_holds():
     cache = slots(1, 8)
+    assert cache.nbytes == 2 * 1 * 2 * 8 * 4 * 4  # two float32 buffers [1, 2, 8, 4], whatever the rows hold
     cache.append([0], 5)
     assert cache.trim(0, 2) == 2 and cache.trim(0, 10) == 3 and cache.lengths.tolist() == [0]
 
