@@ -8,6 +8,7 @@ its own; the medians of the rounds are printed.
 Each commit is checked out into a worktree under a temporary folder and imported from there (the
 package's folders mapped as pyproject.toml maps them), with this environment's packages.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@
     python benchmarks/export_memory.py MODEL OUT [--quantize int4|int8] [--graphs split]
 
 MODEL: a folder, .gguf file, catalog name or hub id, as for `edgeinfer export`."""
+
 import argparse
 import resource
 import time

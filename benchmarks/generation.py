@@ -9,6 +9,7 @@ prompt text), CPU, 2 threads,
 variant cannot ignore the EOS; its schema (a list of at least 40 strings) keeps it going past 64 tokens.
 The mask's cost per token is the time llguidance takes to compute it, plus applying it.
 """
+
 import json
 import statistics
 import sys
@@ -25,10 +26,15 @@ VARIANTS = {
     "top-p 0.9 + repetition penalty 1.1": {"top_p": 0.9, "temperature": 0.7, "repetition_penalty": 1.1, "seed": 0},
 }
 # A constrained output that cannot end within NEW_TOKENS: the run ends on max_new_tokens, as the others do.
-LONG_LIST = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
-             "required": ["items"]}
-CONSTRAINED = {"greedy, JSON schema": {"response_format": {"type": "json_schema", "json_schema": {"schema": LONG_LIST}}},
-               "greedy, logprobs (top 5)": {"logprobs": True, "top_logprobs": 5}}
+LONG_LIST = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 40}},
+    "required": ["items"],
+}
+CONSTRAINED = {
+    "greedy, JSON schema": {"response_format": {"type": "json_schema", "json_schema": {"schema": LONG_LIST}}},
+    "greedy, logprobs (top 5)": {"logprobs": True, "top_logprobs": 5},
+}
 BATCHES = (1, 2, 4)
 
 
@@ -47,6 +53,7 @@ class MaskClock:
             finally:
                 self.seconds += time.perf_counter() - start
                 self.count += 1
+
         Matcher.mask = timed
 
 
@@ -74,7 +81,9 @@ def main(export_dir: str, prompts_path: str) -> None:
     print(f"constraint mask: {1000 * clock.seconds / max(clock.count, 1):.3f} ms per token over {clock.count} tokens")
     single = statistics.median(throughput[1])
     for size, values in throughput.items():
-        print(f"batch {size}: {statistics.median(values):6.1f} tok/s in all, prefill included ({statistics.median(values) / single:.2f}x batch 1)")
+        print(
+            f"batch {size}: {statistics.median(values):6.1f} tok/s in all, prefill included ({statistics.median(values) / single:.2f}x batch 1)"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ EXPORT: an edgeinfer export; GENAI_DIR: the same checkpoint through onnxruntime-
 (../shared/peers/SETUP.md), its decoder pinned to 2 intra-op threads and 1 inter-op thread, as
 edgeinfer loads here. Times `Engine.load` (the graph's session, the logits heads, the tokenizer)
 against genai's `og.Model` and `og.Model` + `og.Tokenizer`, the imports left out."""
+
 import argparse
 import json
 import statistics
@@ -63,12 +64,13 @@ def main() -> None:
     mine = statistics.median(t["load"] for t in ours)
     print(f"edgeinfer Engine.load: median {mine:.2f} s ({', '.join(f'{t:.2f}' for t in (t['load'] for t in ours))})")
     listed = ", ".join(f"{t['load']:.2f}" for t in theirs)
-    print(f"genai og.Model: median {genai:.2f} s ({listed}); "
-          f"with og.Tokenizer {genai_tokenizer:.2f} s")
+    print(f"genai og.Model: median {genai:.2f} s ({listed}); with og.Tokenizer {genai_tokenizer:.2f} s")
     print(f"ratio edgeinfer / genai: {mine / genai:.2f} (model only), {mine / genai_tokenizer:.2f} (with the tokenizer)")
     whole = [statistics.median(t["process"] for t in runs) for runs in (ours, theirs)]
-    print(f"whole process (interpreter, imports, load): edgeinfer {whole[0]:.2f} s, genai {whole[1]:.2f} s, "
-          f"ratio {whole[0] / whole[1]:.2f}")
+    print(
+        f"whole process (interpreter, imports, load): edgeinfer {whole[0]:.2f} s, genai {whole[1]:.2f} s, "
+        f"ratio {whole[0] / whole[1]:.2f}"
+    )
 
 
 if __name__ == "__main__":

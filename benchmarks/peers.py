@@ -16,6 +16,7 @@ and decode rate per prompt length, load time and peak RSS, each with the ratio e
 genai is timed by the peers' own script (bench_genai.py), edgeinfer by `edgeinfer bench` with the
 peers' prompts.json: greedy, exactly 128 new tokens, one warm-up, median of 3, 2 threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,15 @@ from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GENAI_PACKAGES = ["onnxruntime-genai==0.18.0", "onnxruntime==1.31.1", "torch==2.13.0", "transformers==5.24.0",
-                  "onnx==1.23.2", "onnx_ir==1.1.0", "sentencepiece==0.2.3"]
+GENAI_PACKAGES = [
+    "onnxruntime-genai==0.18.0",
+    "onnxruntime==1.31.1",
+    "torch==2.13.0",
+    "transformers==5.24.0",
+    "onnx==1.23.2",
+    "onnx_ir==1.1.0",
+    "sentencepiece==0.2.3",
+]
 PAIRS = (("edgeinfer_fp32", "genai_fp32"), ("edgeinfer_int4", "genai_int4"))
 
 
@@ -70,16 +78,35 @@ def setup(root: Path, reexport: bool = False) -> None:
         genai_model = root / f"peers-genai-{precision}"
         if not (genai_model / "genai_config.json").exists():
             step(f"building onnxruntime-genai's {precision} model")
-            subprocess.run([str(genai_python), "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o",
-                            str(genai_model), "-p", precision, "-e", "cpu", "-c", str(root / f"peers-genai-cache-{precision}")],
-                           check=True, env=env)
+            subprocess.run(
+                [
+                    str(genai_python),
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(checkpoint),
+                    "-o",
+                    str(genai_model),
+                    "-p",
+                    precision,
+                    "-e",
+                    "cpu",
+                    "-c",
+                    str(root / f"peers-genai-cache-{precision}"),
+                ],
+                check=True,
+                env=env,
+            )
         ours = root / f"edgeinfer-{precision}"
         if reexport or not (ours / "edgeinfer.json").exists():
             step(f"exporting edgeinfer's {precision} model")
             # genai's int4 blocks are symmetric (no zero points): the same scheme, the same work
             quantize = ["--quantize", "int4", "--symmetric"] if precision == "int4" else []
-            subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), "--force", *quantize],
-                           check=True, env=env)
+            subprocess.run(
+                [sys.executable, "-m", "edgeinfer.cli", "export", str(checkpoint), "-o", str(ours), "--force", *quantize],
+                check=True,
+                env=env,
+            )
 
 
 CHECKPOINT_SCRIPT = """
@@ -98,46 +125,85 @@ AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 
 def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
     step(f"edgeinfer: {export.name}")
-    subprocess.run([sys.executable, "-m", "edgeinfer.cli", "bench", str(export), "--provider", "cpu", "--threads", "2",
-                    "--prompts", str(peers_dir / "prompts.json"), "--json", str(out)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "bench",
+            str(export),
+            "--provider",
+            "cpu",
+            "--threads",
+            "2",
+            "--prompts",
+            str(peers_dir / "prompts.json"),
+            "--json",
+            str(out),
+        ],
+        check=True,
+    )
     figures = json.loads(out.read_text())
-    return {"load_s": figures["load_s"], "peak_rss_mib": figures["peak_rss_mib"],
-            "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tokens_per_s"]} for n, p in figures["prompts"].items()}}
+    return {
+        "load_s": figures["load_s"],
+        "peak_rss_mib": figures["peak_rss_mib"],
+        "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tokens_per_s"]} for n, p in figures["prompts"].items()},
+    }
 
 
 def run_genai(root: Path, name: str, peers_dir: Path, results: Path) -> dict:
     step(f"onnxruntime-genai: {name}")
     env = {**os.environ, "PEERS_ROOT": str(root), "PEERS_RESULTS": str(results), "OMP_NUM_THREADS": "2"}
     model = root / f"peers-genai-{name.split('_')[1]}"
-    subprocess.run([str(root / "peers-genai" / "bin" / "python"), "bench_genai.py", "--model", str(model), "--name", name],
-                   check=True, cwd=peers_dir, env=env)
+    subprocess.run(
+        [str(root / "peers-genai" / "bin" / "python"), "bench_genai.py", "--model", str(model), "--name", name],
+        check=True,
+        cwd=peers_dir,
+        env=env,
+    )
     figures = json.loads((results / f"{name}.json").read_text())
-    return {"load_s": figures["load_s"], "peak_rss_mib": figures["peak_rss_mib"],
-            "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tps"]} for n, p in figures["prompts"].items()}}
+    return {
+        "load_s": figures["load_s"],
+        "peak_rss_mib": figures["peak_rss_mib"],
+        "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tps"]} for n, p in figures["prompts"].items()},
+    }
 
 
 def report(runs: dict[str, list[dict]], args) -> str:
     def median(name, get):
         return statistics.median(get(run) for run in runs[name])
 
-    lines = [f"# edgeinfer against onnxruntime-genai ({date.today()})", "",
-             f"`python benchmarks/peers.py --rounds {args.rounds}` on SmolLM2-135M-Instruct, CPU, 2 threads, the peers' "
-             "prompt token ids, greedy, 128 new tokens, median of 3 runs per cell (and the median over the rounds). "
-             "Ratio = edgeinfer / genai: above 1 is better for decode rate, below 1 is better for TTFT, load time and RSS.", ""]
+    lines = [
+        f"# edgeinfer against onnxruntime-genai ({date.today()})",
+        "",
+        f"`python benchmarks/peers.py --rounds {args.rounds}` on SmolLM2-135M-Instruct, CPU, 2 threads, the peers' "
+        "prompt token ids, greedy, 128 new tokens, median of 3 runs per cell (and the median over the rounds). "
+        "Ratio = edgeinfer / genai: above 1 is better for decode rate, below 1 is better for TTFT, load time and RSS.",
+        "",
+    ]
     for ours, theirs in PAIRS:
-        lines += [f"## {ours} against {theirs}", "",
-                  "| prompt | TTFT ms edgeinfer | TTFT ms genai | TTFT ratio | decode tok/s edgeinfer | decode tok/s genai | decode ratio |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {ours} against {theirs}",
+            "",
+            "| prompt | TTFT ms edgeinfer | TTFT ms genai | TTFT ratio | decode tok/s edgeinfer | decode tok/s genai | decode ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for prompt in runs[ours][0]["prompts"]:
             t_ours = median(ours, lambda r: r["prompts"][prompt]["ttft_ms"])
             t_theirs = median(theirs, lambda r: r["prompts"][prompt]["ttft_ms"])
             d_ours = median(ours, lambda r: r["prompts"][prompt]["decode_tps"])
             d_theirs = median(theirs, lambda r: r["prompts"][prompt]["decode_tps"])
-            lines.append(f"| {prompt} | {t_ours:.0f} | {t_theirs:.0f} | {t_ours / t_theirs:.2f} | {d_ours:.1f} | {d_theirs:.1f} | {d_ours / d_theirs:.2f} |")
+            lines.append(
+                f"| {prompt} | {t_ours:.0f} | {t_theirs:.0f} | {t_ours / t_theirs:.2f} | {d_ours:.1f} | {d_theirs:.1f} | {d_ours / d_theirs:.2f} |"
+            )
         load = (median(ours, lambda r: r["load_s"]), median(theirs, lambda r: r["load_s"]))
         rss = (median(ours, lambda r: r["peak_rss_mib"]), median(theirs, lambda r: r["peak_rss_mib"]))
-        lines += ["", f"load {load[0]:.2f} s against {load[1]:.2f} s ({load[0] / load[1]:.2f}); "
-                      f"peak RSS {rss[0]:.0f} MiB against {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f})", ""]
+        lines += [
+            "",
+            f"load {load[0]:.2f} s against {load[1]:.2f} s ({load[0] / load[1]:.2f}); "
+            f"peak RSS {rss[0]:.0f} MiB against {rss[1]:.0f} MiB ({rss[0] / rss[1]:.2f})",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ first one's.
 The token ids come from PROMPTS_JSON (default benchmarks/prompts.json: SmolLM2's tokenization of
 the peers' text), so use a SmolLM2 export. CPU, 2 threads, greedy, 1 new token.
 """
+
 import json
 import statistics
 import sys
@@ -18,15 +19,18 @@ from edgeinfer import Engine
 
 def main(export_dir: str, prompts_path: str) -> None:
     text = json.loads(Path(prompts_path).read_text())["prompts"]["p1024"]
-    system, questions = text[:1000], [text[100 + 40 * i:120 + 40 * i] for i in range(5)]  # 20 tokens of the text each
+    system, questions = text[:1000], [text[100 + 40 * i : 120 + 40 * i] for i in range(5)]  # 20 tokens of the text each
     for name, budget in (("cache on", 128), ("cache off", 0)):
         engine = Engine.load(export_dir, provider="cpu", threads=2, prefix_cache=budget)
         engine.generate(text[1000:0:-1], max_new_tokens=1)  # warm-up: as long, no block in common
         ttft = [engine.generate(system + q, max_new_tokens=1).ttft_s for q in questions]
         later = statistics.median(ttft[1:])
-        print(f"{name:9s} TTFT ms: " + " ".join(f"{1000 * t:6.0f}" for t in ttft) +
-              f"   later / first: {later / ttft[0]:.3f}   (hits {engine.prefix_cache.hit_tokens}, held "
-              f"{engine.prefix_cache.num_bytes / 2**20:.1f} MiB)")
+        print(
+            f"{name:9s} TTFT ms: "
+            + " ".join(f"{1000 * t:6.0f}" for t in ttft)
+            + f"   later / first: {later / ttft[0]:.3f}   (hits {engine.prefix_cache.hit_tokens}, held "
+            f"{engine.prefix_cache.num_bytes / 2**20:.1f} MiB)"
+        )
 
 
 if __name__ == "__main__":

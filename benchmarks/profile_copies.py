@@ -7,6 +7,7 @@ Prints the runs, the Memcpy nodes ONNX Runtime inserted (copies between the CPU 
 inside the graph), and the copies per decode run. With the KV cache bound on the device, a decode
 run copies only its small host inputs (token ids, mask, positions) in; the cache never crosses.
 """
+
 import collections
 import json
 import sys
@@ -15,8 +16,11 @@ import sys
 def main(path: str) -> None:
     events = json.loads(open(path).read())
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    copies = [e for e in events if e.get("cat") == "Node" and "Memcpy" in e.get("args", {}).get("op_name", "")
-              and e["name"].endswith("kernel_time")]
+    copies = [
+        e
+        for e in events
+        if e.get("cat") == "Node" and "Memcpy" in e.get("args", {}).get("op_name", "") and e["name"].endswith("kernel_time")
+    ]
     by_op = collections.Counter(e["args"]["op_name"] for e in copies)
     bytes_moved = sum(int(e["args"].get("output_size", 0)) for e in copies)
     print(f"{len(runs)} graph runs; Memcpy nodes run {len(copies)} times ({dict(by_op)}), {bytes_moved} bytes in all")

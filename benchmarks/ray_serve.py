@@ -6,6 +6,7 @@ cores are not expected to gain much.
 
     python benchmarks/ray_serve.py EXPORT_DIR [--requests 200] [--seconds 15]
 """
+
 import argparse
 import json
 import signal
@@ -29,9 +30,28 @@ def free_port() -> int:
 
 def start(export: str, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", export, "--port", str(port),
-                                "--provider", "cpu", "--threads", "2", "--prefix-cache", "0", *flags],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "serve",
+            "--model",
+            export,
+            "--port",
+            str(port),
+            "--provider",
+            "cpu",
+            "--threads",
+            "2",
+            "--prefix-cache",
+            "0",
+            *flags,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -64,8 +84,25 @@ def latencies(url: str, model: str, count: int) -> list[float]:
 
 
 def aggregate(url: str, model: str, seconds: float, scratch: Path) -> float:
-    subprocess.run([sys.executable, str(HERE / "serve.py"), "--url", f"{url}/v1", "--model", model, "--clients", "8",
-                    "--seconds", str(seconds), "--json", str(scratch)], capture_output=True, text=True, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "serve.py"),
+            "--url",
+            f"{url}/v1",
+            "--model",
+            model,
+            "--clients",
+            "8",
+            "--seconds",
+            str(seconds),
+            "--json",
+            str(scratch),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(scratch.read_text())["levels"][0]["aggregate_tokens_per_s"]
 
 
@@ -88,9 +125,14 @@ def main() -> None:
     for name, times in runs.items():
         q = statistics.quantiles(times, n=10)
         print(f"{name:16s} one-token request: p50 {statistics.median(times):6.1f} ms, p90 {q[8]:6.1f} ms ({len(times)} requests)")
-    print(f"added by the Ray ingress at p50: {statistics.median(runs['through Ray']) - statistics.median(runs['edgeinfer serve']):.1f} ms")
-    servers = {"edgeinfer serve": [], "1 Ray replica (2 CPUs)": ["--ray", "--replicas", "1", "--replica-cpus", "2"],
-               "2 Ray replicas (1 CPU each)": ["--ray", "--replicas", "2", "--replica-cpus", "1"]}
+    print(
+        f"added by the Ray ingress at p50: {statistics.median(runs['through Ray']) - statistics.median(runs['edgeinfer serve']):.1f} ms"
+    )
+    servers = {
+        "edgeinfer serve": [],
+        "1 Ray replica (2 CPUs)": ["--ray", "--replicas", "1", "--replica-cpus", "2"],
+        "2 Ray replicas (1 CPU each)": ["--ray", "--replicas", "2", "--replica-cpus", "1"],
+    }
     for name, flags in servers.items():
         process, url = start(args.export_dir, *flags)
         try:

@@ -18,6 +18,7 @@ that the server had closed is sent again and counted (`retried`).
 Raw HTTP (httpx) rather than the openai client, so the client costs the server's 2 cores as little
 as possible. Figures are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ def percentile(values: list[float], share: float) -> float:
 
 def idle_cpu(pid: int, seconds: float) -> float:
     """The share of one core that process `pid` used over `seconds` (user and system time)."""
+
     def ticks() -> int:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return int(fields[11]) + int(fields[12])  # utime, stime
+
     start, began = ticks(), time.perf_counter()
     time.sleep(seconds)
     return (ticks() - start) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - began)
@@ -87,11 +90,18 @@ def level(url: str, body: dict, clients: int, seconds: float) -> dict:
         thread.join()
     elapsed = time.perf_counter() - began
     ttft, later = [r[1] for r in results], [r[1] for r in results if not r[0]]
-    return {"clients": clients, "requests": len(results), "retried": len(retried), "seconds": elapsed,
-            "aggregate_tokens_per_s": sum(r[3] for r in results) / elapsed,
-            "stream_tokens_per_s": statistics.median((r[3] - 1) / r[2] for r in results if r[2] > 0),
-            "ttft_p50_ms": 1000 * percentile(ttft, 0.5), "ttft_p99_ms": 1000 * percentile(ttft, 0.99),
-            "later_ttft_p50_ms": 1000 * percentile(later, 0.5), "later_ttft_p99_ms": 1000 * percentile(later, 0.99)}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "retried": len(retried),
+        "seconds": elapsed,
+        "aggregate_tokens_per_s": sum(r[3] for r in results) / elapsed,
+        "stream_tokens_per_s": statistics.median((r[3] - 1) / r[2] for r in results if r[2] > 0),
+        "ttft_p50_ms": 1000 * percentile(ttft, 0.5),
+        "ttft_p99_ms": 1000 * percentile(ttft, 0.99),
+        "later_ttft_p50_ms": 1000 * percentile(later, 0.5),
+        "later_ttft_p99_ms": 1000 * percentile(later, 0.99),
+    }
 
 
 def main() -> None:
@@ -107,25 +117,50 @@ def main() -> None:
     parser.add_argument("--server-pid", type=int, default=None, help="measure this process's CPU use while idle, after the load")
     args = parser.parse_args()
     ids = json.loads(PROMPTS.read_text())["prompts"][args.prompt]
-    body = {"model": args.model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True, **json.loads(args.extra)}
+    body = {
+        "model": args.model,
+        "prompt": ids,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        **json.loads(args.extra),
+    }
     one_request(httpx.Client(timeout=300), args.url, {**body, "max_tokens": 4})  # warm-up
     figures = []
-    print(f"{'clients':>7} {'requests':>8} {'retried':>7} {'aggregate tok/s':>15} {'per stream tok/s':>16} {'TTFT p50 ms':>11} "
-          f"{'TTFT p99 ms':>11} {'later p50 ms':>12} {'later p99 ms':>12}")
+    print(
+        f"{'clients':>7} {'requests':>8} {'retried':>7} {'aggregate tok/s':>15} {'per stream tok/s':>16} {'TTFT p50 ms':>11} "
+        f"{'TTFT p99 ms':>11} {'later p50 ms':>12} {'later p99 ms':>12}"
+    )
     for clients in (int(c) for c in args.clients.split(",")):
         f = level(args.url, body, clients, args.seconds)
         figures.append(f)
-        print(f"{f['clients']:>7} {f['requests']:>8} {f['retried']:>7} {f['aggregate_tokens_per_s']:>15.1f} {f['stream_tokens_per_s']:>16.1f} "
-              f"{f['ttft_p50_ms']:>11.0f} {f['ttft_p99_ms']:>11.0f} {f['later_ttft_p50_ms']:>12.0f} {f['later_ttft_p99_ms']:>12.0f}", flush=True)
+        print(
+            f"{f['clients']:>7} {f['requests']:>8} {f['retried']:>7} {f['aggregate_tokens_per_s']:>15.1f} {f['stream_tokens_per_s']:>16.1f} "
+            f"{f['ttft_p50_ms']:>11.0f} {f['ttft_p99_ms']:>11.0f} {f['later_ttft_p50_ms']:>12.0f} {f['later_ttft_p99_ms']:>12.0f}",
+            flush=True,
+        )
     idle = None
     if args.server_pid:
         time.sleep(2)  # streams that the last level's clients left behind end
         idle = idle_cpu(args.server_pid, 10)
         print(f"server idle CPU over 10 s: {100 * idle:.2f}% of one core")
     if args.json_file:
-        Path(args.json_file).write_text(json.dumps({"url": args.url, "model": args.model, "prompt": args.prompt,
-                                                    "max_tokens": args.max_tokens, "levels": figures, "idle_cpu_share": idle}, indent=2) + "\n")
+        Path(args.json_file).write_text(
+            json.dumps(
+                {
+                    "url": args.url,
+                    "model": args.model,
+                    "prompt": args.prompt,
+                    "max_tokens": args.max_tokens,
+                    "levels": figures,
+                    "idle_cpu_share": idle,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

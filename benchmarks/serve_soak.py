@@ -13,6 +13,7 @@ cache keeps up to its budget of the prompts' blocks (64 MiB by default) and so g
 soak of distinct prompts by design: its size is printed, and `--prefix-cache 0` leaves it out of
 the RSS figures. Figures are printed, never asserted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,12 @@ BAD = [  # (path, raw body): each answered with a 4xx
     ("/v1/completions", b'{"model": "MODEL", "prompt": "x", "max_tokens": true}'),
     ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "wizard", "content": "x"}]}'),
     ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": -1}'),
-    ("/v1/chat/completions", b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "response_format": '
-                             b'{"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": '
-                             b'{"a": {"$ref": "#"}}, "required": ["a"]}}}}'),
+    (
+        "/v1/chat/completions",
+        b'{"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "response_format": '
+        b'{"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": '
+        b'{"a": {"$ref": "#"}}, "required": ["a"]}}}}',
+    ),
     ("/v1/nothing", b"{}"),
 ]
 
@@ -86,8 +90,14 @@ class Load:
                     self.count(type(e).__name__)
 
     def _body(self, rng, **more) -> dict:
-        return {"model": self.model, "prompt": [rng.randrange(3, 300) for _ in range(rng.choice([3, 40, 150]))],
-                "max_tokens": rng.choice([8, 32, 64]), "temperature": rng.choice([0, 0.8]), "seed": rng.randrange(1000), **more}
+        return {
+            "model": self.model,
+            "prompt": [rng.randrange(3, 300) for _ in range(rng.choice([3, 40, 150]))],
+            "max_tokens": rng.choice([8, 32, 64]),
+            "temperature": rng.choice([0, 0.8]),
+            "seed": rng.randrange(1000),
+            **more,
+        }
 
     def stream(self, http, rng) -> None:
         with http.stream("POST", f"{self.url}/v1/completions", json=self._body(rng, stream=True)) as response:
@@ -113,13 +123,20 @@ class Load:
 
     def bad(self, http, rng) -> None:
         path, body = rng.choice(BAD)
-        self.count(http.post(f"{self.url}{path}", content=body.replace(b"MODEL", self.model.encode()),
-                             headers={"content-type": "application/json"}).status_code)
+        self.count(
+            http.post(
+                f"{self.url}{path}", content=body.replace(b"MODEL", self.model.encode()), headers={"content-type": "application/json"}
+            ).status_code
+        )
 
     def burst(self, http, rng) -> None:
         """Twelve requests at once: past the batch and the queue."""
-        threads = [threading.Thread(target=lambda: self.count(httpx.post(f"{self.url}/v1/completions", json=self._body(rng),
-                                                                         timeout=60).status_code)) for _ in range(12)]
+        threads = [
+            threading.Thread(
+                target=lambda: self.count(httpx.post(f"{self.url}/v1/completions", json=self._body(rng), timeout=60).status_code)
+            )
+            for _ in range(12)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -147,9 +164,27 @@ def watch_stream(url: str, model: str, until: float) -> list[float]:
 def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: int | None) -> dict:
     port = free_port()
     cache = [] if prefix_cache is None else ["--prefix-cache", str(prefix_cache)]
-    server = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port),
-                               "--max-batch", "4", "--max-queue", "4", "--provider", "cpu", *cache],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "serve",
+            "--model",
+            str(export),
+            "--port",
+            str(port),
+            "--max-batch",
+            "4",
+            "--max-queue",
+            "4",
+            "--provider",
+            "cpu",
+            *cache,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -182,15 +217,26 @@ def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: 
     finally:
         server.terminate()
         server.wait(60)
-    return {"seconds": round(time.monotonic() - began - idle, 1), "requests_by_status": dict(sorted((str(k), v) for k, v in
-                                                                                                  load.statuses.items())),
-            "server_errors": sum(v for k, v in load.statuses.items() if isinstance(k, int) and k >= 500),
-            "largest_stream_gap_s": round(max(gaps), 3), "stream_gaps_over_0.2_s": sum(g > 0.2 for g in gaps), "stream_chunks": len(gaps) + 1,
-            "p99_stream_gap_s": round(sorted(gaps)[int(len(gaps) * 0.99)], 4),
-            "rss_start_mib": round(start_rss, 1), "rss_after_warm_up_mib": round(warm_rss or end_rss, 1),
-            "rss_peak_mib": round(peak, 1), "rss_end_of_load_mib": round(end_rss, 1), f"rss_after_{idle:g}_s_idle_mib":
-                round(idle_rss, 1), "idle_against_warm_up_pct": round(100 * (idle_rss / (warm_rss or end_rss) - 1), 2),
-            "prefix_cache_mib": round(cached / 2**20, 1), "fds_start": start_fds, "fds_end_of_load": end_fds, "fds_after_idle": idle_fds, "healthy_after": healthy}
+    return {
+        "seconds": round(time.monotonic() - began - idle, 1),
+        "requests_by_status": dict(sorted((str(k), v) for k, v in load.statuses.items())),
+        "server_errors": sum(v for k, v in load.statuses.items() if isinstance(k, int) and k >= 500),
+        "largest_stream_gap_s": round(max(gaps), 3),
+        "stream_gaps_over_0.2_s": sum(g > 0.2 for g in gaps),
+        "stream_chunks": len(gaps) + 1,
+        "p99_stream_gap_s": round(sorted(gaps)[int(len(gaps) * 0.99)], 4),
+        "rss_start_mib": round(start_rss, 1),
+        "rss_after_warm_up_mib": round(warm_rss or end_rss, 1),
+        "rss_peak_mib": round(peak, 1),
+        "rss_end_of_load_mib": round(end_rss, 1),
+        f"rss_after_{idle:g}_s_idle_mib": round(idle_rss, 1),
+        "idle_against_warm_up_pct": round(100 * (idle_rss / (warm_rss or end_rss) - 1), 2),
+        "prefix_cache_mib": round(cached / 2**20, 1),
+        "fds_start": start_fds,
+        "fds_end_of_load": end_fds,
+        "fds_after_idle": idle_fds,
+        "healthy_after": healthy,
+    }
 
 
 def _metric(url: str, name: str) -> float:

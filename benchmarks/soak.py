@@ -8,6 +8,7 @@ on first use). The generations cycle through prompts of different lengths, greed
 sampling, streaming, and batches of three. RSS is read after loading, after the warm-up (the
 first tenth of the runs) and at the end; growth is the end against the warm-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,21 @@ def soak(engine: Engine, runs: int, lengths: tuple[int, ...], new_tokens: int, l
             warm_rss = rss_mib()
     gc.collect()
     end_rss = rss_mib()
-    figures = {"runs": runs, "tokens": tokens, "seconds": round(time.perf_counter() - began, 1),
-               "rss_after_load_mib": round(start_rss, 1), "rss_after_warm_up_mib": round(warm_rss, 1),
-               "rss_end_mib": round(end_rss, 1), "growth_after_warm_up_pct": round(100 * (end_rss / warm_rss - 1), 2)}
-    print(f"{label}: {runs} generations ({tokens} tokens) in {figures['seconds']} s; RSS after load {start_rss:.1f} MiB, "
-          f"after warm-up ({warm_up} runs) {warm_rss:.1f} MiB, at the end {end_rss:.1f} MiB: "
-          f"{figures['growth_after_warm_up_pct']:+.2f}% after warm-up", flush=True)
+    figures = {
+        "runs": runs,
+        "tokens": tokens,
+        "seconds": round(time.perf_counter() - began, 1),
+        "rss_after_load_mib": round(start_rss, 1),
+        "rss_after_warm_up_mib": round(warm_rss, 1),
+        "rss_end_mib": round(end_rss, 1),
+        "growth_after_warm_up_pct": round(100 * (end_rss / warm_rss - 1), 2),
+    }
+    print(
+        f"{label}: {runs} generations ({tokens} tokens) in {figures['seconds']} s; RSS after load {start_rss:.1f} MiB, "
+        f"after warm-up ({warm_up} runs) {warm_rss:.1f} MiB, at the end {end_rss:.1f} MiB: "
+        f"{figures['growth_after_warm_up_pct']:+.2f}% after warm-up",
+        flush=True,
+    )
     return figures
 
 
@@ -81,11 +91,21 @@ def tiny_export(folder: Path) -> Path:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        [" ".join(WORDS)] * 20,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+    )
     LlamaForCausalLM(config).save_pretrained(folder / "hf")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder / "hf")
     export_model(str(folder / "hf"), folder / "export")

@@ -8,6 +8,7 @@ Greedy output is the same token for token with and without on fp32 exports (the 
 it was; an int4 export's several-token passes round differently, see the README); the figure is the
 decode rate after the first token. CPU, 2 threads, the export's chat template.
 """
+
 import argparse
 import statistics
 from pathlib import Path
@@ -42,8 +43,10 @@ def main() -> None:
     engine = Engine.load(args.export_dir, provider="cpu", threads=2, prefix_cache=0, draft=args.draft)
     mode = "draft" if args.draft else "prompt_lookup"
     variants = {"plain": {}, mode: {"speculative": mode, "num_speculative_tokens": args.count}}
-    print(f"{args.export_dir}, {mode}{' ' + args.draft if args.draft else ''}, {args.tokens} tokens, greedy, "
-          f"median of {args.rounds} alternating runs")
+    print(
+        f"{args.export_dir}, {mode}{' ' + args.draft if args.draft else ''}, {args.tokens} tokens, greedy, "
+        f"median of {args.rounds} alternating runs"
+    )
     for task, (text, extra) in TASKS.items():
         ids = engine.chat_prompt([{"role": "user", "content": text}])
         engine.generate(ids, max_new_tokens=8)  # warm-up
@@ -58,8 +61,10 @@ def main() -> None:
                     same = tokens == expected
                     first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
         plain, fast = statistics.median(rates["plain"]), statistics.median(rates[mode])
-        print(f"{task:30s} prompt {len(ids):4d}  plain {plain:6.1f} tok/s  {mode} {fast:6.1f} tok/s  ratio {fast / plain:.2f}x  "
-              f"(accepted {counts[1]} of {counts[0]} proposed; tokens {'the same' if same else f'differ from token {first}'})")
+        print(
+            f"{task:30s} prompt {len(ids):4d}  plain {plain:6.1f} tok/s  {mode} {fast:6.1f} tok/s  ratio {fast / plain:.2f}x  "
+            f"(accepted {counts[1]} of {counts[0]} proposed; tokens {'the same' if same else f'differ from token {first}'})"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ EXPORT: an fp32 export of a model with tied weights (SmolLM2, Gemma 3). Each loa
 process, the two alternating: resident memory over the interpreter after load and after a
 generation of 64 tokens on a 20-sentence prompt, the data file's size, and whether the tokens are
 equal."""
+
 import argparse
 import json
 import shutil

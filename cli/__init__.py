@@ -1,4 +1,5 @@
 """The `edgeinfer` command line."""
+
 from .main import cli, main
 
 __all__ = ["cli", "main"]

@@ -1,4 +1,5 @@
 """`edgeinfer bench`: load time, TTFT and decode rate per prompt length, memory; a table, JSON, a plot."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ from .resolve import resolve_export, say
 @click.argument("model", required=False)
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
-              help='JSON {"prompts": {name: [token ids]}} [default: random ids of 16, 128, 512 and 1024 tokens].')
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help='JSON {"prompts": {name: [token ids]}} [default: random ids of 16, 128, 512 and 1024 tokens].',
+)
 @click.option("--new-tokens", default=128, show_default=True, type=click.IntRange(2, 100000))
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
 @click.option("--json", "json_file", default="edgeinfer-bench.json", show_default=True, type=click.Path(dir_okay=False))
@@ -28,7 +33,9 @@ def bench(model, provider, threads, prompts_file, new_tokens, repeats, json_file
     prompts = json.loads(Path(prompts_file).read_text())["prompts"] if prompts_file else None
     result = run_benchmark(resolve_export(model, say), provider, threads, prompts, new_tokens, repeats, say)
     click.echo(f"{result.model}: {result.provider}, {threads or 'default'} threads, {new_tokens} new tokens, median of {repeats}")
-    click.echo(f"load {result.load_s:.2f} s, RSS after load {result.rss_after_load_mib:.0f} MiB, peak RSS {result.peak_rss_mib:.0f} MiB")
+    click.echo(
+        f"load {result.load_s:.2f} s, RSS after load {result.rss_after_load_mib:.0f} MiB, peak RSS {result.peak_rss_mib:.0f} MiB"
+    )
     click.echo(f"{'prompt':>8} {'tokens':>7} {'TTFT ms':>9} {'decode tok/s':>13}")
     for name, figures in result.prompts.items():
         click.echo(f"{name:>8} {figures.prompt_tokens:>7} {figures.ttft_ms:>9.0f} {figures.decode_tokens_per_s:>13.1f}")

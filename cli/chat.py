@@ -1,4 +1,5 @@
 """`edgeinfer chat`: a conversation in the terminal, kept across turns, replies streamed."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """The `edgeinfer` command: a thin shell over the SDK and the exporter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,25 +33,50 @@ def cli(debug):
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None, help="Quantize the weights [default: fp32].")
 @click.option("--block-size", type=int, default=32, show_default=True, help="Weights per quantization scale.")
 @click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
-              help="Weights, activations and KV cache type (fp16 is for GPUs).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Weights, activations and KV cache type (fp16 is for GPUs).",
+)
 @click.option("--no-fuse", is_flag=True, help="Skip ONNX Runtime's transformer optimizer (fusion) at export.")
-@click.option("--graphs", type=click.Choice(["single", "split"]), default="single", show_default=True,
-              help="One graph for prefill and decode, or prefill.onnx and decode.onnx on one weights file (static-shape accelerators).")
-@click.option("--prefill-length", type=int, default=None,
-              help="With --graphs split: the prefill graph's fixed number of positions (prompts are padded to it) [default: any].")
-@click.option("--static-context", type=int, default=None,
-              help="With --graphs split: the decode graph's fixed KV cache capacity, one token per pass [default: any].")
-def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse, graphs, prefill_length,
-           static_context):
+@click.option(
+    "--graphs",
+    type=click.Choice(["single", "split"]),
+    default="single",
+    show_default=True,
+    help="One graph for prefill and decode, or prefill.onnx and decode.onnx on one weights file (static-shape accelerators).",
+)
+@click.option(
+    "--prefill-length",
+    type=int,
+    default=None,
+    help="With --graphs split: the prefill graph's fixed number of positions (prompts are padded to it) [default: any].",
+)
+@click.option(
+    "--static-context",
+    type=int,
+    default=None,
+    help="With --graphs split: the decode graph's fixed KV cache capacity, one token per pass [default: any].",
+)
+def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse, graphs, prefill_length, static_context):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
     (--graphs split) a prefill graph and a decode graph."""
     exporter = _exporter()
     if symmetric and not quantize:
         raise click.UsageError("--symmetric applies to quantized weights: add --quantize int4 or int8")
     quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
-    options = exporter.ExportOptions(force=force, max_context=max_context, quantization=quantization, fuse=not no_fuse,
-                                     dtype=dtype, graphs=graphs, prefill_length=prefill_length, static_context=static_context)
+    options = exporter.ExportOptions(
+        force=force,
+        max_context=max_context,
+        quantization=quantization,
+        fuse=not no_fuse,
+        dtype=dtype,
+        graphs=graphs,
+        prefill_length=prefill_length,
+        static_context=static_context,
+    )
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
 
@@ -60,7 +86,9 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
 @with_options(MODEL_OPTIONS)
 @with_options(GENERATION_OPTIONS)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming."
+)
 def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat, as_json, **params):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
     settings = generation_settings(params, draft)
@@ -69,8 +97,11 @@ def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cach
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
     if as_json:
         result = engine.generate(ids, **settings)
-        click.echo(json.dumps({"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)},
-                              ensure_ascii=False))
+        click.echo(
+            json.dumps(
+                {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}, ensure_ascii=False
+            )
+        )
         return
     for piece in engine.stream(ids, **settings):
         click.echo(piece.text, nl=False)
@@ -103,17 +134,23 @@ def info(folder, architectures):
     manifest = load_manifest(folder)
     click.echo(json.dumps(manifest.to_dict(), indent=2))
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
-    click.echo(f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
-               f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens")
+    click.echo(
+        f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
+        f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens"
+    )
     from edgeinfer.sdk.engine import DEFAULT_PREFIX_CACHE_MIB
 
     tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
-    click.echo(f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
-               "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)")
+    click.echo(
+        f"prefix cache: {DEFAULT_PREFIX_CACHE_MIB} MiB by default, {tokens} tokens of prompts "
+        "(--prefix-cache MIB; hits, misses and bytes held in edgeinfer serve's /metrics)"
+    )
     if manifest.layout == "split":
-        click.echo(f"graphs: split, {manifest.prefill.file} ({manifest.prefill_length or 'any number of'} positions) and "
-                   f"{manifest.graph.file} (" + (f"a cache of {manifest.static_context} slots, one token a pass)"
-                                                 if manifest.static_context else "any shapes)"))
+        click.echo(
+            f"graphs: split, {manifest.prefill.file} ({manifest.prefill_length or 'any number of'} positions) and "
+            f"{manifest.graph.file} ("
+            + (f"a cache of {manifest.static_context} slots, one token a pass)" if manifest.static_context else "any shapes)")
+        )
     else:
         click.echo(f"graphs: single, {manifest.graph.file} for prefill and decode")
     if "logits_to_keep" in manifest.graph.inputs:
@@ -155,7 +192,9 @@ def check(folder, source, prompt, new_tokens):
     model, _ = load_model(resolve_source(source, say), with_tokenizer=False)
     result = check_export(folder, model, prompt or DEFAULT_PROMPT, new_tokens)
     same = {True: "equal", False: "DIFFERENT"}
-    click.echo(f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'")
+    click.echo(
+        f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'"
+    )
     if not result.tokens_equal:
         click.echo(f"  transformers: {result.expected_tokens}\n  export:       {result.tokens}")
     for stage in ("prefill", "decode", "extend"):
@@ -164,7 +203,9 @@ def check(folder, source, prompt, new_tokens):
         click.echo(f"{stage} logits: largest difference {difference:.2e}, {verdict} tolerance {result.tolerance:.2e}")
     click.echo(f"batch of two prompts: rows {same[result.batch_rows_equal_single]} to single runs")
     if not result.passed:
-        raise ExportError(f"the export in {folder} does not match {source}: re-export it, and report the check's output if it persists")
+        raise ExportError(
+            f"the export in {folder} does not match {source}: re-export it, and report the check's output if it persists"
+        )
     click.echo("check passed")
 
 

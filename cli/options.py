@@ -1,4 +1,5 @@
 """Flags shared by `run` and `chat`: which model and provider, and every generation setting."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,19 @@ MODEL_OPTIONS = [
     click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core]."),
     click.option("--max-context", default=None, type=int, help="Tokens (prompt and reply) to serve [default: the export's context]."),
     click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV cache may use [default: what is free]."),
-    click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
-                 help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64]."),
-    click.option("--draft", default=None, metavar="MODEL",
-                 help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (--speculative draft)."),
+    click.option(
+        "--prefix-cache",
+        default=None,
+        type=click.IntRange(0),
+        metavar="MIB",
+        help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64].",
+    ),
+    click.option(
+        "--draft",
+        default=None,
+        metavar="MODEL",
+        help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (--speculative draft).",
+    ),
 ]
 # Each defaults to None: the model's own default (its generation config) applies.
 GENERATION_OPTIONS = [
@@ -31,22 +41,45 @@ GENERATION_OPTIONS = [
     click.option("--stop", multiple=True, help="Stop before this text; repeatable."),
     click.option("--stop-token-id", "stop_token_ids", multiple=True, type=int, help="Stop at this token id; repeatable."),
     click.option("--ignore-eos", is_flag=True, default=None, help="Keep generating past the model's EOS."),
-    click.option("--truncate", type=click.Choice(["left"]), default=None,
-                 help="Drop the oldest prompt tokens where the prompt and --max-new-tokens do not fit the context [default: refuse]."),
+    click.option(
+        "--truncate",
+        type=click.Choice(["left"]),
+        default=None,
+        help="Drop the oldest prompt tokens where the prompt and --max-new-tokens do not fit the context [default: refuse].",
+    ),
     click.option("--presence-penalty", type=float, default=None, help="OpenAI's: subtract from tokens already generated (-2..2)."),
     click.option("--frequency-penalty", type=float, default=None, help="OpenAI's: subtract per time a token was generated (-2..2)."),
     click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS", help="Add BIAS (-100..100) to token ID; repeatable."),
-    click.option("--json-schema", "json_schema", default=None, type=click.Path(exists=True, dir_okay=False),
-                 help="The output is JSON valid against the schema in this file."),
+    click.option(
+        "--json-schema",
+        "json_schema",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="The output is JSON valid against the schema in this file.",
+    ),
     click.option("--regex", default=None, help="The output matches this regular expression."),
-    click.option("--grammar", default=None, type=click.Path(exists=True, dir_okay=False),
-                 help="The output matches the Lark grammar in this file (llguidance's dialect)."),
+    click.option(
+        "--grammar",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        help="The output matches the Lark grammar in this file (llguidance's dialect).",
+    ),
     click.option("--choice", multiple=True, help="The output is one of these strings; repeatable."),
-    click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None, metavar="K",
-                 help="With --json: each token's log-probability and its K most likely alternatives."),
-    click.option("--speculative", type=click.Choice(["prompt-lookup", "draft"]), default=None,
-                 help="Propose tokens (from the prompt and output so far, or from --draft) and check them in one pass: "
-                      "the same output, usually faster [default: off; draft where --draft is given]."),
+    click.option(
+        "--logprobs",
+        "logprobs",
+        type=click.IntRange(0, 20),
+        default=None,
+        metavar="K",
+        help="With --json: each token's log-probability and its K most likely alternatives.",
+    ),
+    click.option(
+        "--speculative",
+        type=click.Choice(["prompt-lookup", "draft"]),
+        default=None,
+        help="Propose tokens (from the prompt and output so far, or from --draft) and check them in one pass: "
+        "the same output, usually faster [default: off; draft where --draft is given].",
+    ),
     click.option("--num-speculative-tokens", type=int, default=None, help="Most tokens proposed at a time [default: 5]."),
 ]
 
@@ -56,6 +89,7 @@ def with_options(options):
         for option in reversed(options):
             command = option(command)
         return command
+
     return decorate
 
 

@@ -1,5 +1,6 @@
 """Turning `--model` into a loaded engine, exporting a catalog model into the cache on first use;
 the messages the commands print on stderr."""
+
 from __future__ import annotations
 
 import sys
@@ -22,21 +23,42 @@ def live_stream():
 
 
 def say_timings(piece) -> None:
-    say(f"time to first token {piece.ttft_s * 1000:.0f} ms, {piece.decode_tokens_per_s:.1f} tokens/s, "
+    say(
+        f"time to first token {piece.ttft_s * 1000:.0f} ms, {piece.decode_tokens_per_s:.1f} tokens/s, "
         f"prompt {piece.prompt_tokens} tokens, finish: {piece.finish_reason}"
-        + ("" if piece.proposed_tokens is None else f", speculative: {piece.accepted_tokens} of {piece.proposed_tokens} proposed tokens kept"))
+        + (
+            ""
+            if piece.proposed_tokens is None
+            else f", speculative: {piece.accepted_tokens} of {piece.proposed_tokens} proposed tokens kept"
+        )
+    )
 
 
-def load_engine(model: str | None, provider: str, threads: int | None, max_context: int | None = None,
-                memory_limit: int | None = None, prefix_cache: int | None = None, max_batch: int = 1, draft: str | None = None):
+def load_engine(
+    model: str | None,
+    provider: str,
+    threads: int | None,
+    max_context: int | None = None,
+    memory_limit: int | None = None,
+    prefix_cache: int | None = None,
+    max_batch: int = 1,
+    draft: str | None = None,
+):
     """The engine for `--model` (and its `--draft`), saying which provider runs it and why.
     `memory_limit` and `prefix_cache` are in MiB."""
     from edgeinfer.sdk import Engine
 
     limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
-    engine = Engine.load(resolve_export(model, say), provider=provider, threads=threads, max_context=max_context,
-                         max_batch=max_batch, memory_limit=limit, prefix_cache=prefix_cache,
-                         draft=None if draft is None else resolve_export(draft, say))
+    engine = Engine.load(
+        resolve_export(model, say),
+        provider=provider,
+        threads=threads,
+        max_context=max_context,
+        max_batch=max_batch,
+        memory_limit=limit,
+        prefix_cache=prefix_cache,
+        draft=None if draft is None else resolve_export(draft, say),
+    )
     say(f"provider: {engine.provider} ({engine.provider_reason})")
     return engine
 
@@ -48,10 +70,14 @@ def resolve_export(model: str | None, say) -> Path:
         return _cached_export(model, say)
     names = ", ".join(sorted(entries()))
     if not path.exists() and ("/" in model or model.startswith((".", "~"))):
-        raise ModelNotFoundError(f"model path {model} does not exist: pass a folder made by `edgeinfer export`, or a catalog name ({names})")
+        raise ModelNotFoundError(
+            f"model path {model} does not exist: pass a folder made by `edgeinfer export`, or a catalog name ({names})"
+        )
     if not path.exists():
-        raise ModelNotFoundError(f"{model!r} is not a catalog name ({names}) or an existing folder: "
-                                 "pass a folder made by `edgeinfer export`, or a catalog name")
+        raise ModelNotFoundError(
+            f"{model!r} is not a catalog name ({names}) or an existing folder: "
+            "pass a folder made by `edgeinfer export`, or a catalog name"
+        )
     return path
 
 

@@ -1,4 +1,5 @@
 """`edgeinfer serve`: the OpenAI-compatible server (edgeinfer.serve) with the CLI's model resolution."""
+
 from __future__ import annotations
 
 import logging
@@ -21,34 +22,93 @@ from .resolve import load_engine, resolve_export, say
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 1024), help="Requests decoded together.")
 @click.option("--max-context", default=None, type=int, help="Tokens per request, prompt and reply [default: the export's].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0, 10**6), help="Requests that may wait for a row.")
-@click.option("--api-key", default=None, envvar="EDGEINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ [env: EDGEINFER_API_KEY].")
-@click.option("--metrics-key", default=None, envvar="EDGEINFER_METRICS_KEY",
-              help="Require 'Authorization: Bearer KEY' on /metrics [env: EDGEINFER_METRICS_KEY; default: /metrics is open].")
-@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
-              help="A web origin (https://app.example) whose pages may call the API; repeatable; '*' for any [default: none].")
-@click.option("--header-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds a connection may take to send a request's headers.")
-@click.option("--body-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds a request may take to send its body.")
+@click.option(
+    "--api-key", default=None, envvar="EDGEINFER_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/ [env: EDGEINFER_API_KEY]."
+)
+@click.option(
+    "--metrics-key",
+    default=None,
+    envvar="EDGEINFER_METRICS_KEY",
+    help="Require 'Authorization: Bearer KEY' on /metrics [env: EDGEINFER_METRICS_KEY; default: /metrics is open].",
+)
+@click.option(
+    "--cors-origin",
+    "cors_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="A web origin (https://app.example) whose pages may call the API; repeatable; '*' for any [default: none].",
+)
+@click.option(
+    "--header-timeout",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds a connection may take to send a request's headers.",
+)
+@click.option(
+    "--body-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds a request may take to send its body.",
+)
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
 @click.option("--memory-limit", default=None, type=int, help="MiB the weights and KV pool may use [default: what is free].")
-@click.option("--prefix-cache", default=None, type=click.IntRange(0), metavar="MIB",
-              help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64].")
-@click.option("--draft", default=None, metavar="MODEL",
-              help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (speculative: draft).")
-@click.option("--speculative", type=click.Choice(["prompt-lookup", "draft"]), default=None,
-              help="Speculative decoding for requests that do not ask themselves [default: off; draft where --draft is given].")
-@click.option("--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM.")
+@click.option(
+    "--prefix-cache",
+    default=None,
+    type=click.IntRange(0),
+    metavar="MIB",
+    help="MiB of prompts' keys and values kept for prompts that start the same way (0: off) [default: 64].",
+)
+@click.option(
+    "--draft",
+    default=None,
+    metavar="MODEL",
+    help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (speculative: draft).",
+)
+@click.option(
+    "--speculative",
+    type=click.Choice(["prompt-lookup", "draft"]),
+    default=None,
+    help="Speculative decoding for requests that do not ask themselves [default: off; draft where --draft is given].",
+)
+@click.option(
+    "--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM."
+)
 @click.option("--ray", "on_ray", is_flag=True, help="Run the server as Ray Serve replicas (the ray extra; see --replicas).")
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(1), help="With --ray: replicas, each its own engine.")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="With --ray: as many replicas as the load asks for, MIN to MAX.")
 @click.option("--address", default=None, help="With --ray: the cluster to join (auto, or ray://HOST:10001) [default: a local one].")
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.01), help="With --ray: CPUs per replica.")
 @click.option("--replica-gpus", default=0.0, show_default=True, type=click.FloatRange(min=0), help="With --ray: GPUs per replica.")
-def serve(model, host, port, max_batch, max_context, max_queue, api_key, metrics_key, cors_origins, header_timeout, body_timeout,
-          provider, threads, memory_limit, prefix_cache, draft, speculative, grace, on_ray, replicas, autoscale, address,
-          replica_cpus, replica_gpus):
+def serve(
+    model,
+    host,
+    port,
+    max_batch,
+    max_context,
+    max_queue,
+    api_key,
+    metrics_key,
+    cors_origins,
+    header_timeout,
+    body_timeout,
+    provider,
+    threads,
+    memory_limit,
+    prefix_cache,
+    draft,
+    speculative,
+    grace,
+    on_ray,
+    replicas,
+    autoscale,
+    address,
+    replica_cpus,
+    replica_gpus,
+):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
     try:
@@ -59,12 +119,18 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, metrics
 
     for flag, key in (("--api-key", api_key), ("--metrics-key", metrics_key)):
         if key is not None and not key.strip():
-            raise click.BadParameter("an empty key would turn authentication off: give a key, or leave the option (and its "
-                                     "environment variable) out to serve without one", param_hint=flag)
+            raise click.BadParameter(
+                "an empty key would turn authentication off: give a key, or leave the option (and its "
+                "environment variable) out to serve without one",
+                param_hint=flag,
+            )
     for origin in cors_origins:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
-            raise click.BadParameter(f"{origin!r} is not an origin: scheme and host, with a port where it has one "
-                                     "(http://localhost:3000), no path; or '*' for any", param_hint="--cors-origin")
+            raise click.BadParameter(
+                f"{origin!r} is not an origin: scheme and host, with a port where it has one "
+                "(http://localhost:3000), no path; or '*' for any",
+                param_hint="--cors-origin",
+            )
     options = ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -74,9 +140,20 @@ def serve(model, host, port, max_batch, max_context, max_queue, api_key, metrics
     if on_ray:
         from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
 
-        settings = ReplicaSettings(str(resolve_export(model, say).resolve()), name, provider, threads, max_context, max_batch,
-                                   max_queue, memory_limit * 2**20 if memory_limit else None, prefix_cache, api_key,
-                                   None if draft is None else str(resolve_export(draft, say).resolve()), mode)
+        settings = ReplicaSettings(
+            str(resolve_export(model, say).resolve()),
+            name,
+            provider,
+            threads,
+            max_context,
+            max_batch,
+            max_queue,
+            memory_limit * 2**20 if memory_limit else None,
+            prefix_cache,
+            api_key,
+            None if draft is None else str(resolve_export(draft, say).resolve()),
+            mode,
+        )
         run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, options)
         return
     if (replicas, autoscale, address) != (1, None, None):

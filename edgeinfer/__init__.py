@@ -3,11 +3,49 @@
 The package maps its parts from the repository's folders: `edgeinfer.sdk` (runtime),
 `edgeinfer.export` (Hugging Face → ONNX), `edgeinfer.cli` and `edgeinfer.models` (catalog).
 """
-from edgeinfer.sdk import (BusyError, ConstraintError, ContextLengthError, EdgeInferError, Engine, ExportError, GenerationConfig,
-                           GenerationError, GenerationResult, GraphError, ManifestError, ModelNotFoundError, NotAnExportError, Piece, ProviderError,
-                           Request, Scheduler, SettingsError, UnavailableError)
+
+from edgeinfer.sdk import (
+    BusyError,
+    ConstraintError,
+    ContextLengthError,
+    EdgeInferError,
+    Engine,
+    ExportError,
+    GenerationConfig,
+    GenerationError,
+    GenerationResult,
+    GraphError,
+    ManifestError,
+    ModelNotFoundError,
+    NotAnExportError,
+    Piece,
+    ProviderError,
+    Request,
+    Scheduler,
+    SettingsError,
+    UnavailableError,
+)
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Scheduler", "Request", "BusyError", "GenerationConfig", "GenerationResult", "Piece", "EdgeInferError", "ExportError", "GenerationError",
-           "GraphError", "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError", "SettingsError",
-           "ConstraintError", "ContextLengthError", "UnavailableError", "__version__"]
+__all__ = [
+    "Engine",
+    "Scheduler",
+    "Request",
+    "BusyError",
+    "GenerationConfig",
+    "GenerationResult",
+    "Piece",
+    "EdgeInferError",
+    "ExportError",
+    "GenerationError",
+    "GraphError",
+    "ManifestError",
+    "ModelNotFoundError",
+    "NotAnExportError",
+    "ProviderError",
+    "SettingsError",
+    "ConstraintError",
+    "ContextLengthError",
+    "UnavailableError",
+    "__version__",
+]

@@ -21,6 +21,7 @@ as they are. Norms and the MLP are left as they were. attention_pattern.py finds
 computes; this module builds the new nodes. Every layer is matched before the graph is changed, and
 a rewritten graph is kept only if it passes the export's checks.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -86,12 +87,21 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
 def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num_heads: int, window: int) -> None:
     query_key_value = _attention_inputs(graph, view, name, layer)
     caches = layer.rotary.caches if layer.rotary else []
-    graph.node.append(helper.make_node(
-        "GroupQueryAttention",
-        [*query_key_value, layer.past_key, layer.past_value, _Shared.SEQLENS_K, _Shared.TOTAL, *caches],
-        [layer.output, layer.present_key, layer.present_value], name=name, domain="com.microsoft",
-        num_heads=num_heads, kv_num_heads=layer.num_kv_heads, scale=layer.scale, local_window_size=window,
-        do_rotary=int(layer.rotary is not None), rotary_interleaved=layer.rotary.interleaved if layer.rotary else 0))
+    graph.node.append(
+        helper.make_node(
+            "GroupQueryAttention",
+            [*query_key_value, layer.past_key, layer.past_value, _Shared.SEQLENS_K, _Shared.TOTAL, *caches],
+            [layer.output, layer.present_key, layer.present_value],
+            name=name,
+            domain="com.microsoft",
+            num_heads=num_heads,
+            kv_num_heads=layer.num_kv_heads,
+            scale=layer.scale,
+            local_window_size=window,
+            do_rotary=int(layer.rotary is not None),
+            rotary_interleaved=layer.rotary.interleaved if layer.rotary else 0,
+        )
+    )
     for node in layer.replaced:
         graph.node.remove(node)
 
@@ -107,8 +117,12 @@ def _attention_inputs(graph, view: GraphView, name: str, layer: LayerAttention) 
     for role, tensor, projection in zip(("query", "key", "value"), (layer.query, layer.key, layer.value), layer.projections):
         if projection is None:
             projection = f"{name}_{role}"
-            graph.node.extend([helper.make_node("Transpose", [tensor], [f"{projection}_bsnh"], perm=[0, 2, 1, 3]),
-                               helper.make_node("Reshape", [f"{projection}_bsnh", _Shared.TO_HIDDEN], [projection])])
+            graph.node.extend(
+                [
+                    helper.make_node("Transpose", [tensor], [f"{projection}_bsnh"], perm=[0, 2, 1, 3]),
+                    helper.make_node("Reshape", [f"{projection}_bsnh", _Shared.TO_HIDDEN], [projection]),
+                ]
+            )
         names.append(projection)
     return names
 
@@ -126,28 +140,33 @@ def _pack_projections(graph, view: GraphView, name: str, projections: list[str])
         return None
     packed = np.concatenate([view.array(w) for w in weights], axis=1)
     graph.initializer.append(numpy_helper.from_array(packed, f"{name}_qkv_weight"))
-    graph.node.append(helper.make_node("MatMul", [matmuls[0].input[0], f"{name}_qkv_weight"], [f"{name}_qkv"],
-                                       name=f"{name}_qkv_proj"))
+    graph.node.append(
+        helper.make_node("MatMul", [matmuls[0].input[0], f"{name}_qkv_weight"], [f"{name}_qkv"], name=f"{name}_qkv_proj")
+    )
     return f"{name}_qkv"
 
 
 def _add_lengths(graph) -> None:
     """The shared tensors: GroupQueryAttention's `seqlens_k` (each row's length - 1, int32) and
     `total_sequence_length` (the mask's width, int32), computed from the attention mask."""
-    graph.initializer.extend([
-        numpy_helper.from_array(np.array([1], np.int64), _Shared.AXIS1),
-        numpy_helper.from_array(np.array(1, np.int64), _Shared.ONE),
-        numpy_helper.from_array(np.array(0, np.int64), _Shared.ZERO),
-        numpy_helper.from_array(np.array([0, 0, -1], np.int64), _Shared.TO_HIDDEN),
-    ])
-    graph.node.extend([
-        helper.make_node("ReduceSum", ["attention_mask", _Shared.AXIS1], ["edgeinfer_gqa_lengths"], keepdims=0),
-        helper.make_node("Sub", ["edgeinfer_gqa_lengths", _Shared.ONE], [_Shared.LAST]),
-        helper.make_node("Cast", [_Shared.LAST], [_Shared.SEQLENS_K], to=TensorProto.INT32),
-        helper.make_node("Shape", ["attention_mask"], ["edgeinfer_gqa_mask_shape"]),
-        helper.make_node("Gather", ["edgeinfer_gqa_mask_shape", _Shared.ONE], ["edgeinfer_gqa_width"]),
-        helper.make_node("Cast", ["edgeinfer_gqa_width"], [_Shared.TOTAL], to=TensorProto.INT32),
-    ])
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([1], np.int64), _Shared.AXIS1),
+            numpy_helper.from_array(np.array(1, np.int64), _Shared.ONE),
+            numpy_helper.from_array(np.array(0, np.int64), _Shared.ZERO),
+            numpy_helper.from_array(np.array([0, 0, -1], np.int64), _Shared.TO_HIDDEN),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("ReduceSum", ["attention_mask", _Shared.AXIS1], ["edgeinfer_gqa_lengths"], keepdims=0),
+            helper.make_node("Sub", ["edgeinfer_gqa_lengths", _Shared.ONE], [_Shared.LAST]),
+            helper.make_node("Cast", [_Shared.LAST], [_Shared.SEQLENS_K], to=TensorProto.INT32),
+            helper.make_node("Shape", ["attention_mask"], ["edgeinfer_gqa_mask_shape"]),
+            helper.make_node("Gather", ["edgeinfer_gqa_mask_shape", _Shared.ONE], ["edgeinfer_gqa_width"]),
+            helper.make_node("Cast", ["edgeinfer_gqa_width"], [_Shared.TOTAL], to=TensorProto.INT32),
+        ]
+    )
 
 
 def _gather_last_positions(graph) -> None:
@@ -159,24 +178,26 @@ def _gather_last_positions(graph) -> None:
     hidden, out = node.input[0], node.output[0]
     graph.node.remove(node)
     g = "edgeinfer_last"
-    graph.node.extend([
-        helper.make_node("Shape", ["input_ids"], [f"{g}_ids_shape"]),
-        helper.make_node("Gather", [f"{g}_ids_shape", _Shared.ONE], [f"{g}_chunk"]),
-        helper.make_node("Gather", [f"{g}_ids_shape", _Shared.ZERO], [f"{g}_batch"]),
-        helper.make_node("Sub", [f"{g}_chunk", _Shared.ONE], [f"{g}_chunk_last"]),
-        helper.make_node("Min", [_Shared.LAST, f"{g}_chunk_last"], [f"{g}_index"]),
-        helper.make_node("Sub", [_Shared.ONE, LOGITS_TO_KEEP], [f"{g}_first_offset"]),
-        helper.make_node("Range", [f"{g}_first_offset", _Shared.ONE, _Shared.ONE], [f"{g}_offsets"]),  # 1 - n .. 0
-        helper.make_node("Unsqueeze", [f"{g}_index", _Shared.AXIS1], [f"{g}_index_column"]),
-        helper.make_node("Add", [f"{g}_index_column", f"{g}_offsets"], [f"{g}_unclamped"]),
-        helper.make_node("Max", [f"{g}_unclamped", _Shared.ZERO], [f"{g}_positions"]),  # [batch, n]
-        helper.make_node("Range", [_Shared.ZERO, f"{g}_batch", _Shared.ONE], [f"{g}_rows"]),
-        helper.make_node("Mul", [f"{g}_rows", f"{g}_chunk"], [f"{g}_row_starts"]),
-        helper.make_node("Unsqueeze", [f"{g}_row_starts", _Shared.AXIS1], [f"{g}_row_starts_column"]),
-        helper.make_node("Add", [f"{g}_row_starts_column", f"{g}_positions"], [f"{g}_flat_index"]),
-        helper.make_node("Flatten", [hidden], [f"{g}_flat_hidden"], axis=2),
-        helper.make_node("Gather", [f"{g}_flat_hidden", f"{g}_flat_index"], [out], axis=0),  # [batch, n, hidden]
-    ])
+    graph.node.extend(
+        [
+            helper.make_node("Shape", ["input_ids"], [f"{g}_ids_shape"]),
+            helper.make_node("Gather", [f"{g}_ids_shape", _Shared.ONE], [f"{g}_chunk"]),
+            helper.make_node("Gather", [f"{g}_ids_shape", _Shared.ZERO], [f"{g}_batch"]),
+            helper.make_node("Sub", [f"{g}_chunk", _Shared.ONE], [f"{g}_chunk_last"]),
+            helper.make_node("Min", [_Shared.LAST, f"{g}_chunk_last"], [f"{g}_index"]),
+            helper.make_node("Sub", [_Shared.ONE, LOGITS_TO_KEEP], [f"{g}_first_offset"]),
+            helper.make_node("Range", [f"{g}_first_offset", _Shared.ONE, _Shared.ONE], [f"{g}_offsets"]),  # 1 - n .. 0
+            helper.make_node("Unsqueeze", [f"{g}_index", _Shared.AXIS1], [f"{g}_index_column"]),
+            helper.make_node("Add", [f"{g}_index_column", f"{g}_offsets"], [f"{g}_unclamped"]),
+            helper.make_node("Max", [f"{g}_unclamped", _Shared.ZERO], [f"{g}_positions"]),  # [batch, n]
+            helper.make_node("Range", [_Shared.ZERO, f"{g}_batch", _Shared.ONE], [f"{g}_rows"]),
+            helper.make_node("Mul", [f"{g}_rows", f"{g}_chunk"], [f"{g}_row_starts"]),
+            helper.make_node("Unsqueeze", [f"{g}_row_starts", _Shared.AXIS1], [f"{g}_row_starts_column"]),
+            helper.make_node("Add", [f"{g}_row_starts_column", f"{g}_positions"], [f"{g}_flat_index"]),
+            helper.make_node("Flatten", [hidden], [f"{g}_flat_hidden"], axis=2),
+            helper.make_node("Gather", [f"{g}_flat_hidden", f"{g}_flat_index"], [out], axis=0),  # [batch, n, hidden]
+        ]
+    )
 
 
 def _drop_dead_nodes(graph) -> None:

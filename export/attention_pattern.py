@@ -7,6 +7,7 @@ and value going in, the scale, the head counts and sizes, and whether one rotary
 the query and key right after their projections. Anything that is not that pattern raises
 PatternError, which means "the rewrite does not apply"; attention.py builds the new nodes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -20,8 +21,21 @@ from .graphs import PAST_PREFIX, PRESENT_PREFIX
 # Ops a key or value passes through between the cache and the attention MatMuls: head repeats,
 # the key's transpose, the scale.
 _CACHE_TO_MATMUL = {"Unsqueeze", "Expand", "Reshape", "Transpose", "Mul", "Div", "Cast", "Identity"}
-_SHAPE_ARITHMETIC = {"Shape", "Gather", "Slice", "Cast", "Sqrt", "Div", "Mul", "Reciprocal", "Pow", "Unsqueeze", "Squeeze",
-                     "Constant", "Identity"}
+_SHAPE_ARITHMETIC = {
+    "Shape",
+    "Gather",
+    "Slice",
+    "Cast",
+    "Sqrt",
+    "Div",
+    "Mul",
+    "Reciprocal",
+    "Pow",
+    "Unsqueeze",
+    "Squeeze",
+    "Constant",
+    "Identity",
+}
 _TO_HEADS_FIRST = [0, 2, 1, 3]  # [batch, seq, heads, head] <-> [batch, heads, seq, head]
 
 
@@ -135,8 +149,8 @@ def key_value_pairs(graph) -> list[tuple[str, str]]:
 
 def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttention:
     """The attention fed by one layer's past key and value."""
-    present_key = PRESENT_PREFIX + past_key[len(PAST_PREFIX):]
-    present_value = PRESENT_PREFIX + past_value[len(PAST_PREFIX):]
+    present_key = PRESENT_PREFIX + past_key[len(PAST_PREFIX) :]
+    present_value = PRESENT_PREFIX + past_value[len(PAST_PREFIX) :]
     key_concat, value_concat = _cache_concat(view, past_key, present_key), _cache_concat(view, past_value, present_value)
     scores, key_scale = _matmul_fed_by(view, present_key)
     weighted, _ = _matmul_fed_by(view, present_value)
@@ -148,10 +162,22 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
         raise PatternError("keys and values have different head sizes, which GroupQueryAttention does not take")
     key, value = key_concat.input[1], value_concat.input[1]
     projections, rotary = _projections(view, query, key, value, head_size)
-    return LayerAttention(past_key, past_value, present_key, present_value, query, key, value, projections, rotary,
-                          output=output.output[0], replaced=[key_concat, value_concat, output],
-                          num_kv_heads=view.fixed_dim(past_key, 1, "number of KV heads"), head_size=head_size,
-                          scale=_scale(head_size, query_scale, key_scale, softmax_scale))
+    return LayerAttention(
+        past_key,
+        past_value,
+        present_key,
+        present_value,
+        query,
+        key,
+        value,
+        projections,
+        rotary,
+        output=output.output[0],
+        replaced=[key_concat, value_concat, output],
+        num_kv_heads=view.fixed_dim(past_key, 1, "number of KV heads"),
+        head_size=head_size,
+        scale=_scale(head_size, query_scale, key_scale, softmax_scale),
+    )
 
 
 def _projections(view: GraphView, query: str, key: str, value: str, head_size: int) -> tuple[list[str | None], Rotary | None]:
@@ -171,9 +197,13 @@ def _same_rotary(view: GraphView, a, b, head_size: int) -> bool:
     """Query and key rotated alike, over the whole head, by cos/sin caches GroupQueryAttention can take."""
     plain = all(attr.name == "interleaved" for node in (a, b) for attr in node.attribute)
     caches = view.constants.get(a.input[2]) if len(a.input) > 3 else None
-    return (plain and list(a.input[1:4]) == list(b.input[1:4]) and caches is not None
-            and caches.dims[-1] * 2 == head_size
-            and [x.i for x in a.attribute] == [x.i for x in b.attribute])
+    return (
+        plain
+        and list(a.input[1:4]) == list(b.input[1:4])
+        and caches is not None
+        and caches.dims[-1] * 2 == head_size
+        and [x.i for x in a.attribute] == [x.i for x in b.attribute]
+    )
 
 
 def _projection(view: GraphView, heads_first: str) -> str | None:
@@ -205,7 +235,7 @@ def _scale(head_size: int, *factors: float | None) -> float:
     """The product of the constant factors; factors computed at run time (None) are taken as the
     pair scaled dot-product attention traces, 1 / sqrt(head_size) in all (the check confirms it)."""
     constant = float(np.prod([f for f in factors if f is not None]))
-    return constant * (head_size ** -0.5 if None in factors else 1.0)
+    return constant * (head_size**-0.5 if None in factors else 1.0)
 
 
 def _cache_concat(view: GraphView, past: str, present: str):

@@ -1,5 +1,6 @@
 """`edgeinfer check`: an export against the PyTorch model it came from, on the user's own machine:
 greedy tokens, prefill, decode and several-token logits, and a batch against single prompts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ class CheckResult:
         return self.tokens_equal and self.batch_rows_equal_single and self.worst <= self.tolerance
 
 
-def check_export(folder: str | Path, model, prompt: str | list[int] = DEFAULT_PROMPT, new_tokens: int = 16,
-                 provider: str = "cpu") -> CheckResult:
+def check_export(
+    folder: str | Path, model, prompt: str | list[int] = DEFAULT_PROMPT, new_tokens: int = 16, provider: str = "cpu"
+) -> CheckResult:
     """Compare the export in `folder` with `model` (the PyTorch model it was exported from)."""
     engine = Engine.load(folder, provider=provider)
     return check_against(engine, torch_reference(model, engine.prompt_ids(prompt), new_tokens))
@@ -59,6 +61,9 @@ def check_against(engine: Engine | str | Path, reference: Reference, provider: s
     rows = engine.generate_batch([short, full], greedy)
     singles = [engine.generate(short, greedy).token_ids, tokens if full is ids else engine.generate(full, greedy).token_ids]
     return CheckResult(
-        prompt_tokens=len(ids), expected_tokens=reference.greedy, tokens=tokens, **logits_differences(engine, reference),
+        prompt_tokens=len(ids),
+        expected_tokens=reference.greedy,
+        tokens=tokens,
+        **logits_differences(engine, reference),
         batch_rows_equal_single=[r.token_ids for r in rows] == singles,
     )

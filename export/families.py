@@ -10,14 +10,44 @@ Export knows three things about families:
   takes no position ids (gemma3_text, nemotron).
 Sliding-window layers are handled for every family alike, in graphs.py.
 """
+
 from __future__ import annotations
 
 import functools
 
 SUPPORTED = (
-    "arcee", "bloom", "codegen", "cohere", "deepseek_v3", "falcon", "gemma", "gemma2", "gemma3_text", "glm", "gpt2",
-    "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "helium", "llama", "mistral", "mpt", "nemotron",
-    "olmo", "olmo2", "opt", "phi", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "stablelm",
+    "arcee",
+    "bloom",
+    "codegen",
+    "cohere",
+    "deepseek_v3",
+    "falcon",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "glm",
+    "gpt2",
+    "gpt_bigcode",
+    "gpt_neo",
+    "gpt_neox",
+    "gpt_oss",
+    "gptj",
+    "granite",
+    "helium",
+    "llama",
+    "mistral",
+    "mpt",
+    "nemotron",
+    "olmo",
+    "olmo2",
+    "opt",
+    "phi",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "smollm3",
+    "stablelm",
 )
 # Families optimum-onnx registers that cannot be exported here, and why.
 UNSUPPORTED = {

@@ -3,6 +3,7 @@ logits, for GPUs (half the memory and bandwidth of fp32, and the type CUDA's Gro
 takes). ONNX Runtime's own converter does it; the converted graph is checked like every other (its
 logits against PyTorch's fp32, with fp16's tolerance, greedy tokens, and a batch against single
 prompts) and the figures go in the manifest."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,15 @@ def convert_to_fp16(folder: Path, reference: Reference, manifest: Manifest) -> t
     result = check_against(folder, reference)
     worst = result.worst
     if worst > result.tolerance or not result.batch_rows_equal_single:
-        raise ExportError(f"the float16 graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"
-                          + ("" if result.batch_rows_equal_single else " and its batch rows differ from single prompts")
-                          + ": this model does not run in float16, export it in fp32")
-    return manifest, {"max_abs_diff_prefill": result.max_abs_diff_prefill, "max_abs_diff_decode": result.max_abs_diff_decode,
-                      "max_abs_diff_extend": result.max_abs_diff_extend,
-                      "tolerance": result.tolerance, "greedy_tokens_equal": result.tokens_equal}
+        raise ExportError(
+            f"the float16 graph's logits differ from PyTorch by {worst:.3g} (tolerance {result.tolerance:.3g})"
+            + ("" if result.batch_rows_equal_single else " and its batch rows differ from single prompts")
+            + ": this model does not run in float16, export it in fp32"
+        )
+    return manifest, {
+        "max_abs_diff_prefill": result.max_abs_diff_prefill,
+        "max_abs_diff_decode": result.max_abs_diff_decode,
+        "max_abs_diff_extend": result.max_abs_diff_extend,
+        "tolerance": result.tolerance,
+        "greedy_tokens_equal": result.tokens_equal,
+    }

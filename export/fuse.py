@@ -11,6 +11,7 @@ unfused graph. The manifest says what was kept and why. Only the errors that mea
 (PatternError) or "does not load or run" (the runtime's own errors) lead to a fallback; any other
 error is a bug, and fails the export (pipeline.py says so in one line).
 """
+
 from __future__ import annotations
 
 import collections
@@ -38,20 +39,24 @@ CHECK_TOKENS = 8
 _DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
 
 
-def fuse_graph(folder: Path, config, reference: Reference, manifest: Manifest,
-               progress=lambda doing, fraction=None: None) -> tuple[dict, Manifest]:
+def fuse_graph(
+    folder: Path, config, reference: Reference, manifest: Manifest, progress=lambda doing, fraction=None: None
+) -> tuple[dict, Manifest]:
     """Replace the graph in `folder` by its fused form where that checks out against PyTorch's
     `reference` (of CHECK_PROMPT, CHECK_TOKENS tokens); returns what was fused (or why not) and the manifest of
     the graph kept. `config` is the model's; `progress` hears what it is doing."""
-    optimized = optimize(load_without_weights(folder / GRAPH_FILE), getattr(config, "num_attention_heads", 0) or 0,
-                         getattr(config, "hidden_size", 0) or 0, progress=progress)
+    optimized = optimize(
+        load_without_weights(folder / GRAPH_FILE),
+        getattr(config, "num_attention_heads", 0) or 0,
+        getattr(config, "hidden_size", 0) or 0,
+        progress=progress,
+    )
     _trim_rotary_caches(optimized.graph, manifest.max_context)
     progress("rewriting attention to GroupQueryAttention")
     rewritten, why_not = _rewrite(optimized, config, manifest, folder)
     if rewritten is not None:
         progress("checking the fused graph against PyTorch: logits, tokens, a batch")
-        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True),
-                                       graph=_graph_spec(rewritten))
+        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
         problem = _try(folder, rewritten, reference, in_place)
         if problem is None:
             return {"fused": _contrib_ops(rewritten)}, in_place

@@ -12,6 +12,7 @@ scalar input; the runtime passes 1): a prompt's other positions would cost a [ba
 product that nothing reads (a fifth of prefill's arithmetic on SmolLM2). Speculative decoding
 verifies k proposed tokens in one pass and passes k + 1.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -61,16 +62,16 @@ def export_graph(model, folder: Path) -> GraphSpec:
             if unexpected_dynamic_axes(onnx_config, scratch / GRAPH_FILE):
                 onnx_config.fix_dynamic_axes(scratch / GRAPH_FILE)
     except _TRACE_ERRORS as e:
-        raise ExportError(f"optimum-onnx could not export this {model.config.model_type} model: "
-                          f"{type(e).__name__}: {first_line(e)}") from e
+        raise ExportError(
+            f"optimum-onnx could not export this {model.config.model_type} model: {type(e).__name__}: {first_line(e)}"
+        ) from e
     try:
         graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
         last_position_logits(graph.graph)
         save_graph(graph, folder, weights_from=scratch)
     finally:
         shutil.rmtree(scratch)
-    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input],
-                     outputs=[o.name for o in graph.graph.output])
+    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
 
 
 def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
@@ -80,8 +81,12 @@ def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
     without the weights, and the session runs only where there are some."""
     allowed = {name for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for name in axes.values()}
     outputs = onnx.load(str(path), load_external_data=False).graph.output
-    return [(index, axis) for index, output in enumerate(outputs) for axis, dim in enumerate(output.type.tensor_type.shape.dim)
-            if dim.HasField("dim_param") and dim.dim_param not in allowed]
+    return [
+        (index, axis)
+        for index, output in enumerate(outputs)
+        for axis, dim in enumerate(output.type.tensor_type.shape.dim)
+        if dim.HasField("dim_param") and dim.dim_param not in allowed
+    ]
 
 
 def save_graph(model: onnx.ModelProto, folder: Path, weights_from: Path | None = None) -> None:
@@ -167,17 +172,28 @@ def last_position_logits(graph: onnx.GraphProto) -> None:
     scalar input): the hidden states going into the lm_head MatMul are sliced to those first."""
     node = _lm_head(graph)
     hidden = node.input[0]
-    names = {"count": "edgeinfer_last_count", "starts": "edgeinfer_last_start", "ends": "edgeinfer_last_end",
-             "axes": "edgeinfer_last_axis", "axis0": "edgeinfer_last_axis0", "out": "edgeinfer_last_hidden"}
+    names = {
+        "count": "edgeinfer_last_count",
+        "starts": "edgeinfer_last_start",
+        "ends": "edgeinfer_last_end",
+        "axes": "edgeinfer_last_axis",
+        "axis0": "edgeinfer_last_axis0",
+        "out": "edgeinfer_last_hidden",
+    }
     graph.input.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, onnx.TensorProto.INT64, []))
-    graph.initializer.extend([helper.make_tensor(names["ends"], onnx.TensorProto.INT64, [1], [2**62]),
-                              helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1]),
-                              helper.make_tensor(names["axis0"], onnx.TensorProto.INT64, [1], [0])])
+    graph.initializer.extend(
+        [
+            helper.make_tensor(names["ends"], onnx.TensorProto.INT64, [1], [2**62]),
+            helper.make_tensor(names["axes"], onnx.TensorProto.INT64, [1], [1]),
+            helper.make_tensor(names["axis0"], onnx.TensorProto.INT64, [1], [0]),
+        ]
+    )
     node.input[0] = names["out"]
-    nodes = [helper.make_node("Unsqueeze", [LOGITS_TO_KEEP, names["axis0"]], [names["count"]]),
-             helper.make_node("Neg", [names["count"]], [names["starts"]]),
-             helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]],
-                              name=LAST_POSITION_NODE)]
+    nodes = [
+        helper.make_node("Unsqueeze", [LOGITS_TO_KEEP, names["axis0"]], [names["count"]]),
+        helper.make_node("Neg", [names["count"]], [names["starts"]]),
+        helper.make_node("Slice", [hidden, names["starts"], names["ends"], names["axes"]], [names["out"]], name=LAST_POSITION_NODE),
+    ]
     position = list(graph.node).index(node)
     for offset, new in enumerate(nodes):
         graph.node.insert(position + offset, new)
@@ -210,8 +226,9 @@ def _transposed_equal(table: onnx.TensorProto, weight: onnx.TensorProto, folder:
     block through mappings of its own: mapping both whole kept every page read resident until the
     end (Gemma 3's two 671 MB tables counted 1.4 GiB in the process)."""
     for start in range(0, table.dims[0], rows):
-        if not np.array_equal(tensor_array(table, folder)[start:start + rows],
-                              tensor_array(weight, folder)[:, start:start + rows].T):
+        if not np.array_equal(
+            tensor_array(table, folder)[start : start + rows], tensor_array(weight, folder)[:, start : start + rows].T
+        ):
             return False
     return True
 
@@ -226,8 +243,9 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
         raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
     info = _external(tensor)
     dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.memmap(Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
-                     shape=tuple(tensor.dims))
+    return np.memmap(
+        Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=tuple(tensor.dims)
+    )
 
 
 _EXPORTING = threading.Lock()  # the patch below is process-wide: one export uses it at a time
@@ -278,15 +296,18 @@ def write_weights(path: Path, weights: dict) -> None:
     model = onnx.load(str(path), load_external_data=False)
     inputs = [i for i in model.graph.input if i.name not in weights]
     if len(inputs) + len(weights) != len(model.graph.input):
-        raise ExportError("torch.onnx's graph does not take every weight held apart as an input: this is a bug in edgeinfer, "
-                          "please report it with the output of --debug")
+        raise ExportError(
+            "torch.onnx's graph does not take every weight held apart as an input: this is a bug in edgeinfer, "
+            "please report it with the output of --debug"
+        )
     data = path.with_name(f"{path.name}.data")
     with open(data, "ab") as out:
         for name, tensor in weights.items():
             offset = out.tell()
             out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=_onnx_float(tensor),
-                                     data_location=onnx.TensorProto.EXTERNAL)
+            proto = onnx.TensorProto(
+                name=name, dims=list(tensor.shape), data_type=_onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL
+            )
             for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
                 entry = proto.external_data.add()
                 entry.key, entry.value = key, value
@@ -299,8 +320,12 @@ def write_weights(path: Path, weights: dict) -> None:
 def _onnx_float(tensor) -> int | None:
     import torch
 
-    return {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-            torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.float64: onnx.TensorProto.DOUBLE}.get(tensor.dtype)
+    return {
+        torch.float32: onnx.TensorProto.FLOAT,
+        torch.float16: onnx.TensorProto.FLOAT16,
+        torch.bfloat16: onnx.TensorProto.BFLOAT16,
+        torch.float64: onnx.TensorProto.DOUBLE,
+    }.get(tensor.dtype)
 
 
 def _nbytes(tensor) -> int:
@@ -334,8 +359,10 @@ def _full_length_caches(config):
         own, original = cache.__dict__.get("__init__"), cache.__init__
         signature = inspect.signature(original)
         if "config" not in signature.parameters:
-            raise ExportError("transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
-                              "models relies on: install the transformers version the export extra pins (4.57)")
+            raise ExportError(
+                "transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
+                "models relies on: install the transformers version the export extra pins (4.57)"
+            )
 
         def without_layer_types(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
@@ -376,5 +403,5 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
         dtype=_ONNX_TYPES[past[0].type.tensor_type.elem_type],
         sequence_axis=sequence_axis,
         past=[i.name for i in past],
-        present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX):] for i in past],
+        present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX) :] for i in past],
     )

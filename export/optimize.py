@@ -22,6 +22,7 @@ LayerNorm pass, and its shape inference, where the graph has no LayerNormalizati
 Whether this gives ORT's own result is pinned by a test (the same nodes, byte for byte, on a tiny
 model of each fused family); the export checks every fused graph against PyTorch in any case.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,9 +30,22 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-_INVALIDATING = ("add_node", "add_nodes", "remove_node", "remove_nodes", "replace_output_of_all_nodes", "update_graph",
-                 "prune_graph", "topological_sort", "remove_unused_constant", "remove_useless_cast_nodes",
-                 "remove_cascaded_cast_nodes", "clean_graph", "rename_graph_output", "add_prefix_to_names")
+_INVALIDATING = (
+    "add_node",
+    "add_nodes",
+    "remove_node",
+    "remove_nodes",
+    "replace_output_of_all_nodes",
+    "update_graph",
+    "prune_graph",
+    "topological_sort",
+    "remove_unused_constant",
+    "remove_useless_cast_nodes",
+    "remove_cascaded_cast_nodes",
+    "clean_graph",
+    "rename_graph_output",
+    "add_prefix_to_names",
+)
 
 
 # The inputs that only matrix products and embedding lookups read: the weights, whose values no fusion needs.
@@ -39,18 +53,36 @@ _WEIGHT_INPUTS = {"MatMul": 1, "Gemm": 1, "Gather": 0}
 
 
 # BertOnnxModel.optimize's passes in the order it runs them, for the progress line.
-_PASSES = ("remove_useless_cast_nodes", "fuse_constant_fold", "fuse_layer_norm", "fuse_simplified_layer_norm", "fuse_gelu",
-           "preprocess", "fuse_reshape", "fuse_skip_layer_norm", "fuse_skip_simplified_layer_norm", "fuse_rotary_embeddings",
-           "fuse_attention", "fuse_shape", "postprocess", "fuse_bias_gelu", "fuse_add_bias_skip_layer_norm",
-           "remove_unused_constant", "topological_sort")
+_PASSES = (
+    "remove_useless_cast_nodes",
+    "fuse_constant_fold",
+    "fuse_layer_norm",
+    "fuse_simplified_layer_norm",
+    "fuse_gelu",
+    "preprocess",
+    "fuse_reshape",
+    "fuse_skip_layer_norm",
+    "fuse_skip_simplified_layer_norm",
+    "fuse_rotary_embeddings",
+    "fuse_attention",
+    "fuse_shape",
+    "postprocess",
+    "fuse_bias_gelu",
+    "fuse_add_bias_skip_layer_norm",
+    "remove_unused_constant",
+    "topological_sort",
+)
 
 
 def load_without_weights(path: Path) -> onnx.ModelProto:
     """The graph at `path` with its weight matrices (what MatMul, Gemm and Gather read) left in its
     data file, referenced as `load_external_data=False` leaves them; its other tensors in memory."""
     model = onnx.load(str(path), load_external_data=False)
-    weights = {n.input[_WEIGHT_INPUTS[n.op_type]] for n in model.graph.node
-               if n.op_type in _WEIGHT_INPUTS and len(n.input) > _WEIGHT_INPUTS[n.op_type]}
+    weights = {
+        n.input[_WEIGHT_INPUTS[n.op_type]]
+        for n in model.graph.node
+        if n.op_type in _WEIGHT_INPUTS and len(n.input) > _WEIGHT_INPUTS[n.op_type]
+    }
     for tensor in model.graph.initializer:
         if uses_external_data(tensor) and tensor.name not in weights:
             load_external_data_for_tensor(tensor, str(path.parent))

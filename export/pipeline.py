@@ -1,4 +1,5 @@
 """`edgeinfer export`: a Hugging Face model in, a complete export folder out, or nothing."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,12 @@ STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quan
 DTYPES = ("fp32", "fp16")
 LAYOUTS = ("single", "split")
 _PARTIAL = ".partial-"
-_OPTIONAL_STAGES = {"fuse": "--no-fuse exports without this stage", "fp16": "an fp32 export skips this stage",
-                    "quantize": "an export without --quantize skips this stage",
-                    "split": "the default layout (--graphs single) skips this stage"}
+_OPTIONAL_STAGES = {
+    "fuse": "--no-fuse exports without this stage",
+    "fp16": "an fp32 export skips this stage",
+    "quantize": "an export without --quantize skips this stage",
+    "split": "the default layout (--graphs single) skips this stage",
+}
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
@@ -49,8 +53,20 @@ def _stage_failures() -> tuple[type[Exception], ...]:
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
     ort = [kind for kind in vars(ort_errors).values() if isinstance(kind, type) and issubclass(kind, Exception)]
-    return (ArithmeticError, AssertionError, AttributeError, ImportError, LookupError, MemoryError, RuntimeError, TypeError,
-            ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError, *ort)
+    return (
+        ArithmeticError,
+        AssertionError,
+        AttributeError,
+        ImportError,
+        LookupError,
+        MemoryError,
+        RuntimeError,
+        TypeError,
+        ValueError,
+        onnx.checker.ValidationError,
+        onnx.shape_inference.InferenceError,
+        *ort,
+    )
 
 
 @dataclass(frozen=True)
@@ -68,8 +84,10 @@ class ExportOptions:
         if self.dtype not in DTYPES:
             raise ExportError(f"unknown dtype {self.dtype!r}: use 'fp32' or 'fp16'")
         if self.graphs not in LAYOUTS:
-            raise ExportError(f"unknown graph layout {self.graphs!r}: use 'single' (one graph, the default) or 'split' "
-                              "(prefill.onnx and decode.onnx)")
+            raise ExportError(
+                f"unknown graph layout {self.graphs!r}: use 'single' (one graph, the default) or 'split' "
+                "(prefill.onnx and decode.onnx)"
+            )
         for name, least in (("prefill_length", 1), ("static_context", 2)):
             value = getattr(self, name)
             if value is None:
@@ -80,15 +98,19 @@ class ExportOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ExportError(f"{flag} must be an integer of at least {least}, got {value!r}")
         if self.prefill_length and self.static_context and self.prefill_length > self.static_context:
-            raise ExportError(f"--prefill-length {self.prefill_length} is more than --static-context {self.static_context}: "
-                              "a prompt must fit the decode graph's cache; pass a shorter prefill length")
-        if self.max_context is not None and (isinstance(self.max_context, bool) or not isinstance(self.max_context, int)
-                                             or self.max_context < 2):
+            raise ExportError(
+                f"--prefill-length {self.prefill_length} is more than --static-context {self.static_context}: "
+                "a prompt must fit the decode graph's cache; pass a shorter prefill length"
+            )
+        if self.max_context is not None and (
+            isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2
+        ):
             raise ExportError(f"max_context must be an integer of at least 2, got {self.max_context!r}")
 
 
-def export_model(model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None,
-                 live=None) -> Manifest:
+def export_model(
+    model: str, out: str | Path, options: ExportOptions = ExportOptions(), say=lambda message: None, live=None
+) -> Manifest:
     """Export `model` (folder, .gguf, catalog name or hub id) to the folder `out`. `say` gets the
     stages and their results; `live`, a terminal's text stream, gets a progress line redrawn in
     place during each stage (what it is doing, how far, for how long).
@@ -124,7 +146,7 @@ def clean_leftovers(out: Path) -> None:
     """Remove what exports of `out` killed halfway left beside it: temporary folders whose
     process is gone. A complete export set aside by --force is put back where `out` is missing."""
     for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*")):
-        kind, _, rest = path.name[len(out.name) + 2:].partition("-")
+        kind, _, rest = path.name[len(out.name) + 2 :].partition("-")
         pid = rest.split("-")[0]
         if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
             continue
@@ -149,10 +171,14 @@ def _alive(pid: int) -> bool:
 def _disk_error(error: OSError, out: Path) -> str:
     where = error.filename or out.parent
     if error.errno == errno.ENOSPC:
-        return (f"no space left on the device while writing {where}: nothing was kept; free some space "
-                f"({_free(out.parent)} free now) or export to another folder")
-    return (f"the file system refused {where} ({error.strerror or error}): nothing was kept; check the path and its "
-            "permissions, or export elsewhere")
+        return (
+            f"no space left on the device while writing {where}: nothing was kept; free some space "
+            f"({_free(out.parent)} free now) or export to another folder"
+        )
+    return (
+        f"the file system refused {where} ({error.strerror or error}): nothing was kept; check the path and its "
+        "permissions, or export elsewhere"
+    )
 
 
 def check_free_space(folder: Path, weights: int) -> None:
@@ -162,8 +188,10 @@ def check_free_space(folder: Path, weights: int) -> None:
     need = 2 * weights
     free = free_bytes(folder)
     if free < need:
-        raise ExportError(f"exporting needs about {size_text(need)} free in {folder}, which has {size_text(free)}: "
-                          "free some space, or export to another folder")
+        raise ExportError(
+            f"exporting needs about {size_text(need)} free in {folder}, which has {size_text(free)}: "
+            "free some space, or export to another folder"
+        )
 
 
 def free_bytes(folder: Path) -> int:
@@ -176,8 +204,12 @@ def _free(folder: Path) -> str:
 
 def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
     map_large_blocks()  # process-wide: large buffers freed go back to the system (the export's peak memory)
-    wanted = {"quantize": bool(options.quantization), "fuse": options.fuse, "fp16": options.dtype == "fp16",
-              "split": options.graphs == "split"}
+    wanted = {
+        "quantize": bool(options.quantization),
+        "fuse": options.fuse,
+        "fp16": options.dtype == "fp16",
+        "split": options.graphs == "split",
+    }
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
     say = stage.say  # clears the progress line first
     with stage("load"):
@@ -203,47 +235,59 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         give_back_freed_memory()
         stage.progress("prefill, decode and 4 tokens at once, against PyTorch's")
         validation = validate(references["validate"], work)
-        say(f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
+        say(
+            f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
             f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
-            f"(tolerance {validation['tolerance']:.2e})")
+            f"(tolerance {validation['tolerance']:.2e})"
+        )
     if options.fuse:
         with stage("fuse"):
             fusion, manifest = fuse_graph(work, config, references["check"], manifest, stage.progress)
             manifest.save(work)  # the graph kept may take other inputs and another KV layout
             validation["fusion"] = fusion
-            say(f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
+            say(
+                f"fused: {', '.join(f'{n} x{c}' for n, c in fusion['fused'].items()) or 'nothing'}"
                 + (f" (kept the unfused graph: {fusion['skipped']})" if "skipped" in fusion else "")
-                + (f" ({fusion['attention']})" if fusion.get("attention") else ""))
+                + (f" ({fusion['attention']})" if fusion.get("attention") else "")
+            )
     if options.dtype == "fp16":
         with stage("fp16"):
             manifest, validation["float16"] = convert_to_fp16(work, references["check"], manifest)
             half = validation["float16"]
-            say(f"float16: largest logits difference prefill {half['max_abs_diff_prefill']:.2e}, decode "
+            say(
+                f"float16: largest logits difference prefill {half['max_abs_diff_prefill']:.2e}, decode "
                 f"{half['max_abs_diff_decode']:.2e} (tolerance {half['tolerance']:.2e}); greedy tokens "
-                + ("equal PyTorch fp32's" if half["greedy_tokens_equal"] else "differ from PyTorch fp32's"))
+                + ("equal PyTorch fp32's" if half["greedy_tokens_equal"] else "differ from PyTorch fp32's")
+            )
     quantization = {}
     if options.quantization:
         with stage("quantize"):
             quantize_graph(work, options.quantization)
             quantization = {**dataclasses.asdict(options.quantization), **quality(references["quality"], work)}
-            say(f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
+            say(
+                f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
-                f"(fp32 {quantization['perplexity_fp32']:.2f})")
+                f"(fp32 {quantization['perplexity_fp32']:.2f})"
+            )
     if options.graphs == "split":
         with stage("split"):
             stage.progress("prefill.onnx and decode.onnx, then their tokens and logits against the one graph's")
             manifest, validation["split"] = split_export(work, manifest, options.prefill_length, options.static_context)
             split = validation["split"]
-            say(f"split: prefill.onnx ({options.prefill_length or 'any'} positions) and decode.onnx (cache of "
+            say(
+                f"split: prefill.onnx ({options.prefill_length or 'any'} positions) and decode.onnx (cache of "
                 f"{options.static_context or 'any'} slots) on one weights file; against the one graph: largest logits "
-                f"difference {split['max_abs_diff']:.2e}, greedy tokens {'equal' if split['tokens_equal'] else 'differ'}")
+                f"difference {split['max_abs_diff']:.2e}, greedy tokens {'equal' if split['tokens_equal'] else 'differ'}"
+            )
     with stage("write"):
         manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
         manifest.save(work)
     peak = peak_memory()
     if peak:
-        say(f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
-            f"{stage.total:.0f} s in all")
+        say(
+            f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
+            f"{stage.total:.0f} s in all"
+        )
     return manifest
 
 
@@ -279,9 +323,11 @@ def check_memory(weights: int) -> None:
     available = available_memory()
     need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
     if available is not None and need > available:
-        raise ExportError(f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "
-                          f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
-                          "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)")
+        raise ExportError(
+            f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "
+            f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
+            "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)"
+        )
 
 
 def available_memory() -> int | None:
@@ -305,11 +351,19 @@ def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifes
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
     return Manifest(
-        format_version=SINGLE_FORMAT_VERSION, source=source, architecture=config.model_type, dtype="float32",
-        vocab_size=config.vocab_size, max_context=context, bos_token_id=bos,
+        format_version=SINGLE_FORMAT_VERSION,
+        source=source,
+        architecture=config.model_type,
+        dtype="float32",
+        vocab_size=config.vocab_size,
+        max_context=context,
+        bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
-        graph=graph, kv=kv, tokenizer=tokenizer_spec,
-        generation=generation_defaults(generation), tools=_tool_versions(),
+        graph=graph,
+        kv=kv,
+        tokenizer=tokenizer_spec,
+        generation=generation_defaults(generation),
+        tools=_tool_versions(),
     )
 
 
@@ -320,9 +374,12 @@ def generation_defaults(generation) -> dict:
     if generation.max_new_tokens:
         defaults["max_new_tokens"] = int(generation.max_new_tokens)
     if generation.do_sample:
-        defaults.update(temperature=float(generation.temperature if generation.temperature is not None else 1.0),
-                        top_k=int(generation.top_k or 0), top_p=float(generation.top_p if generation.top_p is not None else 1.0),
-                        min_p=float(generation.min_p or 0.0))
+        defaults.update(
+            temperature=float(generation.temperature if generation.temperature is not None else 1.0),
+            top_k=int(generation.top_k or 0),
+            top_p=float(generation.top_p if generation.top_p is not None else 1.0),
+            min_p=float(generation.min_p or 0.0),
+        )
     if generation.repetition_penalty not in (None, 1.0):
         defaults["repetition_penalty"] = float(generation.repetition_penalty)
     return defaults
@@ -338,8 +395,10 @@ def max_context(config, tokenizer, requested: int | None) -> int:
     if requested is not None and limit is not None and requested > limit:
         raise ExportError(f"--max-context {requested} is more than this model's context of {limit} tokens: pass at most {limit}")
     if requested is None and limit is None:
-        raise ExportError(f"the {config.model_type} config names no maximum context length: pass --max-context N "
-                          "(the context the model was trained with)")
+        raise ExportError(
+            f"the {config.model_type} config names no maximum context length: pass --max-context N "
+            "(the context the model was trained with)"
+        )
     return requested or limit
 
 
@@ -351,8 +410,9 @@ def _save_tokenizer(model, tokenizer, work: Path) -> TokenizerSpec:
         template = template.get("default")
     if template:
         (work / "chat_template.jinja").write_text(template)
-    return TokenizerSpec(chat_template="chat_template.jinja" if template else None,
-                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+    return TokenizerSpec(
+        chat_template="chat_template.jinja" if template else None, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
+    )
 
 
 def _tool_versions() -> dict[str, str]:
@@ -409,8 +469,10 @@ class _Stages:
             raise
         except _stage_failures() as e:  # anything else is a bug: one line that says so, the traceback kept as the cause
             around = f"; {_OPTIONAL_STAGES[name]}" if name in _OPTIONAL_STAGES else ""
-            raise ExportError(f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
-                              f"please report it with the output of --debug{around}") from e
+            raise ExportError(
+                f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
+                f"please report it with the output of --debug{around}"
+            ) from e
         finally:
             if ticker:
                 ticker.stop()

@@ -1,6 +1,7 @@
 """Weight quantization at export, with ONNX Runtime's MatMulNBits quantizer, and an honest
 measure of what it costs: top-1 next-token agreement with the fp32 model and perplexity, both
 over a fixed text of about 1,200 tokens (quality_text.txt)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,13 +56,19 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     bits = BITS[quantization.method]
-    config = DefaultWeightOnlyQuantConfig(block_size=quantization.block_size, is_symmetric=quantization.symmetric,
-                                          accuracy_level=quantization.accuracy_level, bits=bits)
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=quantization.block_size, is_symmetric=quantization.symmetric, accuracy_level=quantization.accuracy_level, bits=bits
+    )
     graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
     tied = tied_embedding(graph.graph, folder)  # it reads two of the weights, mapped
-    quantizer = MatMulNBitsQuantizer(graph, bits=bits, block_size=quantization.block_size,
-                                     is_symmetric=quantization.symmetric, accuracy_level=quantization.accuracy_level,
-                                     algo_config=config)
+    quantizer = MatMulNBitsQuantizer(
+        graph,
+        bits=bits,
+        block_size=quantization.block_size,
+        is_symmetric=quantization.symmetric,
+        accuracy_level=quantization.accuracy_level,
+        algo_config=config,
+    )
     _one_weight_at_a_time(quantizer.node_quantizer, folder)
     quantizer.process()
     if tied:
@@ -123,10 +130,20 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     graph.initializer.append(numpy_helper.from_array(blocks.reshape(blocks.shape[0], -1), data))
     position = list(graph.node).index(gather)
     graph.node.remove(gather)
-    graph.node.insert(position, helper.make_node(
-        "GatherBlockQuantized", [data, "input_ids", *lm_head.input[2:4]], [gather.output[0]],
-        name="edgeinfer_quantized_embedding", domain="com.microsoft",
-        gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits))
+    graph.node.insert(
+        position,
+        helper.make_node(
+            "GatherBlockQuantized",
+            [data, "input_ids", *lm_head.input[2:4]],
+            [gather.output[0]],
+            name="edgeinfer_quantized_embedding",
+            domain="com.microsoft",
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=block_size,
+            bits=bits,
+        ),
+    )
     if not any(table in n.input for n in graph.node):
         graph.initializer.remove(initializers[table])
     return True
@@ -152,8 +169,8 @@ def quality_reference(model, folder: Path) -> QualityReference:
     targets, parts, past = np.array(ids[1:]), [], None
     with torch.no_grad():  # 256 positions a pass on the model's own cache: one pass over the text held its
         for start in range(0, len(targets), _CHUNK):  # 233 MB of logits and the activations behind them
-            out = model(torch.tensor([ids[start:min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
-            parts.append(_scores(out.logits[0].float().numpy(), targets[start:start + _CHUNK]))
+            out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
+            parts.append(_scores(out.logits[0].float().numpy(), targets[start : start + _CHUNK]))
             past = out.past_key_values
     return QualityReference(ids, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
@@ -181,8 +198,8 @@ def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) 
     parts = [_scores(engine.runner.prefill(cache, [ids[:1]]).numpy()[0, -1:], targets[:1])]
     rest, step = ids[1:-1], engine.prefill_chunk
     for start in range(0, len(rest), step):
-        logits = engine.runner.verify(cache, 0, rest[start:start + step]).numpy()[0]
-        parts.append(_scores(logits, targets[1 + start:1 + start + len(logits)]))
+        logits = engine.runner.verify(cache, 0, rest[start : start + step]).numpy()[0]
+        parts.append(_scores(logits, targets[1 + start : 1 + start + len(logits)]))
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
@@ -191,9 +208,9 @@ def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = 32) -> tuple[np
     positions at a time (with Gemma 3's 262k-token vocabulary, 256 rows took 537 MB a copy)."""
     top, scores = [], []
     for start in range(0, len(logits), rows):
-        block = logits[start:start + rows].astype(np.float64)
+        block = logits[start : start + rows].astype(np.float64)
         block -= block.max(-1, keepdims=True)
-        picked = block[np.arange(len(block)), targets[start:start + rows]]
+        picked = block[np.arange(len(block)), targets[start : start + rows]]
         scores.append(picked - np.log(np.exp(block).sum(-1)))
         top.append(block.argmax(-1))
     return np.concatenate(top), np.concatenate(scores)

@@ -1,4 +1,5 @@
 """Where the model to export comes from, and loading it with transformers."""
+
 from __future__ import annotations
 
 import functools
@@ -37,7 +38,9 @@ def resolve_source(model: str, say=lambda message: None) -> Source:
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ModelNotFoundError(f"{model} is a file but not a .gguf: pass a Hugging Face model folder, a .gguf file, a catalog name or a hub id")
+            raise ModelNotFoundError(
+                f"{model} is a file but not a .gguf: pass a Hugging Face model folder, a .gguf file, a catalog name or a hub id"
+            )
         return Source(str(path.resolve()), str(path.resolve().parent), path.name)
     if path.is_dir():
         return _folder_source(path)
@@ -53,8 +56,10 @@ def resolve_source(model: str, say=lambda message: None) -> Source:
 def _hub_source(hub_id: str) -> Source:
     folder = download_from_hub(hub_id)
     if folder is None:
-        raise ModelNotFoundError(f"cannot download {hub_id} from the Hugging Face hub (offline, no such model, or no access): "
-                                 "pass a local model folder or .gguf file, or log in with HF_TOKEN for a gated model")
+        raise ModelNotFoundError(
+            f"cannot download {hub_id} from the Hugging Face hub (offline, no such model, or no access): "
+            "pass a local model folder or .gguf file, or log in with HF_TOKEN for a gated model"
+        )
     return Source(hub_id, folder)
 
 
@@ -62,7 +67,9 @@ def _folder_source(path: Path) -> Source:
     if (path / MANIFEST_NAME).exists():
         raise ExportError(f"{path} is already an edgeinfer export: load it with `edgeinfer run --model {path}`")
     if not (path / "config.json").exists():
-        raise ModelNotFoundError(f"{path} has no config.json, so it is not a Hugging Face model folder: pass a model folder, a .gguf file, a catalog name or a hub id")
+        raise ModelNotFoundError(
+            f"{path} has no config.json, so it is not a Hugging Face model folder: pass a model folder, a .gguf file, a catalog name or a hub id"
+        )
     return Source(str(path.resolve()), str(path.resolve()))
 
 
@@ -86,7 +93,9 @@ def load_model(source: Source, with_tokenizer: bool = True):
         if source.gguf_file and converted is None:
             _keep_converted(source, config, tokenizer)
     except OSError as e:
-        raise ModelNotFoundError(f"cannot load {source.name}: {first_line(e)}; check the path, or the connection to the Hugging Face hub") from None
+        raise ModelNotFoundError(
+            f"cannot load {source.name}: {first_line(e)}; check the path, or the connection to the Hugging Face hub"
+        ) from None
     except ValueError as e:  # transformers' word for a config or GGUF it cannot read
         raise ExportError(f"transformers cannot load {source.name}: {first_line(e)}") from None
     if tokenizer is not None and not tokenizer.is_fast:
@@ -148,9 +157,9 @@ def fast_array_parts(original):
         data, size = np.asarray(self.data), np.dtype(np.uint64).newbyteorder(self.byte_order)
         indices = []
         for _ in range(count):
-            string_length = data[offs:offs + 8].view(size)
+            string_length = data[offs : offs + 8].view(size)
             end = offs + 8 + int(string_length[0])
-            parts += (string_length, data[offs + 8:end])
+            parts += (string_length, data[offs + 8 : end])
             indices.append(len(parts) - 1)
             offs = end
         return offs - orig_offs, parts, indices, types
@@ -172,7 +181,7 @@ def in_row_blocks(original, rows: int = 8192):
         out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)
         out[:rows] = first
         for start in range(rows, data.shape[0], rows):
-            out[start:start + rows] = original(data[start:start + rows], qtype)
+            out[start : start + rows] = original(data[start : start + rows], qtype)
         return out
 
     return dequantize
@@ -219,11 +228,15 @@ def _conversion_folder(source: Source) -> Path:
 def check_supported(model_type: str) -> None:
     """Refuse, in one line, a model type that edgeinfer cannot export."""
     if model_type in UNSUPPORTED:
-        raise ExportError(f"model type {model_type!r} cannot be exported: {UNSUPPORTED[model_type]}; "
-                          "`edgeinfer info --architectures` lists the supported ones")
+        raise ExportError(
+            f"model type {model_type!r} cannot be exported: {UNSUPPORTED[model_type]}; "
+            "`edgeinfer info --architectures` lists the supported ones"
+        )
     if model_type not in SUPPORTED:
-        raise ExportError(f"model type {model_type!r} cannot be exported: edgeinfer exports decoder-only language models "
-                          "of the families that `edgeinfer info --architectures` lists")
+        raise ExportError(
+            f"model type {model_type!r} cannot be exported: edgeinfer exports decoder-only language models "
+            "of the families that `edgeinfer info --architectures` lists"
+        )
 
 
 def _model_type(folder: Path) -> str:

@@ -10,6 +10,7 @@ graphs the design names, for runtimes and accelerators that want each phase's sh
 
 Both read the same weights file, `weights.data`: the split costs no second copy on disk.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,37 +34,53 @@ _TOKEN_INPUTS = ("input_ids", "position_ids")
 _BATCH = "edgeinfer_prefill_batch"
 
 
-def split_export(folder: Path, manifest: Manifest, prefill_length: int | None,
-                 static_context: int | None) -> tuple[Manifest, dict]:
+def split_export(folder: Path, manifest: Manifest, prefill_length: int | None, static_context: int | None) -> tuple[Manifest, dict]:
     """Split the export in `folder` (its manifest saved) and check the two graphs against the one:
     the same prompts, a batch, and prompts shorter and longer than `prefill_length`, through the
     runtime. Returns the new manifest (saved) and the comparison; raises where they differ."""
     if static_context is not None and not manifest.kv.in_place:
-        raise ExportError("--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "
-                          "export keeps optimum-onnx's attention, whose cache grows every step: export without "
-                          "--static-context (the decode graph's context is then dynamic)")
+        raise ExportError(
+            "--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "
+            "export keeps optimum-onnx's attention, whose cache grows every step: export without "
+            "--static-context (the decode graph's context is then dynamic)"
+        )
     if static_context is not None and static_context > manifest.max_context:
-        raise ExportError(f"--static-context {static_context} is more than the export's context of {manifest.max_context} "
-                          f"tokens: pass at most {manifest.max_context}")
+        raise ExportError(
+            f"--static-context {static_context} is more than the export's context of {manifest.max_context} "
+            f"tokens: pass at most {manifest.max_context}"
+        )
     context = min(manifest.max_context, static_context or manifest.max_context)
     prompts = _parity_prompts(manifest.vocab_size, context, prefill_length)
     single = _outputs(folder, prompts, context)
     gc.collect()  # the engine's sessions go before the next ones load
     prefill, decode = split_graphs(folder, manifest.kv, prefill_length, static_context)
-    manifest = dataclasses.replace(manifest, graph=decode, prefill=prefill, prefill_length=prefill_length,
-                                   static_context=static_context, max_context=context, format_version=SPLIT_FORMAT_VERSION)
+    manifest = dataclasses.replace(
+        manifest,
+        graph=decode,
+        prefill=prefill,
+        prefill_length=prefill_length,
+        static_context=static_context,
+        max_context=context,
+        format_version=SPLIT_FORMAT_VERSION,
+    )
     if manifest.files:  # a finished export split afterwards: its files are now others
         manifest = dataclasses.replace(manifest, files=describe_files(folder))
     manifest.save(folder)
     split = _outputs(folder, prompts, context)
     worst = max(float(np.abs(a - b).max()) for a, b in zip(single["logits"], split["logits"]))
     tolerance = RELATIVE_TOLERANCE[manifest.dtype] * max(1.0, max(float(np.abs(a).max()) for a in single["logits"]))
-    result = {"max_abs_diff": worst, "tolerance": tolerance, "tokens_equal": single["tokens"] == split["tokens"],
-              "prompt_tokens": [len(p) for p in prompts]}
+    result = {
+        "max_abs_diff": worst,
+        "tolerance": tolerance,
+        "tokens_equal": single["tokens"] == split["tokens"],
+        "prompt_tokens": [len(p) for p in prompts],
+    }
     if not result["tokens_equal"] or worst > tolerance:
-        raise ExportError(f"the split graphs do not compute what the one graph does (largest logits difference {worst:.3g}, "
-                          f"tolerance {tolerance:.3g}; greedy tokens {'equal' if result['tokens_equal'] else 'differ'}): "
-                          "this is a bug in edgeinfer, please report it; the default layout (--graphs single) is unaffected")
+        raise ExportError(
+            f"the split graphs do not compute what the one graph does (largest logits difference {worst:.3g}, "
+            f"tolerance {tolerance:.3g}; greedy tokens {'equal' if result['tokens_equal'] else 'differ'}): "
+            "this is a bug in edgeinfer, please report it; the default layout (--graphs single) is unaffected"
+        )
     return manifest, result
 
 
@@ -100,8 +117,9 @@ def _outputs(folder: Path, prompts: list[list[int]], context: int) -> dict:
     return {"logits": logits, "tokens": tokens}
 
 
-def split_graphs(folder: Path, kv: KVSpec, prefill_length: int | None = None,
-                 static_context: int | None = None) -> tuple[GraphSpec, GraphSpec]:
+def split_graphs(
+    folder: Path, kv: KVSpec, prefill_length: int | None = None, static_context: int | None = None
+) -> tuple[GraphSpec, GraphSpec]:
     """Write prefill.onnx and decode.onnx from the folder's model.onnx (which goes), both reading
     weights.data (model.onnx.data renamed); returns their specs."""
     folder = Path(folder)
@@ -136,20 +154,28 @@ def _without_past(graph: onnx.GraphProto, kv: KVSpec) -> None:
     """Each past input becomes an empty tensor of its shape (zero positions, the batch of
     input_ids), made by the graph; the presents' cache axis is then the prompt's length."""
     inputs = {i.name: i for i in graph.input}
-    nodes = [helper.make_node("Shape", ["input_ids"], [f"{_BATCH}_shape"]),
-             helper.make_node("Gather", [f"{_BATCH}_shape", f"{_BATCH}_zero"], [_BATCH], axis=0)]
+    nodes = [
+        helper.make_node("Shape", ["input_ids"], [f"{_BATCH}_shape"]),
+        helper.make_node("Gather", [f"{_BATCH}_shape", f"{_BATCH}_zero"], [_BATCH], axis=0),
+    ]
     graph.initializer.append(helper.make_tensor(f"{_BATCH}_zero", TensorProto.INT64, [1], [0]))
     for k, name in enumerate(kv.past):
         declared = inputs[name].type.tensor_type
         dims = [d.dim_value if d.HasField("dim_value") else None for d in declared.shape.dim]
         if sum(d is None for d in dims) != 2 or dims[0] is not None or dims[kv.sequence_axis] is not None:
             raise ExportError(f"past input {name} has shape {dims}, not [batch, ..., past positions, ...] as the split expects")
-        rest = helper.make_tensor(f"edgeinfer_prefill_shape_{k}", TensorProto.INT64, [len(dims) - 1],
-                                  [0 if axis == kv.sequence_axis else d for axis, d in enumerate(dims) if axis])
+        rest = helper.make_tensor(
+            f"edgeinfer_prefill_shape_{k}",
+            TensorProto.INT64,
+            [len(dims) - 1],
+            [0 if axis == kv.sequence_axis else d for axis, d in enumerate(dims) if axis],
+        )
         graph.initializer.append(rest)
         zero = helper.make_tensor("value", declared.elem_type, [1], [0])
-        nodes += [helper.make_node("Concat", [_BATCH, rest.name], [f"{rest.name}_full"], axis=0),
-                  helper.make_node("ConstantOfShape", [f"{rest.name}_full"], [name], value=zero)]
+        nodes += [
+            helper.make_node("Concat", [_BATCH, rest.name], [f"{rest.name}_full"], axis=0),
+            helper.make_node("ConstantOfShape", [f"{rest.name}_full"], [name], value=zero),
+        ]
         graph.input.remove(inputs[name])
     for position, node in enumerate(nodes):
         graph.node.insert(position, node)

@@ -3,6 +3,7 @@
 PyTorch's side of every check is computed once, into a `Reference`, so that export can let the
 PyTorch model go once the graph is traced: the checks that follow then hold ONNX Runtime's copy
 of the weights alone, not both (the export's peak memory)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,13 @@ def torch_reference(model, ids: list[int], new_tokens: int = 1) -> Reference:
     greedy = transformers_greedy(model, ids, max(1, new_tokens))
     with torch.no_grad():
         logits = model(torch.tensor([ids + greedy[:1] + ids[:EXTEND_TOKENS]])).logits[0].float().numpy()
-    return Reference(ids=list(ids), greedy=greedy[:new_tokens], prefill=logits[len(ids) - 1].copy(),
-                     decode=logits[len(ids)].copy(), extend=logits[len(ids) + 1:].copy())
+    return Reference(
+        ids=list(ids),
+        greedy=greedy[:new_tokens],
+        prefill=logits[len(ids) - 1].copy(),
+        decode=logits[len(ids)].copy(),
+        extend=logits[len(ids) + 1 :].copy(),
+    )
 
 
 def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
@@ -73,7 +79,9 @@ def validate(reference: Reference, folder: Path) -> dict:
     worst = max(result["max_abs_diff_prefill"], result["max_abs_diff_decode"], result["max_abs_diff_extend"])
     result["passed"] = worst <= result["tolerance"]
     if not result["passed"]:
-        raise ExportError(f"the ONNX graphs differ from PyTorch by {worst:.3g} in the logits (tolerance {result['tolerance']:.3g}): the export is not valid")
+        raise ExportError(
+            f"the ONNX graphs differ from PyTorch by {worst:.3g} in the logits (tolerance {result['tolerance']:.3g}): the export is not valid"
+        )
     return result
 
 

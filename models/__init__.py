@@ -1,4 +1,5 @@
 """The model catalog and edgeinfer's cache of fetched sources and exports."""
+
 from .cache import cache_lock, cache_root, exported_model_dir
 from .catalog import DEFAULT_MODEL, CatalogEntry, entries, is_catalog_name, lookup
 

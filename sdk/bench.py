@@ -4,6 +4,7 @@ The method matches the peers' benchmarks (benchmarks/peers.py, the engines edgei
 `new_tokens` tokens (EOS ignored), one warm-up run, the median of `repeats` runs per prompt.
 TTFT is from the call to the first token; the decode rate leaves the first token out.
 """
+
 from __future__ import annotations
 
 import resource
@@ -44,14 +45,28 @@ class BenchResult:
         return asdict(self)
 
 
-def run_benchmark(path, provider: str = "cpu", threads: int | None = None, prompts: dict[str, list[int]] | None = None,
-                  new_tokens: int = 128, repeats: int = 3, say=lambda message: None) -> BenchResult:
+def run_benchmark(
+    path,
+    provider: str = "cpu",
+    threads: int | None = None,
+    prompts: dict[str, list[int]] | None = None,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    say=lambda message: None,
+) -> BenchResult:
     """Load the export at `path` and measure it on `prompts` (name → token ids; default: seeded
     random ids of PROMPT_LENGTHS tokens, those that fit the model's context)."""
     start = time.perf_counter()
     engine = Engine.load(path, provider=provider, threads=threads, prefix_cache=0)  # each repeat prefills its prompt
-    result = BenchResult(model=engine.manifest.source, provider=engine.provider, threads=threads, new_tokens=new_tokens,
-                         repeats=repeats, load_s=time.perf_counter() - start, rss_after_load_mib=rss_mib())
+    result = BenchResult(
+        model=engine.manifest.source,
+        provider=engine.provider,
+        threads=threads,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        load_s=time.perf_counter() - start,
+        rss_after_load_mib=rss_mib(),
+    )
     prompts = prompts or random_prompts(engine, new_tokens)
     config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(next(iter(prompts.values()))[:16], config)  # warm-up

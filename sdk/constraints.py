@@ -6,6 +6,7 @@ output that ends on the model's EOS matches.
 llguidance gets its view of the tokenizer (each token's bytes) from edgeinfer's tokenizer, with no
 torch or transformers, once per engine and only when a constraint is first asked for.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,11 +37,14 @@ class Constraints:
             if self._tokenizer is None:
                 llguidance = _llguidance()
                 if not self.eos_ids:
-                    raise SettingsError("this model names no EOS token, which ends a constrained output: generate without "
-                                        "response_format or choice")
-                self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens(self._source, self.vocab_size,
-                                                                                             self.eos_ids)),
-                                                         n_vocab=self.size, eos_token=self.eos_ids)
+                    raise SettingsError(
+                        "this model names no EOS token, which ends a constrained output: generate without response_format or choice"
+                    )
+                self._tokenizer = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_Tokens(self._source, self.vocab_size, self.eos_ids)),
+                    n_vocab=self.size,
+                    eos_token=self.eos_ids,
+                )
             return self._tokenizer
 
     @property
@@ -63,8 +67,10 @@ class Constraints:
             raise SettingsError(f"the {_NAMES[constraint.kind]} cannot be used: {matcher.get_error()}", param)
         started = Matcher(matcher, self.vocab_size, self.size, self.eos_ids, _NAMES[constraint.kind])
         if not started.allowed().any() or (started.is_finished and not started.is_complete):
-            raise SettingsError(f"no output can match the {_NAMES[constraint.kind]} (nothing this model's tokens can spell "
-                                "matches it): check it", param)
+            raise SettingsError(
+                f"no output can match the {_NAMES[constraint.kind]} (nothing this model's tokens can spell matches it): check it",
+                param,
+            )
         return started
 
 
@@ -117,9 +123,11 @@ class Matcher:
             self._dead_end()
 
     def _dead_end(self):
-        raise ConstraintError(f"the output cannot match the {self.name}: nothing this model's tokens spell continues it "
-                              "(a JSON schema that no finite JSON satisfies, such as one whose object must hold itself, "
-                              "ends so): check it")
+        raise ConstraintError(
+            f"the output cannot match the {self.name}: nothing this model's tokens spell continues it "
+            "(a JSON schema that no finite JSON satisfies, such as one whose object must hold itself, "
+            "ends so): check it"
+        )
 
     @property
     def is_complete(self) -> bool:
@@ -161,6 +169,7 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise SettingsError("constrained decoding needs llguidance, which did not install with edgeinfer on this "
-                            "platform: pip install llguidance") from None
+        raise SettingsError(
+            "constrained decoding needs llguidance, which did not install with edgeinfer on this platform: pip install llguidance"
+        ) from None
     return llguidance

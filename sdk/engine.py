@@ -1,4 +1,5 @@
 """The engine: load an export, then prefill once and decode one token at a time."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,14 @@ class Engine:
     An engine keeps no state between calls (each generation has its own KV cache), so one
     engine can serve several threads at once."""
 
-    def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 limits: LoadLimits = LoadLimits()):
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        options: RuntimeOptions,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        limits: LoadLimits = LoadLimits(),
+    ):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise SettingsError(f"prefill_chunk must be an integer of at least 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
@@ -44,22 +51,34 @@ class Engine:
         # Each session of the split layout keeps its own copy of the weights on the CPU.
         weight_copies = 2 if manifest.prefill is not None and self.provider == "cpu" else 1
         plan = MemoryPlan.of(manifest, self.max_context, limits.max_batch, weight_copies)
-        self.memory = dataclasses.replace(plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit))
+        self.memory = dataclasses.replace(
+            plan, prefix_cache=_prefix_budget(limits.prefix_cache, plan, available[0], limits.memory_limit)
+        )
         self.memory_limit = limits.memory_limit
         self.memory.check(*available)  # before the weights are read
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
-        self.runner = ModelRunner(self.folder, manifest, self.provider, options, self.max_context, prefill_chunk,
-                                  self.memory.prefix_cache)
+        self.runner = ModelRunner(
+            self.folder, manifest, self.provider, options, self.max_context, prefill_chunk, self.memory.prefix_cache
+        )
         self.prefix_cache = self.runner.prefix_cache
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
         self.draft: Engine | None = None
 
     @classmethod
-    def load(cls, path: str | Path, provider: str = "auto", threads: int | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_context: int | None = None, max_batch: int = 1,
-             memory_limit: int | None = None, verify: bool = False, prefix_cache: int | None = None,
-             draft: str | Path | None = None) -> Engine:
+    def load(
+        cls,
+        path: str | Path,
+        provider: str = "auto",
+        threads: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        max_context: int | None = None,
+        max_batch: int = 1,
+        memory_limit: int | None = None,
+        verify: bool = False,
+        prefix_cache: int | None = None,
+        draft: str | Path | None = None,
+    ) -> Engine:
         """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
         Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
@@ -88,11 +107,22 @@ class Engine:
         if draft is not None:
             context = load_manifest(draft).max_context
             if context < engine.max_context:
-                raise SettingsError(f"the draft model {draft} serves {context} tokens, fewer than this engine's {engine.max_context}: "
-                                    f"load the engine with max_context={context} (--max-context {context}), or export the draft "
-                                    "with a larger --max-context")
-            engine.attach_draft(cls.load(draft, provider=engine.provider, threads=threads, max_context=engine.max_context,
-                                         max_batch=max_batch, verify=verify, prefix_cache=0))
+                raise SettingsError(
+                    f"the draft model {draft} serves {context} tokens, fewer than this engine's {engine.max_context}: "
+                    f"load the engine with max_context={context} (--max-context {context}), or export the draft "
+                    "with a larger --max-context"
+                )
+            engine.attach_draft(
+                cls.load(
+                    draft,
+                    provider=engine.provider,
+                    threads=threads,
+                    max_context=engine.max_context,
+                    max_batch=max_batch,
+                    verify=verify,
+                    prefix_cache=0,
+                )
+            )
         return engine
 
     def speculate_by_default(self, mode: str | None) -> None:
@@ -105,9 +135,14 @@ class Engine:
     def attach_draft(self, draft: Engine) -> None:
         """Use `draft` (an engine of a smaller model with the same tokenizer) to propose tokens
         for `speculative="draft"`. Refused where its vocabulary differs from this model's."""
-        if draft.manifest.vocab_size != self.manifest.vocab_size or draft.tokenizer.vocabulary.tokens != self.tokenizer.vocabulary.tokens:
-            raise ManifestError(f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
-                                f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer")
+        if (
+            draft.manifest.vocab_size != self.manifest.vocab_size
+            or draft.tokenizer.vocabulary.tokens != self.tokenizer.vocabulary.tokens
+        ):
+            raise ManifestError(
+                f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
+                f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer"
+            )
         self.draft = draft
 
     # The public calls. Settings: `config=` (a GenerationConfig; default: the model's own) and/or
@@ -116,13 +151,18 @@ class Engine:
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None, **settings) -> GenerationResult:
         """Generate after `prompt` (text, or token ids) and return the whole result."""
         if _is_batch(prompt):
-            warnings.warn("generate() with a list of prompts is deprecated and will take one prompt only in the next "
-                          "release: call generate_batch(prompts) for a batch", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "generate() with a list of prompts is deprecated and will take one prompt only in the next "
+                "release: call generate_batch(prompts) for a batch",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return self.generate_batch(prompt, config, **settings)
         return GenerationResult.from_pieces(list(self.stream(prompt, config, **settings)))
 
-    def generate_batch(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
-                       **settings) -> list[GenerationResult]:
+    def generate_batch(
+        self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None, **settings
+    ) -> list[GenerationResult]:
         """Run `prompts` as one batch and return one result per prompt, in their order. `config` is
         one GenerationConfig for every row, or a list of one per prompt (each row its own sampling,
         constraint, stop conditions and max_new_tokens); keywords apply to every row."""
@@ -137,8 +177,9 @@ class Engine:
             raise GenerationError("stream takes one prompt: use stream_batch (or generate_batch) for a list of prompts")
         return _only_pieces(self._start([prompt], config, settings))
 
-    def stream_batch(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
-                     **settings) -> Iterator[tuple[int, Piece]]:
+    def stream_batch(
+        self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None, **settings
+    ) -> Iterator[tuple[int, Piece]]:
         """Run `prompts` as one batch, yielding (row, piece) as each row's output is generated."""
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise GenerationError("stream_batch takes a non-empty list of prompts")
@@ -161,8 +202,9 @@ class Engine:
         it is encoded, unless `within_context` is False (a prompt to truncate)."""
         return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context if within_context else None)
 
-    def prepare(self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None,
-                **settings) -> list[Sequence]:
+    def prepare(
+        self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None, **settings
+    ) -> list[Sequence]:
         """Each prompt's Sequence, checked (prepare.py); raises, before any work, on bad settings or prompts."""
         return prepare(self, prompts, config, settings)
 
@@ -196,8 +238,10 @@ def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, m
 
 def _serving_context(manifest: Manifest, requested: int | None) -> int:
     if requested is not None and requested > manifest.max_context:
-        raise SettingsError(f"max_context {requested} is more than the export's context of {manifest.max_context} tokens: "
-                            f"pass at most {manifest.max_context}")
+        raise SettingsError(
+            f"max_context {requested} is more than the export's context of {manifest.max_context} tokens: "
+            f"pass at most {manifest.max_context}"
+        )
     return requested or manifest.max_context
 
 

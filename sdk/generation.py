@@ -1,6 +1,7 @@
 """The generation loop of a call to the engine: prefill once, then choose → yield → decode until
 every sequence has ended. Sequences with speculative decoding step by `speculative.step` instead
 of the shared decode pass. The runner does every pass; a Sequence owns what each token means."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

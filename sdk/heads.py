@@ -14,6 +14,7 @@ The serialized heads ship with the package (head_graphs/), so loading an engine 
 the onnx package (0.1 s); `python -m edgeinfer.sdk.heads` writes them again from `head_model`,
 and a test checks that the files are what it builds.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -10,6 +10,7 @@ where the past grows), `append`, `trim`, `buffers` (each past input's value) and
   right-padded (a row's tokens fill its slots from 0) and handed out and taken back (`acquire`,
   `release`), so one cache serves a generation's batch or a scheduler's many requests.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -66,8 +67,10 @@ class GrowingCache:
         if count <= 0:
             return 0
         if len(self.lengths) != 1:
-            raise GenerationError("this export keeps optimum-onnx's attention, whose cache forgets tokens for one prompt at "
-                                  "a time: generate the prompts one by one")
+            raise GenerationError(
+                "this export keeps optimum-onnx's attention, whose cache forgets tokens for one prompt at "
+                "a time: generate the prompts one by one"
+            )
         self.width -= count
         self.lengths -= count
         cut = (slice(None),) * self.spec.sequence_axis + (slice(0, self.width),)
@@ -107,8 +110,10 @@ class SlotCache:
         """`count` more tokens in each of `rows`; refused past the capacity."""
         for row in rows:
             if self.lengths[row] + count > self.capacity:
-                raise GenerationError(f"a row of {self.lengths[row] + count} tokens does not fit the cache's {self.capacity} "
-                                      "slots per row: make the cache with a larger capacity")
+                raise GenerationError(
+                    f"a row of {self.lengths[row] + count} tokens does not fit the cache's {self.capacity} "
+                    "slots per row: make the cache with a larger capacity"
+                )
         self.lengths[rows] += count
 
     def trim(self, row: int, count: int) -> int:

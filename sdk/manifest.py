@@ -3,6 +3,7 @@
 Export writes it; the runtime reads graph names, KV layout and token ids from it (and from the
 graphs' own inputs), never from a table of architecture names.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -123,14 +124,18 @@ def load_manifest(folder: str | Path) -> Manifest:
     """Read and check the manifest of an export folder; sizes of all listed files are checked too."""
     folder = Path(folder)
     if not folder.exists():
-        raise NotAnExportError(f"model path {folder} does not exist: pass an export folder made by `edgeinfer export`, or a catalog name")
+        raise NotAnExportError(
+            f"model path {folder} does not exist: pass an export folder made by `edgeinfer export`, or a catalog name"
+        )
     if not folder.is_dir():
         raise NotAnExportError(f"model path {folder} is a file, not an export folder: run `edgeinfer export {folder} -o OUT` first")
     path = folder / MANIFEST_NAME
     if not path.exists():
         if any(folder.glob("*.onnx")):
-            raise NotAnExportError(f"{folder} holds ONNX graphs but no edgeinfer.json (an optimum or other export): "
-                                   "run `edgeinfer export` on the Hugging Face model it came from, and load that")
+            raise NotAnExportError(
+                f"{folder} holds ONNX graphs but no edgeinfer.json (an optimum or other export): "
+                "run `edgeinfer export` on the Hugging Face model it came from, and load that"
+            )
         hint = "it looks like a Hugging Face model folder" if (folder / "config.json").exists() else "it has no edgeinfer.json"
         raise NotAnExportError(f"{folder} is not an edgeinfer export ({hint}): run `edgeinfer export {folder} -o OUT` and load OUT")
     try:
@@ -156,8 +161,11 @@ def check_file_sizes(folder: Path, files: dict[str, dict]) -> None:
 
 def describe_files(folder: Path) -> dict[str, dict]:
     """Size and SHA-256 of every file in an export folder, for the manifest."""
-    return {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
-            for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in sorted(Path(folder).iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
 
 
 def sha256_of(path: Path) -> str:
@@ -175,6 +183,8 @@ def verify_files(folder: Path, files: dict[str, dict]) -> int:
     check_file_sizes(folder, files)
     for name, info in files.items():
         if sha256_of(folder / name) != info["sha256"]:
-            raise NotAnExportError(f"export file {folder / name} does not match the SHA-256 in the manifest: "
-                                   "it was changed or damaged, export the model again")
+            raise NotAnExportError(
+                f"export file {folder / name} does not match the SHA-256 in the manifest: "
+                "it was changed or damaged, export the model again"
+            )
     return sum(info["size"] for info in files.values())

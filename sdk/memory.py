@@ -1,6 +1,7 @@
 """What an engine will need in memory, worked out before anything is allocated, and what the
 device has. Loading refuses a context or batch that cannot fit, with the figures and the
 setting that would fit, instead of failing halfway through an allocation."""
+
 from __future__ import annotations
 
 import ctypes
@@ -50,13 +51,17 @@ class MemoryPlan:
             need += f" and a prefix cache of {size_text(self.prefix_cache)}"
         room = available - self.weights - self.prefix_cache
         if room < 2 * self.kv_per_token * self.batch:  # not even a context of 2 tokens
-            raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
-                                "use a quantized export (edgeinfer export --quantize int4) or free memory")
+            raise SettingsError(
+                f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
+                "use a quantized export (edgeinfer export --quantize int4) or free memory"
+            )
         fits = room // (self.kv_per_token * self.batch)
         rows = room // (self.kv_per_token * self.context)
         batch_hint = f", or max_batch={rows}" if self.batch > 1 and rows >= 1 else ""
-        raise SettingsError(f"the model needs {need}, but {where} has {size_text(available)}: load it with "
-                            f"max_context={fits} (--max-context {fits}){batch_hint}, or free memory")
+        raise SettingsError(
+            f"the model needs {need}, but {where} has {size_text(available)}: load it with "
+            f"max_context={fits} (--max-context {fits}){batch_hint}, or free memory"
+        )
 
 
 def kv_bytes_per_token(manifest: Manifest) -> int:
@@ -80,8 +85,10 @@ def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:
 def _host_free() -> int | None:
     """MemAvailable, or less where a cgroup (a container) limits this process."""
     try:
-        free = int(next(line for line in Path("/proc/meminfo").read_text().splitlines()
-                        if line.startswith("MemAvailable:")).split()[1]) * 1024
+        free = (
+            int(next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:")).split()[1])
+            * 1024
+        )
     except (OSError, StopIteration, ValueError, IndexError):
         return None
     try:
@@ -118,9 +125,15 @@ def check_generation(plan: MemoryPlan, batch: int, capacity: int, device: str, l
         free -= plan.weights + plan.prefix_cache
     if need > free:
         rows = free // (plan.kv_per_token * capacity)
-        way = f"run at most {rows} prompts at a time, or ask for fewer new tokens" if rows >= 1 else "ask for fewer new tokens, or free memory"
-        raise GenerationError(f"{batch} rows of {capacity} tokens need {size_text(need)} of KV cache, but {where} has "
-                              f"{size_text(max(free, 0))} left: {way}")
+        way = (
+            f"run at most {rows} prompts at a time, or ask for fewer new tokens"
+            if rows >= 1
+            else "ask for fewer new tokens, or free memory"
+        )
+        raise GenerationError(
+            f"{batch} rows of {capacity} tokens need {size_text(need)} of KV cache, but {where} has "
+            f"{size_text(max(free, 0))} left: {way}"
+        )
 
 
 def give_back_freed_memory() -> None:

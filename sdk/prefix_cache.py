@@ -1,6 +1,7 @@
 """The prefix cache: keys and values of recent prompts, kept on the host in blocks, so that a
 prompt that starts like an earlier one prefills only the rest; and the copying of a row's cached
 tokens between those blocks and a cache's buffers."""
+
 from __future__ import annotations
 
 import threading
@@ -64,7 +65,7 @@ class PrefixCache:
     def has_start(self, ids: list[int]) -> bool:
         """Whether the first block of `ids` is cached (counted neither as hit nor as miss)."""
         with self._lock:
-            return bool(self.budget) and len(ids) > self.block and (0, tuple(ids[:self.block])) in self._blocks
+            return bool(self.budget) and len(ids) > self.block and (0, tuple(ids[: self.block])) in self._blocks
 
     def take(self, ids: list[int]) -> tuple[int, dict[str, np.ndarray]]:
         """The cached blocks that start `ids`, joined: how many tokens, and each past input's keys
@@ -78,7 +79,7 @@ class PrefixCache:
     def _match(self, ids: list[int]) -> list[_Block]:
         found, parent = [], 0
         while self.budget and (len(found) + 1) * self.block < len(ids):
-            key = (parent, tuple(ids[len(found) * self.block:(len(found) + 1) * self.block]))
+            key = (parent, tuple(ids[len(found) * self.block : (len(found) + 1) * self.block]))
             block = self._blocks.get(key)
             if block is None:
                 break
@@ -97,9 +98,9 @@ class PrefixCache:
     def _store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
         parent = 0
         for start in range(0, len(ids) - self.block + 1, self.block) if self.budget else ():
-            key = (parent, tuple(ids[start:start + self.block]))
+            key = (parent, tuple(ids[start : start + self.block]))
             if key not in self._blocks:
-                kv = {name: row[:, start:start + self.block].copy() for name, row in rows.items()}
+                kv = {name: row[:, start : start + self.block].copy() for name, row in rows.items()}
                 self._blocks[key] = _Block(self._next_id, kv)
                 self._next_id += 1
                 self.num_bytes += sum(a.nbytes for a in kv.values())

@@ -2,6 +2,7 @@
 Sequences: settings resolved and checked, prompts encoded and truncated, the room left in the
 context, the constraint compiled and the speculative decoding chosen. Everything a bad call can
 get wrong is refused here, before any work."""
+
 from __future__ import annotations
 
 import time
@@ -27,9 +28,19 @@ def prepare(engine, prompts: list, config: GenerationConfig | list[GenerationCon
     given = [engine.prompt_ids(p, c.truncate != "left") for p, c in zip(prompts, configs)]
     ids = [truncate(row, c, engine.max_context) for row, c in zip(given, configs)]
     room = room_left(ids, engine.max_context, engine.manifest.max_context)
-    sequences = [Sequence(row, c, min(c.max_new_tokens, room), engine.manifest.eos_token_ids, engine.tokenizer, start,
-                          len(full) - len(row), engine.constraints.start(c.constraint))
-                 for row, full, c in zip(ids, given, configs)]
+    sequences = [
+        Sequence(
+            row,
+            c,
+            min(c.max_new_tokens, room),
+            engine.manifest.eos_token_ids,
+            engine.tokenizer,
+            start,
+            len(full) - len(row),
+            engine.constraints.start(c.constraint),
+        )
+        for row, full, c in zip(ids, given, configs)
+    ]
     for sequence, c in zip(sequences, configs):
         sequence.speculation = speculation(engine, c, len(sequences), len(sequence.prompt_ids) + sequence.max_new_tokens)
     return sequences
@@ -40,15 +51,24 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
     if config.speculative is None:
         return None
     if not engine.runner.can_verify:
-        raise SettingsError("this export gives the logits of the last position only, and speculative decoding checks "
-                            f"several: export the model again with this edgeinfer (`edgeinfer export MODEL -o {engine.folder} "
-                            "--force`)", "speculative")
+        raise SettingsError(
+            "this export gives the logits of the last position only, and speculative decoding checks "
+            f"several: export the model again with this edgeinfer (`edgeinfer export MODEL -o {engine.folder} "
+            "--force`)",
+            "speculative",
+        )
     if num_rows > 1 and not engine.manifest.kv.in_place:
-        raise SettingsError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
-                            "prompt at a time: generate the prompts one by one", "speculative")
+        raise SettingsError(
+            "this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
+            "prompt at a time: generate the prompts one by one",
+            "speculative",
+        )
     if config.speculative == "draft" and engine.draft is None:
-        raise SettingsError("speculative='draft' needs a draft model: load the engine with Engine.load(path, draft=DRAFT_DIR) "
-                            "(--draft DIR), or use speculative='prompt_lookup'", "speculative")
+        raise SettingsError(
+            "speculative='draft' needs a draft model: load the engine with Engine.load(path, draft=DRAFT_DIR) "
+            "(--draft DIR), or use speculative='prompt_lookup'",
+            "speculative",
+        )
     proposer = DraftModel(engine.draft, capacity) if config.speculative == "draft" else PromptLookup()
     return Speculation(proposer, config.num_speculative_tokens)
 
@@ -58,7 +78,7 @@ def truncate(ids: list[int], config: GenerationConfig, max_context: int) -> list
     `max_new_tokens` (at least one prompt token is kept)."""
     if config.truncate != "left":
         return ids
-    return ids[-max(1, max_context - config.max_new_tokens):]
+    return ids[-max(1, max_context - config.max_new_tokens) :]
 
 
 def check_token_ids(config: GenerationConfig, vocab_size: int) -> None:
@@ -75,6 +95,10 @@ def room_left(prompts: list[list[int]], max_context: int, model_context: int) ->
     if room < 1:
         which = "the prompt has" if len(prompts) == 1 else "the longest prompt of the batch has"
         context = "model's" if max_context == model_context else "engine's (max_context)"
-        raise ContextLengthError(f"{which} {longest} tokens but the {context} context is {max_context}: shorten the "
-                                 "prompt, or pass truncate='left' (--truncate left) to keep its end", longest, max_context)
+        raise ContextLengthError(
+            f"{which} {longest} tokens but the {context} context is {max_context}: shorten the "
+            "prompt, or pass truncate='left' (--truncate left) to keep its end",
+            longest,
+            max_context,
+        )
     return room

@@ -8,6 +8,7 @@ them into `input_ids`, `attention_mask`, `position_ids` and `logits_to_keep`, ru
 brings the books up to date. The split layout (a prefill graph beside the decode graph), a decode
 graph of fixed shapes and optimum-onnx's attention (a past that grows) are its business alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -44,8 +45,16 @@ class Batch:
 class ModelRunner:
     """Runs one export's graphs on one device (see the module's text)."""
 
-    def __init__(self, folder: Path, manifest: Manifest, provider: str, options: RuntimeOptions, max_context: int,
-                 prefill_chunk: int, prefix_budget: int):
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        provider: str,
+        options: RuntimeOptions,
+        max_context: int,
+        prefill_chunk: int,
+        prefix_budget: int,
+    ):
         self.folder, self.manifest, self.kv = Path(folder), manifest, manifest.kv
         self.provider, self.max_context, self.prefill_chunk = provider, max_context, prefill_chunk
         # The split layout's two sessions share one copy of the weights on a GPU; on the CPU each
@@ -68,7 +77,9 @@ class ModelRunner:
         graph.check_names(spec.inputs, spec.outputs)
         unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past)
         if unknown:
-            raise ManifestError(f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`")
+            raise ManifestError(
+                f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
+            )
         return graph
 
     def _copier(self) -> HostCopy | RowCopy | None:
@@ -103,8 +114,10 @@ class ModelRunner:
         if not self.kv.in_place:
             return Batch(GrowingCache(self.kv, {}, [0] * num_rows), reuses_logits)
         capacity = self.manifest.static_context if self.is_static else capacity or self.max_context
-        buffers = {name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, capacity), self.kv.dtype)
-                   for name in self.kv.past}
+        buffers = {
+            name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, capacity), self.kv.dtype)
+            for name in self.kv.past
+        }
         return Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
 
     def restore(self, batch: Batch, row: int, ids: list[int]) -> int:
@@ -170,7 +183,9 @@ class ModelRunner:
         """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
         run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
         batch of one); returns the last position's logits [1, 1, vocab]."""
-        return self._run_row(batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY})
+        return self._run_row(
+            batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
+        )
 
     def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> ort.OrtValue:
         """The first `length` tokens of every prompt into empty rows 0.. of a slot cache in one
@@ -178,18 +193,21 @@ class ModelRunner:
         fixed = self.manifest.prefill_length if self.prefill_graph is not None else None
         width = max(length, fixed or 0)
         if fixed and len(prompts) > 1 and length > fixed:
-            raise GenerationError(f"the longest prompt of this batch has {length} tokens, more than the "
-                                  f"{fixed} positions of this export's prefill graph, which a batch must fit: run such prompts "
-                                  "one at a time, or export with a larger --prefill-length")
+            raise GenerationError(
+                f"the longest prompt of this batch has {length} tokens, more than the "
+                f"{fixed} positions of this export's prefill graph, which a batch must fit: run such prompts "
+                "one at a time, or export with a larger --prefill-length"
+            )
         inputs = prepare_together(batch.cache, prompts, length, width)
-        lengths = batch.cache.lengths[:len(prompts)]
+        lengths = batch.cache.lengths[: len(prompts)]
         if self.prefill_graph is None:
             binding = self.graph.bind_rows(batch.cache.pooled, 0, len(prompts))
             binding.run(inputs)
             return binding.outputs()[-1]
         graph = self.prefill_graph
-        outputs, _ = graph.run({k: v for k, v in inputs.items() if k in graph.inputs}, on_device=[*self.kv.present, "logits"],
-                               to_host=[])
+        outputs, _ = graph.run(
+            {k: v for k, v in inputs.items() if k in graph.inputs}, on_device=[*self.kv.present, "logits"], to_host=[]
+        )
         for past, present in zip(self.kv.past, self.kv.present):  # the presents [rows, kv_heads, width, head_size]
             self.copier.fill(batch.cache.buffers[past], outputs[present], int(lengths.max()))
         return outputs["logits"]
@@ -232,22 +250,28 @@ class ModelRunner:
         """Several new tokens of one row in one pass, with the logits of each (of the last
         `num_logits`, where given), [1, positions, vocab], left on the device."""
         if not self.can_verify:
-            raise GenerationError("this export gives the logits of the last position only: export the model again with this "
-                                  "edgeinfer (`edgeinfer export`)")
+            raise GenerationError(
+                "this export gives the logits of the last position only: export the model again with this "
+                "edgeinfer (`edgeinfer export`)"
+            )
         if self.is_static and len(tokens) > 1:  # one token a pass
-            logits = np.concatenate([self.verify(batch, row, [t]).numpy() for t in tokens][-(num_logits or len(tokens)):], axis=1)
+            logits = np.concatenate([self.verify(batch, row, [t]).numpy() for t in tokens][-(num_logits or len(tokens)) :], axis=1)
             value = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, logits.dtype, "cpu", 0)  # owns its memory
             value.update_inplace(logits)
             return value
-        inputs = {**prepare_row(batch.cache, row, tokens, self.is_static), "logits_to_keep": np.array(num_logits or len(tokens), np.int64)}
+        inputs = {
+            **prepare_row(batch.cache, row, tokens, self.is_static),
+            "logits_to_keep": np.array(num_logits or len(tokens), np.int64),
+        }
         if isinstance(batch.cache, SlotCache):
             return self._run_row(batch, row, inputs)
         return self._run_growing(batch.cache, inputs, self.graph)
 
     # Choosing tokens.
 
-    def choose(self, logits: ort.OrtValue, sequences: list[Sequence], positions: list[int],
-               bindings: Bindings | None = None) -> list[int | ConstraintError]:
+    def choose(
+        self, logits: ort.OrtValue, sequences: list[Sequence], positions: list[int], bindings: Bindings | None = None
+    ) -> list[int | ConstraintError]:
         """Each sequence's next token from the logits of the pass at its position (its row), or the
         ConstraintError of one whose constraint reached a dead end. Argmax runs on the device that
         holds the logits; sampling brings the last position's logits to the host."""
@@ -285,12 +309,13 @@ class ModelRunner:
 
 # The inputs of each pass, from the caches' books (pure: tested on hand-made caches).
 
+
 def prepare_decode(cache: GrowingCache | SlotCache, tokens: list[int | None], is_static: bool = False) -> dict[str, np.ndarray]:
     """One new token for each row that has one (None: a pad token), on top of what each holds; the
     books grow by them. A growing cache's rows are left-padded (every row grows); a slot cache's
     rows are right-padded, and a static graph's mask spans the whole capacity."""
     ids = np.array([[PAD_ID if t is None else t] for t in tokens], np.int64)
-    lengths = cache.lengths[:len(tokens)].copy()
+    lengths = cache.lengths[: len(tokens)].copy()
     if isinstance(cache, GrowingCache):
         cache.append()
         mask = np.arange(cache.width)[None, :] >= cache.width - cache.lengths[:, None]
@@ -304,14 +329,19 @@ def prepare_row(cache: GrowingCache | SlotCache, row: int, tokens: list[int], is
     """`tokens` on top of what `row` holds, for a pass on that row alone; its length grows by them.
     A growing cache serves it for a batch of one."""
     if isinstance(cache, GrowingCache) and len(cache.lengths) != 1:
-        raise GenerationError("this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
-                              "one prompt at a time: generate the prompts one by one")
+        raise GenerationError(
+            "this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
+            "one prompt at a time: generate the prompts one by one"
+        )
     start = int(cache.lengths[row])
     cache.append([row], len(tokens))
     end = start + len(tokens)
     width = cache.capacity if is_static and cache.capacity else end
-    return {"input_ids": np.array([tokens], np.int64), "attention_mask": (np.arange(width) < end).astype(np.int64)[None, :],
-            "position_ids": np.arange(start, end, dtype=np.int64)[None, :]}
+    return {
+        "input_ids": np.array([tokens], np.int64),
+        "attention_mask": (np.arange(width) < end).astype(np.int64)[None, :],
+        "position_ids": np.arange(start, end, dtype=np.int64)[None, :],
+    }
 
 
 def prepare_together(cache: SlotCache, prompts: list[list[int]], length: int, width: int) -> dict[str, np.ndarray]:
@@ -319,25 +349,38 @@ def prepare_together(cache: SlotCache, prompts: list[list[int]], length: int, wi
     positions (right-padded); each row's length grows by its tokens."""
     ids = np.full((len(prompts), width), PAD_ID, np.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, :min(len(prompt), width)] = prompt[:width]
+        ids[row, : min(len(prompt), width)] = prompt[:width]
     lengths = np.array([min(len(p), length) for p in prompts], np.int64)
     for row, count in enumerate(lengths):
         cache.append([row], int(count))
-    return {"input_ids": ids, "attention_mask": (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64),
-            "position_ids": np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1)), "logits_to_keep": LAST_ONLY}
+    return {
+        "input_ids": ids,
+        "attention_mask": (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64),
+        "position_ids": np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1)),
+        "logits_to_keep": LAST_ONLY,
+    }
 
 
-def prepare_left_padded(cache: GrowingCache, prompts: list[list[int]], width: int,
-                        spans: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+def prepare_left_padded(
+    cache: GrowingCache, prompts: list[list[int]], width: int, spans: Iterator[tuple[int, int]]
+) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
     """(start, end, inputs) of each prefill pass of prompts left-padded to `width` on a growing
     cache; the books are brought to each pass's end once it has run (at the next item)."""
     ids, mask = np.full((len(prompts), width), PAD_ID, np.int64), np.zeros((len(prompts), width), np.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
     positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
     for start, end in spans:
-        yield start, end, {"input_ids": ids[:, start:end], "attention_mask": mask[:, :end], "position_ids": positions[:, start:end],
-                           "logits_to_keep": LAST_ONLY}
+        yield (
+            start,
+            end,
+            {
+                "input_ids": ids[:, start:end],
+                "attention_mask": mask[:, :end],
+                "position_ids": positions[:, start:end],
+                "logits_to_keep": LAST_ONLY,
+            },
+        )
         cache.fill(end, mask[:, :end].sum(axis=1))
 
 

@@ -1,4 +1,5 @@
 """The one module that talks to ONNX Runtime: providers, sessions, IO binding, OrtValues."""
+
 from __future__ import annotations
 
 import atexit
@@ -21,12 +22,27 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Set to a path prefix, ONNX Runtime profiles every run of the model graph and writes PREFIX_<time>.json
 # at exit (benchmarks/gpu_check.sh reads the host-device copies from it).
 PROFILE_ENV = "EDGEINFER_PROFILE"
-_LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidProtobuf, ort_state.InvalidGraph, ort_state.NoSuchFile,
-                ort_state.InvalidArgument, ort_state.RuntimeException)
+_LOAD_ERRORS = (
+    ort_state.Fail,
+    ort_state.InvalidProtobuf,
+    ort_state.InvalidGraph,
+    ort_state.NoSuchFile,
+    ort_state.InvalidArgument,
+    ort_state.RuntimeException,
+)
 # What ONNX Runtime raises when a run fails: run_with_iobinding raises RuntimeError("Error in
 # execution: ..."), and its status classes (none of which derives from RuntimeError) elsewhere.
-_RUN_ERRORS = (RuntimeError, ort_state.Fail, ort_state.InvalidArgument, ort_state.RuntimeException, ort_state.EPFail,
-               ort_state.NotImplemented, ort_state.EngineError, ort_state.InvalidGraph, ort_state.NotFound)
+_RUN_ERRORS = (
+    RuntimeError,
+    ort_state.Fail,
+    ort_state.InvalidArgument,
+    ort_state.RuntimeException,
+    ort_state.EPFail,
+    ort_state.NotImplemented,
+    ort_state.EngineError,
+    ort_state.InvalidGraph,
+    ort_state.NotFound,
+)
 _ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}  # ONNX TensorProto codes
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what OrtValue.data_type() says
 
@@ -62,8 +78,11 @@ def cuda_unusable_reason() -> str | None:
     if started:
         return None
     missing = next((line.split("with error: ")[-1].strip() for line in logged if "with error: " in line), None)
-    return ("the CUDA provider could not start (no GPU, or CUDA 13 / cuDNN 9 libraries not found"
-            + (f": {missing}" if missing else "") + ")")
+    return (
+        "the CUDA provider could not start (no GPU, or CUDA 13 / cuDNN 9 libraries not found"
+        + (f": {missing}" if missing else "")
+        + ")"
+    )
 
 
 @contextmanager
@@ -117,8 +136,7 @@ class Graph:
         if not isinstance(source, bytes) and not Path(source).is_file():
             raise NotAnExportError(f"graph {source} is missing: the export is incomplete, export the model again")
         try:
-            self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
-                                                providers=providers)
+            self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options, providers=providers)
         except _LOAD_ERRORS as e:
             raise NotAnExportError(f"ONNX Runtime cannot load {name} ({e}): the file is damaged, export the model again") from None
         if PROVIDERS[provider] not in self.session.get_providers():
@@ -157,9 +175,9 @@ class Graph:
         for name in to_host:
             binding.bind_output(name, "cpu")
         _run(self.session, binding, self.name)
-        values = binding.get_outputs()[len(into or {}):]
+        values = binding.get_outputs()[len(into or {}) :]
         device_values = dict(zip(on_device, values[: len(on_device)]))
-        host_values = {name: value.numpy() for name, value in zip(to_host, values[len(on_device):])}
+        host_values = {name: value.numpy() for name, value in zip(to_host, values[len(on_device) :])}
         return device_values, host_values
 
     def bind(self, inputs: dict, outputs: dict) -> Binding:
@@ -183,8 +201,9 @@ class Graph:
         """An uninitialised buffer on this graph's device for output `name`, of `shape`."""
         return self.allocate(shape, _NUMPY_TYPES[self.output_types[name]])
 
-    def bind_rows(self, pooled: dict[str, tuple[ort.OrtValue, str]], first: int, rows: int,
-                  logits: ort.OrtValue | None = None) -> Binding:
+    def bind_rows(
+        self, pooled: dict[str, tuple[ort.OrtValue, str]], first: int, rows: int, logits: ort.OrtValue | None = None
+    ) -> Binding:
         """An IO binding of rows first..first+rows of pooled buffers [pool rows, ...] (a KV pool),
         bound by address so nothing is copied: `pooled` maps each past input to its buffer and the
         present output written into the same rows. The logits go into `logits` where given (kept
@@ -222,7 +241,7 @@ def load_weights(graph_file: Path, provider: str) -> dict[str, ort.OrtValue]:
         if path not in files:
             files[path] = np.memmap(path, dtype=np.uint8, mode="r")
         start = int(info.get("offset", 0))
-        raw = files[path][start:start + int(info["length"])]
+        raw = files[path][start : start + int(info["length"])]
         array = np.ascontiguousarray(raw).view(tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
         owner = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, provider, 0)._get_c_value()
         owner.update_inplace(array)  # copied onto the device
@@ -266,8 +285,10 @@ def _run(session: ort.InferenceSession, binding, name: str) -> None:
         session.run_with_iobinding(binding)
     except _RUN_ERRORS as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise GraphError(f"ONNX Runtime failed running {Path(name).name} ({first}): on a GPU, serve a smaller "
-                         "max_context or batch; otherwise check the export with `edgeinfer check`, or export it again") from e
+        raise GraphError(
+            f"ONNX Runtime failed running {Path(name).name} ({first}): on a GPU, serve a smaller "
+            "max_context or batch; otherwise check the export with `edgeinfer check`, or export it again"
+        ) from e
 
 
 class HostCopy:
@@ -279,7 +300,7 @@ class HostCopy:
 
     def write(self, buffer: ort.OrtValue, row: int, values: np.ndarray) -> None:
         """Write `values` [kv_heads, tokens, head_size] into the first tokens of `row`."""
-        self._graph.host_view(buffer)[row, :, :values.shape[1]] = values
+        self._graph.host_view(buffer)[row, :, : values.shape[1]] = values
 
     def read(self, buffer: ort.OrtValue, row: int, tokens: int) -> np.ndarray:
         """A view of the first `tokens` of `row`, [kv_heads, tokens, head_size], valid while the buffer lives."""
@@ -361,7 +382,9 @@ class LogitsHeads:
 
     def __init__(self, logits_type: str, provider: str):
         if logits_type not in _ONNX_TYPES:
-            raise ManifestError(f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again")
+            raise ManifestError(
+                f"the graphs give logits of type {logits_type}, which edgeinfer cannot sample from: export the model again"
+            )
         self._argmax = Graph(load_head("argmax", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._last = Graph(load_head("last", _ONNX_TYPES[logits_type]), provider, threads=1)
         self._type, self._provider = _ONNX_TYPES[logits_type], provider

@@ -5,6 +5,7 @@ The order is transformers' (repetition penalty, temperature, top-k, top-p, min-p
 presence and frequency penalties and the logit bias after the repetition penalty, and a
 constraint's mask (constraints.py) before the temperature.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

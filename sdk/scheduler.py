@@ -14,6 +14,7 @@ runner (runner.py) runs every pass. Exports whose rows cannot be at different st
     for piece in request: ...                # or request.result()
     scheduler.close()
 """
+
 from __future__ import annotations
 
 import enum
@@ -137,8 +138,13 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         """The queue, the running rows and the prefix cache's counts, by name."""
         cache = self.engine.prefix_cache
-        return {"queue_length": self.waiting, "running_rows": self.running, "prefix_cache_hit_tokens": cache.hit_tokens,
-                "prefix_cache_miss_tokens": cache.missed_tokens, "prefix_cache_bytes": cache.num_bytes}
+        return {
+            "queue_length": self.waiting,
+            "running_rows": self.running,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_miss_tokens": cache.missed_tokens,
+            "prefix_cache_bytes": cache.num_bytes,
+        }
 
     def submit(self, prompt, config: GenerationConfig | None = None, **settings) -> Request:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread."""

@@ -1,5 +1,6 @@
 """One prompt's generation, token by token: its text, its stop conditions and its timings.
 The engine owns the graphs and the batch; a Sequence owns what happens to each new token."""
+
 from __future__ import annotations
 
 import time
@@ -61,16 +62,34 @@ class GenerationResult:
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
         last = pieces[-1]
         logprobs = None if last.logprobs is None else [t for p in pieces for t in p.logprobs]
-        return cls(text="".join(p.text for p in pieces), token_ids=[t for p in pieces for t in p.token_ids],
-                   prompt_tokens=last.prompt_tokens, finish_reason=last.finish_reason, ttft_s=last.ttft_s,
-                   decode_tokens_per_s=last.decode_tokens_per_s, truncated_tokens=last.truncated_tokens,
-                   logprobs=logprobs, complete=last.complete, proposed_tokens=last.proposed_tokens,
-                   accepted_tokens=last.accepted_tokens, cached_tokens=last.cached_tokens)
+        return cls(
+            text="".join(p.text for p in pieces),
+            token_ids=[t for p in pieces for t in p.token_ids],
+            prompt_tokens=last.prompt_tokens,
+            finish_reason=last.finish_reason,
+            ttft_s=last.ttft_s,
+            decode_tokens_per_s=last.decode_tokens_per_s,
+            truncated_tokens=last.truncated_tokens,
+            logprobs=logprobs,
+            complete=last.complete,
+            proposed_tokens=last.proposed_tokens,
+            accepted_tokens=last.accepted_tokens,
+            cached_tokens=last.cached_tokens,
+        )
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], config: GenerationConfig, max_new_tokens: int, eos_ids: Iterable[int],
-                 tokenizer: Tokenizer, start: float, num_truncated: int = 0, constraint: Matcher | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        max_new_tokens: int,
+        eos_ids: Iterable[int],
+        tokenizer: Tokenizer,
+        start: float,
+        num_truncated: int = 0,
+        constraint: Matcher | None = None,
+    ):
         self.prompt_ids = prompt_ids
         self.num_truncated = num_truncated
         self.history = list(prompt_ids)  # what the repetition penalty looks at
@@ -148,7 +167,11 @@ class Sequence:
             text += tail if stopped else tail + self.stops.flush()
         self.finish_reason = "stop" if stopped else reason
         piece = self._piece(text)
-        piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = self.finish_reason, self.times[0] - self.start, _rate(self.times)
+        piece.finish_reason, piece.ttft_s, piece.decode_tokens_per_s = (
+            self.finish_reason,
+            self.times[0] - self.start,
+            _rate(self.times),
+        )
         piece.prompt_tokens, piece.truncated_tokens, piece.cached_tokens = len(self.prompt_ids), self.num_truncated, self.num_cached
         if self.constraint is not None:
             piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text

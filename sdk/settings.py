@@ -1,5 +1,6 @@
 """Generation settings: one small dataclass that checks itself, and how a call's settings are
 resolved from the model's defaults, a `config=` and keywords."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,21 +80,23 @@ class GenerationConfig:
             "top_k": _integer("top_k", self.top_k, low=0, hint=" (0 turns it off)"),
             "top_p": _real("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1),
             "min_p": _real("min_p", self.min_p, "in [0, 1] (0 turns it off)", lambda v: 0 <= v <= 1),
-            "repetition_penalty": _real("repetition_penalty", self.repetition_penalty, "above 0 (1 turns it off)",
-                                        lambda v: v > 0),
+            "repetition_penalty": _real("repetition_penalty", self.repetition_penalty, "above 0 (1 turns it off)", lambda v: v > 0),
             "seed": None if self.seed is None else _integer("seed", self.seed, low=0, hint=" or None"),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _token_ids(self.stop_token_ids),
-            "presence_penalty": _real("presence_penalty", self.presence_penalty, "in [-2, 2] (0 turns it off)",
-                                      lambda v: -2 <= v <= 2),
-            "frequency_penalty": _real("frequency_penalty", self.frequency_penalty, "in [-2, 2] (0 turns it off)",
-                                       lambda v: -2 <= v <= 2),
+            "presence_penalty": _real(
+                "presence_penalty", self.presence_penalty, "in [-2, 2] (0 turns it off)", lambda v: -2 <= v <= 2
+            ),
+            "frequency_penalty": _real(
+                "frequency_penalty", self.frequency_penalty, "in [-2, 2] (0 turns it off)", lambda v: -2 <= v <= 2
+            ),
             "logit_bias": _logit_bias(self.logit_bias),
             "response_format": _response_format(self.response_format),
             "choice": None if self.choice is None else _choices(self.choice),
             "top_logprobs": _integer("top_logprobs", self.top_logprobs, low=0, hint=f" and at most {MAX_TOP_LOGPROBS}"),
-            "num_speculative_tokens": _integer("num_speculative_tokens", self.num_speculative_tokens, low=1,
-                                               hint=f" and at most {MAX_SPECULATIVE_TOKENS}"),
+            "num_speculative_tokens": _integer(
+                "num_speculative_tokens", self.num_speculative_tokens, low=1, hint=f" and at most {MAX_SPECULATIVE_TOKENS}"
+            ),
         }
         if self.truncate not in TRUNCATE:
             raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}", "truncate")
@@ -102,11 +105,14 @@ class GenerationConfig:
         if not isinstance(self.logprobs, bool):
             raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}", "logprobs")
         if self.speculative not in SPECULATIVE:
-            raise SettingsError(f"speculative must be 'prompt_lookup', 'draft' (with a draft model) or None, got {self.speculative!r}",
-                                "speculative")
+            raise SettingsError(
+                f"speculative must be 'prompt_lookup', 'draft' (with a draft model) or None, got {self.speculative!r}", "speculative"
+            )
         if checked["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
-            raise SettingsError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
-                                "num_speculative_tokens")
+            raise SettingsError(
+                f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+                "num_speculative_tokens",
+            )
         if checked["top_logprobs"] > MAX_TOP_LOGPROBS:
             raise SettingsError(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}", "top_logprobs")
         if checked["top_logprobs"] and not self.logprobs:
@@ -116,8 +122,11 @@ class GenerationConfig:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         if self.constraint is not None and self.ignore_eos:
-            raise SettingsError("ignore_eos cannot be used with a response_format or choice: a constrained output ends "
-                                "at the model's EOS once it is complete", "ignore_eos")
+            raise SettingsError(
+                "ignore_eos cannot be used with a response_format or choice: a constrained output ends "
+                "at the model's EOS once it is complete",
+                "ignore_eos",
+            )
 
     @property
     def constraint(self) -> Constraint | None:
@@ -130,9 +139,15 @@ class GenerationConfig:
     def chooses_by_argmax(self) -> bool:
         """The next token is always the largest logit as the graph gives it: nothing to sample,
         penalize, mask or report, so the host never needs the logits."""
-        return ((self.temperature == 0 or self.top_k == 1) and self.repetition_penalty == 1.0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0 and not self.logit_bias
-                and self.constraint is None and not self.logprobs)
+        return (
+            (self.temperature == 0 or self.top_k == 1)
+            and self.repetition_penalty == 1.0
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and not self.logit_bias
+            and self.constraint is None
+            and not self.logprobs
+        )
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
@@ -174,7 +189,8 @@ def _stop_strings(stop) -> tuple[str, ...]:
 def _token_ids(ids) -> tuple[int, ...]:
     ids = (ids,) if isinstance(ids, numbers.Integral) else ids
     if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
         raise SettingsError(f"stop_token_ids must be a list of token ids (integers of at least 0), got {ids!r}", "stop_token_ids")
     return tuple(int(t) for t in ids)
 
@@ -210,14 +226,16 @@ def _response_format(value) -> Constraint | None:
         return value
     if not isinstance(value, dict) or value.get("type") not in FORMATS:
         got = value.get("type") if isinstance(value, dict) else value
-        raise SettingsError(f"response_format must be a dict whose type is one of {', '.join(FORMATS)}, got {got!r}",
-                            "response_format")
+        raise SettingsError(
+            f"response_format must be a dict whose type is one of {', '.join(FORMATS)}, got {got!r}", "response_format"
+        )
     kind = value["type"]
     allowed = {"text": set(), "json_object": set(), "json_schema": {"json_schema"}, "regex": {"pattern"}, "grammar": {"lark"}}[kind]
     extra = set(value) - allowed - {"type"}
     if extra:
-        raise SettingsError(f"response_format of type {kind!r} takes {sorted(allowed) or 'no other keys'}, not {sorted(extra)}",
-                            "response_format")
+        raise SettingsError(
+            f"response_format of type {kind!r} takes {sorted(allowed) or 'no other keys'}, not {sorted(extra)}", "response_format"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -225,8 +243,9 @@ def _response_format(value) -> Constraint | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise SettingsError('response_format json_schema needs {"json_schema": {"schema": {...}}}, the schema a JSON object',
-                                "response_format")
+            raise SettingsError(
+                'response_format json_schema needs {"json_schema": {"schema": {...}}}, the schema a JSON object', "response_format"
+            )
         return Constraint("json_schema", json.dumps(spec["schema"]))
     text = value.get({"regex": "pattern", "grammar": "lark"}[kind])
     if not isinstance(text, str) or not text:

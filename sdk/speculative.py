@@ -16,6 +16,7 @@ Two proposers:
 that failed (a check of k tokens costs more than a plain step, so a row whose guesses keep failing
 proposes less often, and text where lookup finds nothing costs nothing extra).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -49,8 +50,8 @@ def lookup(tokens: list[int], count: int, longest: int = MAX_NGRAM, shortest: in
         pattern = sequence[-n:]
         starts = np.flatnonzero(sequence[: len(tokens) - n] == pattern[0])  # earlier starts of the n-gram
         for start in starts[::-1]:
-            if np.array_equal(sequence[start:start + n], pattern):
-                follows = sequence[start + n: start + n + count]
+            if np.array_equal(sequence[start : start + n], pattern):
+                follows = sequence[start + n : start + n + count]
                 return follows.tolist()
     return []
 
@@ -69,7 +70,7 @@ class DraftModel:
     def propose(self, tokens: list[int], count: int) -> list[int]:
         if count < 1:
             return []
-        runner, new = self.runner, tokens[self.num_seen:]
+        runner, new = self.runner, tokens[self.num_seen :]
         if self.batch is None:
             self.batch = runner.new_batch(1, self.capacity)
             logits = runner.prefill(self.batch, [new])
@@ -156,4 +157,4 @@ class Speculation:
         self.proposer.record(proposed, accepted)
         self.count = min(self.count + 2, self.most) if accepted == proposed else max(1, self.count - 1)
         self._misses = 0 if accepted else self._misses + 1
-        self._pause = min(2 ** self._misses - 1, MAX_PAUSE)
+        self._pause = min(2**self._misses - 1, MAX_PAUSE)

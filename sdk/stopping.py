@@ -1,5 +1,6 @@
 """Stop strings: text is held back only while it could still be the start of a stop string, so a
 stop string that spans several tokens is caught and never reaches the caller."""
+
 from __future__ import annotations
 
 
@@ -17,7 +18,7 @@ class StopStrings:
             safe, self.held = self.held[: min(hits)], ""
             return safe, True
         keep = self._open_prefix()
-        safe, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        safe, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return safe, False
 
     def flush(self) -> str:

@@ -1,5 +1,6 @@
 """Text to token ids and back with the `tokenizers` library, and the model's chat template
 rendered with jinja2 in a sandbox (no transformers)."""
+
 from __future__ import annotations
 
 import functools
@@ -44,8 +45,11 @@ class Tokenizer:
         """`encode`, refusing at once (ContextLengthError) a text too long to leave room in a
         context of `context` tokens: encoding megabytes would take seconds."""
         if (least := self.min_tokens(text)) >= context:
-            raise ContextLengthError(f"the prompt has at least {least} tokens ({len(text)} characters) but the context is "
-                                     f"{context}: shorten it", least, context)
+            raise ContextLengthError(
+                f"the prompt has at least {least} tokens ({len(text)} characters) but the context is {context}: shorten it",
+                least,
+                context,
+            )
         return self.encode(text, add_special_tokens)
 
     def prompt_ids(self, prompt: str | list[int], vocab_size: int, context: int | None = None) -> list[int]:
@@ -99,8 +103,10 @@ class Tokenizer:
         if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
             raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in (self.chat_template or ""):
-            raise GenerationError("this model's chat template does not render tool calls, so an assistant message with "
-                                  "tool_calls cannot be shown to it: send the calls' text as the message's content")
+            raise GenerationError(
+                "this model's chat template does not render tool calls, so an assistant message with "
+                "tool_calls cannot be shown to it: send the calls' text as the message's content"
+            )
         text = self.render_chat(messages)
         return self.encode(text, False) if context is None else self.encode_within(text, context, False)
 
@@ -114,8 +120,10 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.spec.bos_token or "", eos_token=self.spec.eos_token or "",
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.spec.bos_token or "",
+                eos_token=self.spec.eos_token or "",
             )
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
@@ -134,8 +142,10 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise GenerationError(f"the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
-                              "a character: send text whose \\uD800-\\uDFFF escapes come in pairs") from None
+        raise GenerationError(
+            f"the text holds a lone surrogate ({text[e.start]!r} at character {e.start}), which is not "
+            "a character: send text whose \\uD800-\\uDFFF escapes come in pairs"
+        ) from None
 
 
 def _raise_template_error(message: str):

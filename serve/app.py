@@ -1,6 +1,7 @@
 """The HTTP layer: OpenAI requests in, the scheduler's pieces out as one response or as server-sent
 events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes,
 guard.py what every request passes before it reaches a route."""
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,9 @@ class _Loaded:
     def _load(self, load, on_error) -> None:
         try:
             backend = load()
-            self.fingerprint = fingerprint(__version__, *(f"{name} {info.get('sha256')}" for name, info in
-                                                          sorted(backend.manifest.files.items())))
+            self.fingerprint = fingerprint(
+                __version__, *(f"{name} {info.get('sha256')}" for name, info in sorted(backend.manifest.files.items()))
+            )
             self.backend = backend
             log.info("ready: %s", backend.mode)
         except EdgeInferError as e:
@@ -53,13 +55,23 @@ class _Loaded:
 
     def ready(self) -> Backend:
         if self.backend is None:
-            raise RequestError(f"the model failed to load: {self.error}" if self.error else "the model is loading: retry shortly",
-                               status=503, code="model_not_ready")
+            raise RequestError(
+                f"the model failed to load: {self.error}" if self.error else "the model is loading: retry shortly",
+                status=503,
+                code="model_not_ready",
+            )
         return self.backend
 
 
-def create_app(load: Callable, model_name: str, api_key: str | None = None, on_load_error: Callable = lambda e: None,
-               metrics_key: str | None = None, cors_origins: tuple[str, ...] = (), body_timeout: float = 30.0) -> FastAPI:
+def create_app(
+    load: Callable,
+    model_name: str,
+    api_key: str | None = None,
+    on_load_error: Callable = lambda e: None,
+    metrics_key: str | None = None,
+    cors_origins: tuple[str, ...] = (),
+    body_timeout: float = 30.0,
+) -> FastAPI:
     """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
     in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
     server stops on it). A request's `response_headers` go on its response. `api_key` guards /v1/,
@@ -73,12 +85,25 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
         if loaded.backend is not None:
             loaded.backend.close(grace=0)
 
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, title="edgeinfer", version=__version__,
-                  description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.")
+    app = FastAPI(
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        title="edgeinfer",
+        version=__version__,
+        description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.",
+    )
     app.state.loaded = loaded
     app.openapi = lambda: _openapi(app, model_name)
-    app.add_middleware(Guard, api_key=api_key, metrics_key=metrics_key, metrics=metrics, cors_origins=cors_origins,
-                       body_timeout=body_timeout, routes=lambda: app.routes)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        metrics_key=metrics_key,
+        metrics=metrics,
+        cors_origins=cors_origins,
+        body_timeout=body_timeout,
+        routes=lambda: app.routes,
+    )
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -106,8 +131,12 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
     async def _generate(body, http: HTTPRequest, prompts: list, chat: bool):
         backend = loaded.ready()
         if body.model != model_name:
-            raise RequestError(f"the model '{body.model}' is not served here: this server serves '{model_name}'",
-                               param="model", status=404, code="model_not_found")
+            raise RequestError(
+                f"the model '{body.model}' is not served here: this server serves '{model_name}'",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
         choices = body.choice_settings()
         try:
             requests = await backends.submit_all(backend, lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat), choices)
@@ -164,8 +193,15 @@ def create_app(load: Callable, model_name: str, api_key: str | None = None, on_l
 
     def _finished(request_id: str, result: GenerationResult) -> None:
         metrics.finished(result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s)
-        log.info("%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s", request_id, result.prompt_tokens,
-                 len(result.token_ids), result.ttft_s * 1000, result.decode_tokens_per_s, result.finish_reason)
+        log.info(
+            "%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s",
+            request_id,
+            result.prompt_tokens,
+            len(result.token_ids),
+            result.ttft_s * 1000,
+            result.decode_tokens_per_s,
+            result.finish_reason,
+        )
 
     return app
 
@@ -189,8 +225,9 @@ def _validated(raw: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": e.msg}}]) from None
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": e.msg}}]
+        ) from None
     except (RecursionError, UnicodeDecodeError) as e:
         detail = "the JSON is nested too deep" if isinstance(e, RecursionError) else "the body is not UTF-8"
         raise StarletteHTTPException(400, detail) from None
@@ -204,8 +241,9 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
     """FastAPI's description of the routes and request models, with `model` the one model served."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
-        _, models = models_json_schema([(ChatRequest, "validation"), (CompletionRequest, "validation")],
-                                       ref_template="#/components/schemas/{model}")
+        _, models = models_json_schema(
+            [(ChatRequest, "validation"), (CompletionRequest, "validation")], ref_template="#/components/schemas/{model}"
+        )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
         for name in ("ChatRequest", "CompletionRequest"):
             schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
@@ -242,8 +280,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def bug(request: HTTPRequest, error: Exception):  # a bug: still OpenAI's shape, and the log has the traceback
         log.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return JSONResponse(error_body(f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please "
-                                       "report it with the server's log", "server_error"), status_code=500)
+        return JSONResponse(
+            error_body(
+                f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please report it with the server's log",
+                "server_error",
+            ),
+            status_code=500,
+        )
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|[A-Z]\w*|literal\[.*\])$")
@@ -256,8 +299,11 @@ def _validation_message(first: dict) -> tuple[str, str, str | None]:
     text = first["msg"].removeprefix("Value error, ")
     if first["type"] == "json_invalid":
         at = f" at byte {first['loc'][1]}" if len(first["loc"]) > 1 else ""
-        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', text)}{at}): send a JSON object", \
-            "invalid_request_error", None
+        return (
+            f"the body is not valid JSON ({first.get('ctx', {}).get('error', text)}{at}): send a JSON object",
+            "invalid_request_error",
+            None,
+        )
     if first["type"] == "extra_forbidden":
         return f"unknown parameter '{field}'", "invalid_request_error", field
     if field is None:

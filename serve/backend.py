@@ -1,6 +1,7 @@
 """What the app serves from: a Backend (the SDK's Scheduler, or replicas.Replicas in front of Ray
 Serve replicas), and the two async helpers both the app and the replicas use to submit requests
 and read their pieces without blocking the event loop."""
+
 from __future__ import annotations
 
 import asyncio

@@ -10,6 +10,7 @@ passes through untouched):
 - /metrics counts every response by route and status; a path that is no route counts as "other",
   so requests to random paths cannot grow it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,16 @@ CLOSE = {"connection": "close"}  # after a refusal whose body was not read whole
 
 
 class Guard:
-    def __init__(self, app, metrics: Metrics, routes, api_key: str | None = None, metrics_key: str | None = None,
-                 cors_origins: tuple[str, ...] = (), body_timeout: float = 30.0):
+    def __init__(
+        self,
+        app,
+        metrics: Metrics,
+        routes,
+        api_key: str | None = None,
+        metrics_key: str | None = None,
+        cors_origins: tuple[str, ...] = (),
+        body_timeout: float = 30.0,
+    ):
         """`routes()`: the app's routes, whose paths label /metrics."""
         self.app, self.metrics, self._routes = app, metrics, routes
         self.keys = {"/v1/": _bearer(api_key), "/metrics": _bearer(metrics_key)}
@@ -67,8 +76,9 @@ class Guard:
         except RequestError as error:
             return await refusal(error, CLOSE)(scope, receive, send)
         except asyncio.TimeoutError:
-            error = RequestError(f"the request body did not arrive within {self.body_timeout:g} s: send it at once",
-                                 status=408, code="request_timeout")
+            error = RequestError(
+                f"the request body did not arrive within {self.body_timeout:g} s: send it at once", status=408, code="request_timeout"
+            )
             return await refusal(error, CLOSE)(scope, receive, send)
         if body is None:  # the client went away while sending it
             return None
@@ -76,11 +86,13 @@ class Guard:
 
     def _refusal(self, path: str, headers: dict) -> RequestError | None:
         for prefix, expected in self.keys.items():
-            if expected is not None and path.startswith(prefix) and not hmac.compare_digest(
-                    headers.get(b"authorization", b""), expected):
+            if (
+                expected is not None
+                and path.startswith(prefix)
+                and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
+            ):
                 which = "API key" if prefix == "/v1/" else "metrics key"
-                return RequestError(f"a valid {which} is needed: send 'Authorization: Bearer KEY'", status=401,
-                                    code="invalid_api_key")
+                return RequestError(f"a valid {which} is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():
             return RequestError(f"Content-Length {length.decode(errors='replace')!r} is not a number of bytes")
@@ -100,12 +112,21 @@ class Guard:
     def _preflight(self, headers: dict, origin: str | None) -> Response:
         if origin is None:
             asked = headers[b"origin"].decode("latin-1")
-            return JSONResponse(error_body(f"the origin {asked} may not call this server: start it with --cors-origin {asked}",
-                                           code="cors_origin_not_allowed"), status_code=403)
+            return JSONResponse(
+                error_body(
+                    f"the origin {asked} may not call this server: start it with --cors-origin {asked}", code="cors_origin_not_allowed"
+                ),
+                status_code=403,
+            )
         asked_headers = headers.get(b"access-control-request-headers", b"authorization, content-type").decode("latin-1")
-        return Response(status_code=204, headers={"access-control-allow-methods": "GET, POST, OPTIONS",
-                                                  "access-control-allow-headers": asked_headers,
-                                                  "access-control-max-age": str(PREFLIGHT_MAX_AGE)})
+        return Response(
+            status_code=204,
+            headers={
+                "access-control-allow-methods": "GET, POST, OPTIONS",
+                "access-control-allow-headers": asked_headers,
+                "access-control-max-age": str(PREFLIGHT_MAX_AGE),
+            },
+        )
 
     def _label(self, path: str) -> str:
         if self._paths is None:
@@ -118,8 +139,11 @@ def _bearer(key: str | None) -> bytes | None:
 
 
 def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
-    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-            (b"access-control-expose-headers", EXPOSED.encode())]
+    return [
+        (b"access-control-allow-origin", origin.encode("latin-1")),
+        (b"vary", b"Origin"),
+        (b"access-control-expose-headers", EXPOSED.encode()),
+    ]
 
 
 async def _read_body(receive) -> bytes | None:
@@ -148,6 +172,7 @@ def _replay(body: bytes, receive):
             given = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
+
     return replay
 
 

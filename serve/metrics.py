@@ -1,13 +1,18 @@
 """`GET /metrics`: Prometheus text, from the server's own registry (none of the process-wide state
 prometheus_client keeps by default)."""
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-GAUGES = {"queue_length": "Requests waiting for a row", "running_rows": "Requests in the running batch",
-          "prefix_cache_hit_tokens": "Prompt tokens taken from the prefix cache",
-          "prefix_cache_miss_tokens": "Prompt tokens prefilled", "prefix_cache_bytes": "Bytes the prefix cache holds"}
+GAUGES = {
+    "queue_length": "Requests waiting for a row",
+    "running_rows": "Requests in the running batch",
+    "prefix_cache_hit_tokens": "Prompt tokens taken from the prefix cache",
+    "prefix_cache_miss_tokens": "Prompt tokens prefilled",
+    "prefix_cache_bytes": "Bytes the prefix cache holds",
+}
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -17,11 +22,17 @@ class Metrics:
         self.requests = Counter("edgeinfer_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry)
         self.prompt_tokens = Counter("edgeinfer_prompt_tokens", "Prompt tokens of finished generations", registry=self.registry)
         self.generated_tokens = Counter("edgeinfer_generated_tokens", "Tokens generated", registry=self.registry)
-        self.cancelled = Counter("edgeinfer_cancelled_requests", "Streams whose client went away before the end", registry=self.registry)
+        self.cancelled = Counter(
+            "edgeinfer_cancelled_requests", "Streams whose client went away before the end", registry=self.registry
+        )
         self.ttft = Histogram("edgeinfer_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=self.registry)
         self.backend_gauges: dict[str, Gauge] = {}  # made at the first render that has them
-        self.inter_token = Histogram("edgeinfer_inter_token_latency_seconds", "Mean time between tokens, per generation",
-                                     buckets=_LATENCY, registry=self.registry)
+        self.inter_token = Histogram(
+            "edgeinfer_inter_token_latency_seconds",
+            "Mean time between tokens, per generation",
+            buckets=_LATENCY,
+            registry=self.registry,
+        )
 
     def finished(self, prompt_tokens: int, generated: int, ttft_s: float, tokens_per_s: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)

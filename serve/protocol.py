@@ -5,6 +5,7 @@ knows of HTTP or of the scheduler.
 Types are strict, as OpenAI's are: `max_tokens: true` or `stream: "yes"` is a 400, not 1 or True.
 The numeric ranges the SDK checks are written into the OpenAPI description (JSON schema's
 `minimum`, `maximum`), and the SDK's own message answers a value outside them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, model_validator
 
-from edgeinfer.sdk.errors import (BusyError, ConstraintError, ContextLengthError, EdgeInferError, GenerationError, GraphError,
-                                  SettingsError, UnavailableError)
+from edgeinfer.sdk.errors import (
+    BusyError,
+    ConstraintError,
+    ContextLengthError,
+    EdgeInferError,
+    GenerationError,
+    GraphError,
+    SettingsError,
+    UnavailableError,
+)
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 
@@ -41,32 +50,73 @@ def _ranged(low: float | None = None, high: float | None = None, **more) -> Any:
         for option in schema.get("anyOf", [schema]):
             if option.get("type") in ("number", "integer"):
                 option.update(bounds)
+
     return Field(default=None, json_schema_extra=into_the_number)
 
 
 def _described(schema: dict) -> Any:
     """A field whose OpenAPI description is `schema` (the field itself is checked elsewhere, with
     the SDK's messages)."""
+
     def replace(field_schema: dict) -> None:
         field_schema.clear()
         field_schema.update(schema)
+
     return Field(default=None, json_schema_extra=replace)
 
 
 NOT_SERVED = {"type": "null", "description": "not served yet: any other value is a 400 that names the field"}
-RESPONSE_FORMAT = {"anyOf": [
-    {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"], "additionalProperties": False},
-    {"type": "object", "properties": {"type": {"enum": ["json_schema"]}, "json_schema": {
-        "type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"},
-                                         "description": {"type": "string"}}, "required": ["schema"]}},
-     "required": ["type", "json_schema"], "additionalProperties": False},
-    {"type": "object", "properties": {"type": {"enum": ["regex"]}, "pattern": {"type": "string", "minLength": 1}},
-     "required": ["type", "pattern"], "additionalProperties": False},
-    {"type": "object", "properties": {"type": {"enum": ["grammar"]}, "lark": {"type": "string", "minLength": 1}},
-     "required": ["type", "lark"], "additionalProperties": False},
-    {"type": "null"}]}
-LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, {"type": "null"}]}
+RESPONSE_FORMAT = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+            "required": ["type"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"enum": ["json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                        "description": {"type": "string"},
+                    },
+                    "required": ["schema"],
+                },
+            },
+            "required": ["type", "json_schema"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["regex"]}, "pattern": {"type": "string", "minLength": 1}},
+            "required": ["type", "pattern"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["grammar"]}, "lark": {"type": "string", "minLength": 1}},
+            "required": ["type", "lark"],
+            "additionalProperties": False,
+        },
+        {"type": "null"},
+    ]
+}
+LOGIT_BIAS = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        {"type": "null"},
+    ]
+}
 
 
 class _Strict(BaseModel):
@@ -164,12 +214,25 @@ class _Request(_Strict):
             raise RequestError(f"'{unsupported[0]}' is not supported by edgeinfer yet: leave it out", unsupported[0])
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise RequestError("max_tokens and max_completion_tokens differ: send one of them", "max_tokens")
-        chosen = {"max_new_tokens": self.asked_tokens, "temperature": self.temperature,
-                  "top_p": self.top_p, "seed": self.seed, "stop": self.stop, "top_k": self.top_k, "min_p": self.min_p,
-                  "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos, "choice": self.choice,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                  "logit_bias": self.logit_bias, "response_format": self.response_format, "speculative": self.speculative,
-                  "num_speculative_tokens": self.num_speculative_tokens, **self.logprob_settings()}
+        chosen = {
+            "max_new_tokens": self.asked_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "choice": self.choice,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
+            "response_format": self.response_format,
+            "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            **self.logprob_settings(),
+        }
         return {name: value for name, value in chosen.items() if value is not None}
 
     def choice_settings(self) -> list[dict]:
@@ -213,8 +276,12 @@ class CompletionRequest(_Request):
     """`prompt` is one prompt (text or token ids) or a list of them: each gets its `n` choices,
     numbered prompt by prompt, as OpenAI numbers them."""
 
-    prompt: Annotated[StrictStr, Field(min_length=1)] | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
     logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # the legacy API: how many alternatives per token
     suffix: Any = _described(NOT_SERVED)
     echo: Any = _described(NOT_SERVED)
@@ -252,9 +319,11 @@ def _check_text(text: str, path: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise RequestError(f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character "
-                               f"{e.start}), which is not text: send UTF-8 text, its \\uD800-\\uDFFF escapes in pairs",
-                               path or None) from None
+            raise RequestError(
+                f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character "
+                f"{e.start}), which is not text: send UTF-8 text, its \\uD800-\\uDFFF escapes in pairs",
+                path or None,
+            ) from None
 
 
 def _root(path: str) -> str | None:
@@ -279,8 +348,12 @@ def check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
     if asked is not None and prompt_tokens < context < prompt_tokens + asked:  # a prompt too long alone: the engine says so
         room = context - prompt_tokens
         way = f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"
-        raise RequestError(f"the context is {context} tokens, and the prompt's {prompt_tokens} tokens plus max_tokens {asked} "
-                           f"are {prompt_tokens + asked}: {way}", "max_tokens", code="context_length_exceeded")
+        raise RequestError(
+            f"the context is {context} tokens, and the prompt's {prompt_tokens} tokens plus max_tokens {asked} "
+            f"are {prompt_tokens + asked}: {way}",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tuple[int, dict, dict]:
@@ -291,8 +364,15 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
     if isinstance(error, UnavailableError):
         return 503, error_body(str(error), "server_error", code="engine_unavailable"), {"Retry-After": "1"}
     if isinstance(error, ContextLengthError):
-        return 400, error_body(f"{error} (prompt {error.prompt_tokens} tokens, context {error.context})",
-                               param=prompt_field, code="context_length_exceeded"), {}
+        return (
+            400,
+            error_body(
+                f"{error} (prompt {error.prompt_tokens} tokens, context {error.context})",
+                param=prompt_field,
+                code="context_length_exceeded",
+            ),
+            {},
+        )
     if isinstance(error, GraphError) or not isinstance(error, GenerationError):
         return 500, error_body(str(error), "server_error"), {}
     param = api_name(error.param) if isinstance(error, SettingsError) and error.param else None
@@ -316,8 +396,15 @@ class Reply:
     """The response to one request, in OpenAI's shape for chat ("chat.completion") or completions
     ("text_completion"), one choice per request made for it: whole, or as stream chunks."""
 
-    def __init__(self, chat: bool, model: str, token_bytes: Callable[[int], bytes] | None = None,
-                 system_fingerprint: str | None = None, choices: int = 1, per_prompt: int = 1):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        token_bytes: Callable[[int], bytes] | None = None,
+        system_fingerprint: str | None = None,
+        choices: int = 1,
+        per_prompt: int = 1,
+    ):
         """`token_bytes` gives a token's bytes, for logprobs; `per_prompt` choices share a prompt
         (n), whose tokens usage counts once."""
         self.chat, self.model, self.token_bytes = chat, model, token_bytes
@@ -330,8 +417,11 @@ class Reply:
     def whole(self, results: list[GenerationResult]) -> dict:
         choices = []
         for index, result in enumerate(results):
-            choice = {"index": index, "finish_reason": FINISH[result.finish_reason],
-                      "logprobs": self._logprobs(result.logprobs, index)}
+            choice = {
+                "index": index,
+                "finish_reason": FINISH[result.finish_reason],
+                "logprobs": self._logprobs(result.logprobs, index),
+            }
             choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
             choices.append(choice)
         return {**self._head(), "choices": choices, "usage": self.usage(results)}
@@ -355,15 +445,21 @@ class Reply:
         """OpenAI's usage over the choices: each prompt's tokens once (with those the prefix
         cache held), every choice's completion tokens; with speculative decoding, the proposed
         tokens kept and rejected as OpenAI's `completion_tokens_details` reports a prediction's."""
-        firsts = results[::self.per_prompt]
+        firsts = results[:: self.per_prompt]
         prompt, made = sum(r.prompt_tokens for r in firsts), sum(len(r.token_ids) for r in results)
-        counts = {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made,
-                  "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+        counts = {
+            "prompt_tokens": prompt,
+            "completion_tokens": made,
+            "total_tokens": prompt + made,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+        }
         proposed = [r for r in results if r.proposed_tokens is not None]
         if proposed:
             accepted = sum(last.accepted_tokens for last in proposed)
-            counts["completion_tokens_details"] = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens":
-                                                   sum(last.proposed_tokens for last in proposed) - accepted}
+            counts["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": sum(last.proposed_tokens for last in proposed) - accepted,
+            }
         return counts
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
@@ -374,14 +470,17 @@ class Reply:
         token = lambda t: self.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
         if self.chat:
             entry = lambda t, lp: {"token": token(t), "logprob": lp, "bytes": list(self.token_bytes(t))}  # noqa: E731
-            return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]}
-                                for c in logprobs]}
+            return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]} for c in logprobs]}
         offsets, at = [], self.offsets[index]
         for c in logprobs:
             offsets.append(at)
             at += len(token(c.token))
-        return {"tokens": [token(c.token) for c in logprobs], "token_logprobs": [c.logprob for c in logprobs],
-                "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs], "text_offset": offsets}
+        return {
+            "tokens": [token(c.token) for c in logprobs],
+            "token_logprobs": [c.logprob for c in logprobs],
+            "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs],
+            "text_offset": offsets,
+        }
 
     def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -391,5 +490,4 @@ class Reply:
     def _head(self, chunk: bool = False) -> dict:
         """What the response and every chunk of the stream carry: chat chunks are "chat.completion.chunk"."""
         kind = self.object + ".chunk" if chunk and self.chat else self.object
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}

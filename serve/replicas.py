@@ -23,6 +23,7 @@ check fails if its scheduler's step loop has stopped. Every response names the r
 it in the `x-edgeinfer-replica` header. The export folder must exist, at the same path, on every
 node that runs a replica (or on a shared path), and on the front's node for the tokenizer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,9 +63,16 @@ class ReplicaSettings:
     speculative: str | None = None  # "prompt_lookup" or "draft": the default of requests that do not say
 
 
-def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[int, int] | None = None,
-                cpus: float = 1.0, gpus: float = 0.0, target_requests: int | None = None, graceful_shutdown: float = 30.0,
-                front: bool = False):
+def application(
+    settings: ReplicaSettings,
+    replicas: int = 1,
+    autoscale: tuple[int, int] | None = None,
+    cpus: float = 1.0,
+    gpus: float = 0.0,
+    target_requests: int | None = None,
+    graceful_shutdown: float = 30.0,
+    front: bool = False,
+):
     """The Ray Serve application of the engines: `replicas` copies (or, with `autoscale` (min,
     max), as many as the load asks for, `target_requests` ongoing requests per replica, default the
     batch), each with `cpus` and `gpus` of Ray's resources; a replica being stopped gives its
@@ -75,20 +83,38 @@ def application(settings: ReplicaSettings, replicas: int = 1, autoscale: tuple[i
 
     if replicas < 1 or (autoscale is not None and not 1 <= autoscale[0] <= autoscale[1]):
         raise SettingsError(f"replicas must be at least 1 and autoscale MIN:MAX 1 <= MIN <= MAX, got {replicas} and {autoscale}")
-    scaling = ({"num_replicas": replicas} if autoscale is None else
-               {"autoscaling_config": {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
-                                       "target_ongoing_requests": target_requests or settings.max_batch,
-                                       "upscale_delay_s": UPSCALE_DELAY_S}})
+    scaling = (
+        {"num_replicas": replicas}
+        if autoscale is None
+        else {
+            "autoscaling_config": {
+                "min_replicas": autoscale[0],
+                "max_replicas": autoscale[1],
+                "target_ongoing_requests": target_requests or settings.max_batch,
+                "upscale_delay_s": UPSCALE_DELAY_S,
+            }
+        }
+    )
     options = {"num_cpus": cpus, **({"num_gpus": gpus} if gpus else {})}
-    deployment = serve.deployment(_replica_class(), name=APP, ray_actor_options=options,
-                                  max_ongoing_requests=settings.max_batch + settings.max_queue, health_check_period_s=5,
-                                  graceful_shutdown_timeout_s=graceful_shutdown,
-                                  logging_config={"log_level": "WARNING", "enable_access_log": False}, **scaling)
+    deployment = serve.deployment(
+        _replica_class(),
+        name=APP,
+        ray_actor_options=options,
+        max_ongoing_requests=settings.max_batch + settings.max_queue,
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=graceful_shutdown,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+        **scaling,
+    )
     engines = deployment.bind(settings, cpus)
     if not front:
         return engines
-    return serve.deployment(_front_class(), name=f"{APP}-front", ray_actor_options={"num_cpus": 0},
-                            logging_config={"log_level": "WARNING", "enable_access_log": False}).bind(settings, engines)
+    return serve.deployment(
+        _front_class(),
+        name=f"{APP}-front",
+        ray_actor_options={"num_cpus": 0},
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    ).bind(settings, engines)
 
 
 def _replica_class():
@@ -145,8 +171,9 @@ def _front_class():
             from .app import create_app
 
             name = self.settings.model_name or Path(self.settings.folder).name
-            return create_app(lambda: Replicas(self.engines, self.settings.folder, self.settings.max_context), name,
-                              self.settings.api_key)
+            return create_app(
+                lambda: Replicas(self.engines, self.settings.folder, self.settings.max_context), name, self.settings.api_key
+            )
 
     return EdgeInferFront
 
@@ -155,9 +182,16 @@ def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
     """The engine and scheduler of one replica."""
     from edgeinfer.sdk import Engine, Scheduler
 
-    engine = Engine.load(settings.folder, provider=settings.provider, threads=settings.threads or max(1, int(cpus)),
-                         max_context=settings.max_context, max_batch=settings.max_batch, memory_limit=settings.memory_limit,
-                         prefix_cache=settings.prefix_cache, draft=settings.draft)
+    engine = Engine.load(
+        settings.folder,
+        provider=settings.provider,
+        threads=settings.threads or max(1, int(cpus)),
+        max_context=settings.max_context,
+        max_batch=settings.max_batch,
+        memory_limit=settings.memory_limit,
+        prefix_cache=settings.prefix_cache,
+        draft=settings.draft,
+    )
     if settings.speculative:
         engine.speculate_by_default(settings.speculative)
     return engine, Scheduler(engine, max_batch=settings.max_batch, max_queue=settings.max_queue)
@@ -250,8 +284,17 @@ class RemoteRequest:
         self.cancel()
 
 
-def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int = 1, autoscale: tuple[int, int] | None = None,
-                 address: str | None = None, cpus: float = 1.0, gpus: float = 0.0, options=None) -> None:
+def run_replicas(
+    settings: ReplicaSettings,
+    host: str,
+    port: int,
+    replicas: int = 1,
+    autoscale: tuple[int, int] | None = None,
+    address: str | None = None,
+    cpus: float = 1.0,
+    gpus: float = 0.0,
+    options=None,
+) -> None:
     """Start a Ray cluster on this machine (or join the one at `address`), deploy the replicas, and
     serve them on host:port until SIGTERM or Ctrl-C (`edgeinfer serve`'s server with `options`, a
     server.ServerOptions, /health saying 503 until every replica has loaded); running requests get
@@ -272,16 +315,22 @@ def run_replicas(settings: ReplicaSettings, host: str, port: int, replicas: int 
     try:
         context = ray.init(address=address or "local", logging_level="WARNING", **own)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise EdgeInferError(f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
-                             "there, or leave --address out for a cluster on this machine") from None
+        raise EdgeInferError(
+            f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
+            "there, or leave --address out for a cluster on this machine"
+        ) from None
     if address is None:
         log.info("%s", ray_tools_note(context.dashboard_url))
     count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
 
     def load():
         try:  # returns once every replica has loaded its engine
-            handle = serve.run(application(settings, replicas, autoscale, cpus, gpus, graceful_shutdown=grace), name=APP,
-                               route_prefix=None, blocking=False)
+            handle = serve.run(
+                application(settings, replicas, autoscale, cpus, gpus, graceful_shutdown=grace),
+                name=APP,
+                route_prefix=None,
+                blocking=False,
+            )
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
         log.info("%s of %s on Ray Serve", count, settings.folder)
@@ -304,8 +353,10 @@ def ray_tools_note(dashboard_url: str | None) -> str:
     cluster has Ray's token authentication on (its token in ~/.ray/auth_token), and Ray's CLI sends
     the token only in token mode."""
     dashboard = f"http://{dashboard_url}" if dashboard_url and "://" not in dashboard_url else dashboard_url
-    return (f"Ray dashboard: {dashboard}; Ray's tools: RAY_AUTH_MODE=token ray status, "
-            f"RAY_AUTH_MODE=token serve status --address {dashboard}")
+    return (
+        f"Ray dashboard: {dashboard}; Ray's tools: RAY_AUTH_MODE=token ray status, "
+        f"RAY_AUTH_MODE=token serve status --address {dashboard}"
+    )
 
 
 def _check_reachable(address: str | None, seconds: float = 5.0) -> None:
@@ -321,8 +372,10 @@ def _check_reachable(address: str | None, seconds: float = 5.0) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=seconds).close()
     except OSError as e:
-        raise EdgeInferError(f"cannot reach the Ray cluster at {address} ({e}): start one with `ray start --head` there, "
-                             "or leave --address out for a cluster on this machine") from None
+        raise EdgeInferError(
+            f"cannot reach the Ray cluster at {address} ({e}): start one with `ray start --head` there, "
+            "or leave --address out for a cluster on this machine"
+        ) from None
 
 
 def _deployment_error(serve) -> str | None:

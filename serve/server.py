@@ -6,6 +6,7 @@ Clients that stall cannot hold connections: a connection must deliver a request'
 `header_timeout` seconds of opening (or of its previous response), else it gets a 408 and is
 closed; the body must follow within `body_timeout` (guard.py); an idle kept-alive connection is
 closed after uvicorn's `timeout_keep_alive`."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,15 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         server.should_exit = True
 
     app = create_app(load, model_name, options.api_key, stop, options.metrics_key, options.cors_origins, options.body_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=KEEP_ALIVE_S, http=timed_protocol(options.header_timeout))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=timed_protocol(options.header_timeout),
+    )
     server = _Server(config, options.grace)
     log.info("listening on http://%s:%d (OpenAI API under /v1); loading %s", host, port, model_name)
     server.run()
@@ -118,5 +126,7 @@ def timed_protocol(header_timeout: float):
 
 def _timeout_response(seconds: float) -> bytes:
     body = json.dumps(error_body(f"the request's headers did not arrive within {seconds:g} s", code="request_timeout")).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )

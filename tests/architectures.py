@@ -6,8 +6,19 @@ configs map the standard names onto their own). Where a family has a shape that 
 the entry picks it on purpose: grouped-query or multi-query attention, a sliding window shorter
 than the test prompts, ALiBi instead of positions, keys and values of different head sizes.
 """
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 WINDOW = 16  # sliding windows are shorter than the longer test prompt
 
 TINY = {
@@ -15,9 +26,23 @@ TINY = {
     "bloom": {"n_embed": 64},
     "codegen": {"n_inner": 128, "rotary_dim": 4, "n_ctx": 256},
     "cohere": {},
-    "deepseek_v3": {"hidden_size": 32, "intermediate_size": 64, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 6,
-                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
-                    "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "num_key_value_heads": 4},
+    "deepseek_v3": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 6,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "num_key_value_heads": 4,
+    },
     "falcon": {"multi_query": True, "new_decoder_architecture": False, "alibi": False},  # multi-query attention
     "falcon@alibi": {"multi_query": False, "new_decoder_architecture": False, "alibi": True},
     "falcon@gqa": {"new_decoder_architecture": True, "num_kv_heads": 2},
@@ -30,9 +55,20 @@ TINY = {
     "gpt_bigcode": {"n_inner": 128, "multi_query": True},
     "gpt_neo": {"num_layers": 2, "attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     "gpt_neox": {},
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": WINDOW,
-                "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                                 "original_max_position_embeddings": 128}},
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+        },
+    },
     "gptj": {"n_inner": 128, "rotary_dim": 4},
     "granite": {},
     "helium": {"head_dim": 16},

@@ -1,13 +1,20 @@
 """Tiny random-weight models built inside the tests (no downloads), exported once per session."""
+
 from __future__ import annotations
 
 import pytest
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-CORPUS = ["The capital of France is Paris.", "Edge boxes run small language models.",
-          "ONNX Runtime executes graphs on CPUs and GPUs.", "Prefill reads the prompt; decode makes one token at a time.",
-          "Ünïcödé text, 東京, and emoji 🙂 must survive the byte-level tokenizer."] * 20
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The capital of France is Paris.",
+    "Edge boxes run small language models.",
+    "ONNX Runtime executes graphs on CPUs and GPUs.",
+    "Prefill reads the prompt; decode makes one token at a time.",
+    "Ünïcödé text, 東京, and emoji 🙂 must survive the byte-level tokenizer.",
+] * 20
 
 
 def build_tokenizer():
@@ -18,11 +25,15 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -60,9 +71,23 @@ def build_llama(folder, eos_token_id=None, seed=0, context=256, **overrides):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                                   initializer_range=0.2, bos_token_id=1, eos_token_id=eos_token_id), **overrides})
+    config = LlamaConfig(
+        **{
+            **dict(
+                vocab_size=320,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=context,
+                initializer_range=0.2,
+                bos_token_id=1,
+                eos_token_id=eos_token_id,
+            ),
+            **overrides,
+        }
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=eos_token_id)
@@ -79,9 +104,14 @@ def logits_against_transformers(engine, model, ids: list[int], new_tokens: int =
     import torch
 
     with torch.no_grad():
-        tokens = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
-        reference = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float().numpy()
+        tokens = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
+        reference = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].float().numpy()
     cache = engine.runner.new_batch()
     ours = [engine.runner.prefill(cache, [ids]).numpy()[0, -1]]
     ours += [engine.runner.decode(cache, [token]).numpy()[0, -1] for token in tokens[:-1]]
@@ -169,9 +199,17 @@ def build_chain_llama(folder):
 
     tokenizer = build_tokenizer()
     ids = chain_ids(tokenizer)
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         bos_token_id=1, eos_token_id=EOS_ID)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=EOS_ID,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:

@@ -2,6 +2,7 @@
 transformers config in the test, exported, and checked against transformers with `check_export`
 (the check `edgeinfer check` runs): 16 greedy tokens, prefill and decode logits, and a batch of
 two prompts of different lengths against each prompt alone."""
+
 import json
 
 import pytest
@@ -40,9 +41,37 @@ LAYOUT = {
 # - without position ids (graphs kept as optimum-onnx made them): ALiBi families, and rotary
 #   families whose graph counts positions from the cache length.
 RECORDED_FUSION_SKIPPED = set()
-RECORDED_IN_PLACE = {"arcee", "codegen", "cohere", "falcon", "falcon@gqa", "gpt2", "stablelm", "phi@gqa", "gemma", "gemma2", "glm",
-                     "gpt_bigcode", "gpt_neox", "gptj", "granite", "helium", "llama", "mistral", "olmo", "olmo2", "opt", "phi",
-                     "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text", "nemotron"}
+RECORDED_IN_PLACE = {
+    "arcee",
+    "codegen",
+    "cohere",
+    "falcon",
+    "falcon@gqa",
+    "gpt2",
+    "stablelm",
+    "phi@gqa",
+    "gemma",
+    "gemma2",
+    "glm",
+    "gpt_bigcode",
+    "gpt_neox",
+    "gptj",
+    "granite",
+    "helium",
+    "llama",
+    "mistral",
+    "olmo",
+    "olmo2",
+    "opt",
+    "phi",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "smollm3",
+    "gemma3_text",
+    "nemotron",
+}
 RECORDED_ROTARY_IN_ATTENTION = {"arcee", "gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "smollm3"}
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gpt_oss"}
 FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
@@ -67,6 +96,7 @@ def exported(tokenizer, tmp_path_factory):
             tokenizer.save_pretrained(folder / "hf")
             done[name] = model, folder / "export", export_model(str(folder / "hf"), folder / "export")
         return done[name]
+
     return export
 
 
@@ -94,14 +124,22 @@ def test_family_matches_transformers(name, exported):
 def test_the_record_of_optimisations_is_current(name, exported):
     manifest = exported(name)[2]
     fusion, takes_positions = manifest.validation["fusion"], "position_ids" in manifest.graph.inputs
-    observed = {"fusion skipped": "skipped" in fusion, "in place": manifest.kv.in_place,
-                "rotary in attention": manifest.kv.in_place and not takes_positions,
-                "without position ids": not manifest.kv.in_place and not takes_positions}
-    recorded = {"fusion skipped": name in RECORDED_FUSION_SKIPPED, "in place": name in RECORDED_IN_PLACE,
-                "rotary in attention": name in RECORDED_ROTARY_IN_ATTENTION,
-                "without position ids": name in RECORDED_WITHOUT_POSITION_IDS}
-    assert observed == recorded, (f"{name}: the optimisations that applied differ from the RECORDED_* sets ({fusion}). "
-                                  "This is not a parity failure: update the record if the change is intended")
+    observed = {
+        "fusion skipped": "skipped" in fusion,
+        "in place": manifest.kv.in_place,
+        "rotary in attention": manifest.kv.in_place and not takes_positions,
+        "without position ids": not manifest.kv.in_place and not takes_positions,
+    }
+    recorded = {
+        "fusion skipped": name in RECORDED_FUSION_SKIPPED,
+        "in place": name in RECORDED_IN_PLACE,
+        "rotary in attention": name in RECORDED_ROTARY_IN_ATTENTION,
+        "without position ids": name in RECORDED_WITHOUT_POSITION_IDS,
+    }
+    assert observed == recorded, (
+        f"{name}: the optimisations that applied differ from the RECORDED_* sets ({fusion}). "
+        "This is not a parity failure: update the record if the change is intended"
+    )
     if manifest.kv.in_place:  # the manifest's account of the rewrite matches the graph it describes
         assert fusion["fused"]["GroupQueryAttention"] == manifest.kv.num_layers
 
@@ -113,13 +151,17 @@ def test_internlm2_is_unknown_to_transformers():
 
 
 def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
-    for model_type_, reason in [("internlm2", "transformers 4.57 has no internlm2 model; its checkpoints need trust_remote_code"),
-                                ("bart", "edgeinfer exports decoder-only language models"),
-                                ("made_up_lm", "edgeinfer exports decoder-only language models")]:
+    for model_type_, reason in [
+        ("internlm2", "transformers 4.57 has no internlm2 model; its checkpoints need trust_remote_code"),
+        ("bart", "edgeinfer exports decoder-only language models"),
+        ("made_up_lm", "edgeinfer exports decoder-only language models"),
+    ]:
         folder = tmp_path / model_type_
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"model_type": model_type_}))
-        with pytest.raises(ExportError, match=f"model type '{model_type_}' cannot be exported: {reason}.*edgeinfer info --architectures"):
+        with pytest.raises(
+            ExportError, match=f"model type '{model_type_}' cannot be exported: {reason}.*edgeinfer info --architectures"
+        ):
             export_model(str(folder), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -159,12 +201,16 @@ def test_the_fast_optimizer_gives_onnx_runtimes_graph(name, tmp_path):
     config = tiny_config(name)
     export_graph(AutoModelForCausalLM.from_config(config).eval(), tmp_path)
     heads, hidden = getattr(config, "num_attention_heads", 0) or 0, getattr(config, "hidden_size", 0) or 0
-    theirs = optimizer.optimize_model(str(tmp_path / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False,
-                                      num_heads=heads, hidden_size=hidden).model
+    theirs = optimizer.optimize_model(
+        str(tmp_path / GRAPH_FILE), model_type="gpt2", opt_level=0, use_gpu=False, num_heads=heads, hidden_size=hidden
+    ).model
     ours = optimize(load_without_weights(tmp_path / GRAPH_FILE), heads, hidden)
     assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
     assert sorted(t.name for t in ours.graph.initializer) == sorted(t.name for t in theirs.graph.initializer)
-    assert len(ours.graph.node) < len(onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph.node) or name in ("bloom", "mpt")
+    assert len(ours.graph.node) < len(onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph.node) or name in (
+        "bloom",
+        "mpt",
+    )
 
 
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
@@ -187,13 +233,19 @@ def test_the_graph_file_shows_the_output_axes_onnx_runtime_sees(name, tmp_path):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     seen = [o.shape for o in ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).get_outputs()]
     graph = onnx.load(str(path), load_external_data=False).graph
-    written = [[d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
-                for d in o.type.tensor_type.shape.dim] for o in graph.output]
+    written = [
+        [
+            d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+            for d in o.type.tensor_type.shape.dim
+        ]
+        for o in graph.output
+    ]
     assert seen == written
     assert any(isinstance(axis, str) for shape in seen for axis in shape)  # the graph has dynamic axes to compare
     allowed = {a for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for a in axes.values()}
-    assert unexpected_dynamic_axes(onnx_config, path) == [(i, a) for i, shape in enumerate(seen) for a, axis in enumerate(shape)
-                                                           if isinstance(axis, str) and axis not in allowed]
+    assert unexpected_dynamic_axes(onnx_config, path) == [
+        (i, a) for i, shape in enumerate(seen) for a, axis in enumerate(shape) if isinstance(axis, str) and axis not in allowed
+    ]
 
 
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
@@ -229,7 +281,9 @@ def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path
     assert held and held[0] > 0  # the weights did go apart
     assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in theirs.graph.node]
     for field in ("input", "output"):
-        assert [v.SerializeToString() for v in getattr(ours.graph, field)] == [v.SerializeToString() for v in getattr(theirs.graph, field)]
+        assert [v.SerializeToString() for v in getattr(ours.graph, field)] == [
+            v.SerializeToString() for v in getattr(theirs.graph, field)
+        ]
     assert tensors(ours.graph) == tensors(theirs.graph)
 
 

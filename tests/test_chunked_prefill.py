@@ -1,6 +1,7 @@
 """Chunked prefill, provably in several passes of the graph: single prompts and batches, with the
 cache written in place (GroupQueryAttention) and growing (optimum-onnx's attention, `--no-fuse`).
 The last position's logits equal one pass and transformers, and so do the greedy tokens."""
+
 import numpy as np
 import pytest
 import torch
@@ -21,9 +22,14 @@ BATCHES = {
 # Passes of the graph for each prefill: the padded width in chunks, except an in-place batch, which
 # takes one pass (ONNX Runtime's GroupQueryAttention: "batch_size must be 1 when sequence_length > 1
 # and past context is given").
-RUNS = {("growing", "single"): 29, ("in place", "single"): 29,
-        ("growing", "similar"): 29, ("in place", "similar"): 1,
-        ("growing", "ragged"): 29, ("in place", "ragged"): 1}
+RUNS = {
+    ("growing", "single"): 29,
+    ("in place", "single"): 29,
+    ("growing", "similar"): 29,
+    ("in place", "similar"): 1,
+    ("growing", "ragged"): 29,
+    ("in place", "ragged"): 1,
+}
 
 
 @pytest.fixture(scope="module")

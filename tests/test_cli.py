@@ -1,4 +1,5 @@
 """The `edgeinfer` command, run as a user runs it: a subprocess, its exit code and its output."""
+
 import json
 import os
 import re
@@ -32,8 +33,12 @@ def test_run_with_an_unknown_catalog_name():
 
 
 def test_run_with_a_folder_that_is_not_an_export(tiny_llama):
-    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[0]), "hi"), "not an edgeinfer export",
-                          "Hugging Face model folder", "edgeinfer export")
+    assert_one_line_error(
+        edgeinfer("run", "--model", str(tiny_llama[0]), "hi"),
+        "not an edgeinfer export",
+        "Hugging Face model folder",
+        "edgeinfer export",
+    )
 
 
 def test_run_with_a_file_instead_of_a_folder(tiny_llama):
@@ -61,8 +66,12 @@ def test_export_on_a_terminal_redraws_a_progress_line_and_clears_it(tiny_llama, 
     """On a terminal (a pseudo-terminal here), `edgeinfer export` draws what a stage is doing,
     with \r and no newline, and clears it before the next line; through a pipe, it draws nothing."""
     primary, secondary = os.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "export", str(tiny_llama[0]), "-o", str(tmp_path / "out")],
-                               stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer.cli", "export", str(tiny_llama[0]), "-o", str(tmp_path / "out")],
+        stdin=subprocess.DEVNULL,
+        stdout=secondary,
+        stderr=secondary,
+    )
     os.close(secondary)
     drawn = b""
     while True:
@@ -124,7 +133,10 @@ def test_info_prints_the_manifest_and_providers(tiny_llama):
     assert graphs == "graphs: single, model.onnx for prefill and decode"
     weights = (manifest["files"]["model.onnx"]["size"] + manifest["files"]["model.onnx.data"]["size"]) / 1024
     # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
-    assert memory == f"memory: weights {weights:.1f} KiB, KV cache 0.5 KiB per token and row, 128.0 KiB for the whole context of 256 tokens"
+    assert (
+        memory
+        == f"memory: weights {weights:.1f} KiB, KV cache 0.5 KiB per token and row, 128.0 KiB for the whole context of 256 tokens"
+    )
     assert providers.startswith("providers: cpu: usable; cuda: ")
     assert prefix.startswith("prefix cache: 64 MiB by default, 131072 tokens of prompts")  # 64 MiB / 512 B
     assert speculative == "speculative decoding: yes (--speculative prompt-lookup, or --draft MODEL)"
@@ -136,12 +148,41 @@ def test_run_with_an_unknown_provider(tiny_llama):
 
 
 def test_run_takes_every_generation_setting_as_a_flag(tiny_llama):
-    flags = ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.01", "--repetition-penalty", "1.1",
-             "--seed", "4", "--stop", "zz", "--stop", "qq", "--stop-token-id", "300", "--max-new-tokens", "12"]
+    flags = [
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.01",
+        "--repetition-penalty",
+        "1.1",
+        "--seed",
+        "4",
+        "--stop",
+        "zz",
+        "--stop",
+        "qq",
+        "--stop-token-id",
+        "300",
+        "--max-new-tokens",
+        "12",
+    ]
     done = edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "The capital")
     expected = Engine.load(tiny_llama[1], provider="cpu").generate(
-        "The capital", temperature=0.8, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.1, seed=4,
-        stop=["zz", "qq"], stop_token_ids=[300], max_new_tokens=12)
+        "The capital",
+        temperature=0.8,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        seed=4,
+        stop=["zz", "qq"],
+        stop_token_ids=[300],
+        max_new_tokens=12,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected.text + "\n" and f"finish: {expected.finish_reason}" in done.stderr
 
@@ -158,17 +199,40 @@ def test_every_generation_setting_has_a_flag():
 
 def test_run_takes_constraints_penalties_and_logprobs_as_flags(tiny_llama, tmp_path):
     engine = Engine.load(tiny_llama[1], provider="cpu")
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     (tmp_path / "schema.json").write_text(json.dumps(schema))
-    runs = [(["--json-schema", str(tmp_path / "schema.json")], {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
-            (["--regex", "[0-9]{2}"], {"response_format": {"type": "regex", "pattern": "[0-9]{2}"}}),
-            (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
-            (["--presence-penalty", "0.5", "--frequency-penalty", "1", "--logit-bias", "5=4", "--logprobs", "2"],
-             {"presence_penalty": 0.5, "frequency_penalty": 1.0, "logit_bias": {5: 4.0}, "logprobs": True, "top_logprobs": 2})]
+    runs = [
+        (
+            ["--json-schema", str(tmp_path / "schema.json")],
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
+        ),
+        (["--regex", "[0-9]{2}"], {"response_format": {"type": "regex", "pattern": "[0-9]{2}"}}),
+        (["--choice", "yes", "--choice", "no"], {"choice": ["yes", "no"]}),
+        (
+            ["--presence-penalty", "0.5", "--frequency-penalty", "1", "--logit-bias", "5=4", "--logprobs", "2"],
+            {"presence_penalty": 0.5, "frequency_penalty": 1.0, "logit_bias": {5: 4.0}, "logprobs": True, "top_logprobs": 2},
+        ),
+    ]
     for flags, settings in runs:
-        done = edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "12", "--temperature", "1",
-                         "--seed", "3", *flags, "The capital")
+        done = edgeinfer(
+            "run",
+            "--model",
+            str(tiny_llama[1]),
+            "--json",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "1",
+            "--seed",
+            "3",
+            *flags,
+            "The capital",
+        )
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         expected = engine.generate("The capital", max_new_tokens=12, temperature=1.0, seed=3, **settings)
@@ -176,8 +240,10 @@ def test_run_takes_constraints_penalties_and_logprobs_as_flags(tiny_llama, tmp_p
         if "logprobs" in settings:
             assert [t["logprob"] for t in result["logprobs"]] == pytest.approx([t.logprob for t in expected.logprobs])
             assert all(len(t["top"]) == 2 for t in result["logprobs"])
-    assert re.fullmatch("[0-9]{2}", json.loads(edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--regex", "[0-9]{2}",
-                                                          "The capital").stdout)["text"])
+    assert re.fullmatch(
+        "[0-9]{2}",
+        json.loads(edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--regex", "[0-9]{2}", "The capital").stdout)["text"],
+    )
     both = edgeinfer("run", "--model", str(tiny_llama[1]), "--regex", "a", "--json-schema", str(tmp_path / "schema.json"), "x")
     assert both.returncode != 0 and "--json-schema and --regex both constrain the output: pass one" in both.stderr
     bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--logit-bias", "five=1", "x")
@@ -195,19 +261,31 @@ def test_run_json_prints_one_machine_readable_result(tiny_llama):
 
 
 def test_run_reads_the_prompt_from_stdin(tiny_llama):
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(tiny_llama[1]), "--json",
-                           "--max-new-tokens", "6", "-"], input="The capital\n", capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "6", "-"],
+        input="The capital\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=6)
     assert done.returncode == 0 and json.loads(done.stdout)["token_ids"] == expected.token_ids, done.stderr
 
 
 def test_run_with_an_invalid_setting(tiny_llama):
-    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--top-p", "2", "hi"), "top_p must be a number in (0, 1]", "got 2.0")
+    assert_one_line_error(
+        edgeinfer("run", "--model", str(tiny_llama[1]), "--top-p", "2", "hi"), "top_p must be a number in (0, 1]", "got 2.0"
+    )
 
 
 def chat(folder, lines, *flags):
-    return subprocess.run([sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(folder), "--max-new-tokens", "6", *flags],
-                          input="".join(line + "\n" for line in lines), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(folder), "--max-new-tokens", "6", *flags],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_chat_keeps_the_conversation_and_streams_each_reply(tiny_llama):
@@ -240,8 +318,13 @@ def test_chat_ends_cleanly_on_ctrl_c_at_the_prompt(tiny_llama):
     import signal
     import time
 
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(tiny_llama[1])],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(tiny_llama[1])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     output = ""
     while "> " not in output and time.monotonic() < deadline:  # wait for the first prompt
@@ -288,15 +371,29 @@ def test_export_with_a_smaller_context(tiny_llama, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["max_context"] == 64
     assert len(Engine.load(tmp_path / "out", provider="cpu").generate([5] * 60, max_new_tokens=10).token_ids) == 4
-    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "big"), "--max-context", "1000"),
-                          "--max-context 1000 is more than this model's context of 256 tokens")
+    assert_one_line_error(
+        edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "big"), "--max-context", "1000"),
+        "--max-context 1000 is more than this model's context of 256 tokens",
+    )
 
 
 def test_bench_prints_a_table_and_writes_json_and_a_plot(tiny_llama, tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": {"short": [5, 6, 7], "long": list(range(3, 103))}}))
-    done = edgeinfer("bench", str(tiny_llama[1]), "--prompts", str(prompts), "--new-tokens", "8", "--repeats", "2",
-                     "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
+    done = edgeinfer(
+        "bench",
+        str(tiny_llama[1]),
+        "--prompts",
+        str(prompts),
+        "--new-tokens",
+        "8",
+        "--repeats",
+        "2",
+        "--json",
+        str(tmp_path / "bench.json"),
+        "--plot",
+        str(tmp_path / "bench.png"),
+    )
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "bench.json").read_text())
     assert list(figures["prompts"]) == ["short", "long"] and figures["new_tokens"] == 8 and figures["repeats"] == 2
@@ -324,19 +421,27 @@ def test_verify_reads_every_file_against_the_manifest(tiny_llama, tmp_path):
 
 def test_run_with_a_smaller_context_and_truncation(tiny_llama):
     prompt = "Edge boxes run small language models. " * 40
-    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", prompt),
-                          "but the engine's (max_context) context is 64", "--truncate left")
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", "--truncate", "left", "--max-new-tokens", "8",
-                     "--json", prompt)
+    assert_one_line_error(
+        edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", prompt),
+        "but the engine's (max_context) context is 64",
+        "--truncate left",
+    )
+    done = edgeinfer(
+        "run", "--model", str(tiny_llama[1]), "--max-context", "64", "--truncate", "left", "--max-new-tokens", "8", "--json", prompt
+    )
     result = json.loads(done.stdout)
     assert (result["prompt_tokens"], len(result["token_ids"])) == (56, 8) and result["truncated_tokens"] > 0
-    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--memory-limit", "0", "hi"),
-                          "memory_limit must be an integer of at least 1")
+    assert_one_line_error(
+        edgeinfer("run", "--model", str(tiny_llama[1]), "--memory-limit", "0", "hi"), "memory_limit must be an integer of at least 1"
+    )
 
 
 def test_export_into_a_folder_that_cannot_be_made(tiny_llama):
-    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", "/proc/edgeinfer-test/out"),
-                          "the file system refused /proc/edgeinfer-test (No such file or directory)", "export elsewhere")
+    assert_one_line_error(
+        edgeinfer("export", str(tiny_llama[0]), "-o", "/proc/edgeinfer-test/out"),
+        "the file system refused /proc/edgeinfer-test (No such file or directory)",
+        "export elsewhere",
+    )
 
 
 def test_the_benchmark_prompts_ship_with_the_repository():
@@ -347,7 +452,7 @@ def test_the_benchmark_prompts_ship_with_the_repository():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts.json"
     prompts = json.loads(path.read_text())["prompts"]
     assert {name: len(ids) for name, ids in prompts.items()} == {"p16": 16, "p128": 128, "p512": 512, "p1024": 1024}
-    assert all(ids == prompts["p1024"][:len(ids)] for ids in prompts.values())  # prefixes of one text
+    assert all(ids == prompts["p1024"][: len(ids)] for ids in prompts.values())  # prefixes of one text
     assert all(isinstance(t, int) and 0 <= t < 49152 for t in prompts["p1024"])  # SmolLM2's vocabulary
 
 
@@ -356,8 +461,18 @@ def test_edgeinfer_profile_writes_one_profile_of_the_model_graphs_runs(tiny_llam
     run per decode step, and benchmarks/profile_copies.py reads it (no copies on the CPU)."""
     from pathlib import Path
 
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "cpu", "--max-new-tokens", "6", "--ignore-eos", "Hi",
-                     env={**os.environ, "EDGEINFER_PROFILE": str(tmp_path / "profile")})
+    done = edgeinfer(
+        "run",
+        "--model",
+        str(tiny_llama[1]),
+        "--provider",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "Hi",
+        env={**os.environ, "EDGEINFER_PROFILE": str(tmp_path / "profile")},
+    )
     assert done.returncode == 0, done.stderr
     (profile,) = tmp_path.glob("profile_*.json")
     runs = [e for e in json.loads(profile.read_text()) if e.get("cat") == "Session" and e.get("name") == "model_run"]
@@ -382,14 +497,15 @@ def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_pat
     prefill graph), run gives the single graph's tokens; the flags without --graphs split are
     refused in one line, and nothing is written."""
     out = tmp_path / "split"
-    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(out), "--graphs", "split", "--prefill-length", "16",
-                     "--static-context", "96")
+    done = edgeinfer(
+        "export", str(tiny_llama[0]), "-o", str(out), "--graphs", "split", "--prefill-length", "16", "--static-context", "96"
+    )
     assert done.returncode == 0, done.stderr
     assert "[7/7] write" in done.stderr and "greedy tokens equal" in done.stderr
     assert sorted(p.name for p in out.iterdir() if p.suffix in (".onnx", ".data")) == ["decode.onnx", "prefill.onnx", "weights.data"]
     info = edgeinfer("info", str(out))
     assert "graphs: split, prefill.onnx (16 positions) and decode.onnx (a cache of 96 slots, one token a pass)" in info.stdout
-    assert json.loads(info.stdout[:info.stdout.index("\n}\n") + 2])["static_context"] == 96
+    assert json.loads(info.stdout[: info.stdout.index("\n}\n") + 2])["static_context"] == 96
     check = edgeinfer("check", str(out), "--against", str(tiny_llama[0]))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "batch of two prompts: rows equal to single runs" in check.stdout and check.stdout.strip().endswith("check passed")
@@ -397,6 +513,9 @@ def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_pat
     assert run.returncode == 0, run.stderr
     expected = Engine.load(tiny_llama[1]).generate("The capital of France is", max_new_tokens=8, ignore_eos=True).token_ids
     assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == expected
-    assert_one_line_error(edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "bad"), "--static-context", "64"),
-                          "--static-context", "pass --graphs split")
+    assert_one_line_error(
+        edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "bad"), "--static-context", "64"),
+        "--static-context",
+        "pass --graphs split",
+    )
     assert not (tmp_path / "bad").exists()

@@ -1,6 +1,7 @@
 """Constrained decoding, logprobs and OpenAI's penalties on a tiny random-weight llama with an EOS:
 every complete output matches its constraint, greedy tokens equal transformers' under the same
 mask, and logprobs equal transformers' log-softmax."""
+
 import json
 import re
 
@@ -16,22 +17,40 @@ from conftest import EOS_ID, build_llama
 
 PROMPT = "The capital of France is"
 SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
-                                                   "zone": {"type": "integer", "minimum": 1, "maximum": 12}},
-                  "required": ["city", "zone"], "additionalProperties": False},
-        "note": {"type": "string", "maxLength": 4}},
-        "required": ["name", "place"], "additionalProperties": False},
-    "array_enum": {"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-        "level": {"enum": ["low", "high"]}},
-        "required": ["tags", "level"], "additionalProperties": False},
-    "numbers": {"type": "object", "properties": {
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
-        "ok": {"type": "boolean"}},
-        "required": ["count", "ok"], "additionalProperties": False},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "place": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 5}, "zone": {"type": "integer", "minimum": 1, "maximum": 12}},
+                "required": ["city", "zone"],
+                "additionalProperties": False,
+            },
+            "note": {"type": "string", "maxLength": 4},
+        },
+        "required": ["name", "place"],
+        "additionalProperties": False,
+    },
+    "array_enum": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+            "level": {"enum": ["low", "high"]},
+        },
+        "required": ["tags", "level"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["count", "ok"],
+        "additionalProperties": False,
+    },
 }
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 
@@ -60,8 +79,10 @@ def schema_format(schema: dict) -> dict:
 def test_sampled_outputs_that_complete_validate_against_their_schema(engine, name):
     """30 seeds at temperature 1.0, as one batch of 30 rows (each row its own seed): every output
     that ends complete parses and validates; most of them complete."""
-    configs = [GenerationConfig(temperature=1.0, seed=seed, max_new_tokens=120, response_format=schema_format(SCHEMAS[name]))
-               for seed in range(30)]
+    configs = [
+        GenerationConfig(temperature=1.0, seed=seed, max_new_tokens=120, response_format=schema_format(SCHEMAS[name]))
+        for seed in range(30)
+    ]
     results = engine.generate_batch([PROMPT] * 30, configs)
     complete = [r for r in results if r.complete]
     for result in complete:
@@ -77,9 +98,13 @@ def test_sampled_outputs_that_complete_validate_against_their_schema(engine, nam
 
 
 def test_regex_and_choice_outputs_match(engine):
-    regex = engine.generate_batch([PROMPT] * 30, [GenerationConfig(temperature=1.0, seed=s, max_new_tokens=40,
-                                                                    response_format={"type": "regex", "pattern": REGEX})
-                                                   for s in range(30)])
+    regex = engine.generate_batch(
+        [PROMPT] * 30,
+        [
+            GenerationConfig(temperature=1.0, seed=s, max_new_tokens=40, response_format={"type": "regex", "pattern": REGEX})
+            for s in range(30)
+        ],
+    )
     assert all(r.complete and re.fullmatch(REGEX, r.text) for r in regex), [r.text for r in regex]
     choices = ["Paris", "Lyon", "a small village"]
     picked = [engine.generate(PROMPT, temperature=1.0, seed=s, choice=choices) for s in range(20)]
@@ -92,17 +117,21 @@ def test_a_lark_grammar_and_json_object(engine):
     for seed in range(10):
         result = engine.generate(PROMPT, temperature=1.0, seed=seed, response_format={"type": "grammar", "lark": lark})
         assert result.complete and re.fullmatch(r"yes|no|[1-9][0-9]?", result.text), result.text
-    anything = [engine.generate(PROMPT, temperature=1.0, seed=s, max_new_tokens=150, response_format={"type": "json_object"})
-                for s in range(10)]
+    anything = [
+        engine.generate(PROMPT, temperature=1.0, seed=s, max_new_tokens=150, response_format={"type": "json_object"})
+        for s in range(10)
+    ]
     assert any(r.complete for r in anything)
     assert all(isinstance(json.loads(r.text), dict) for r in anything if r.complete)
 
 
 def test_a_batch_whose_rows_have_different_constraints(engine):
-    configs = [GenerationConfig(temperature=1.0, seed=1, max_new_tokens=120, response_format=schema_format(SCHEMAS["array_enum"])),
-               GenerationConfig(temperature=1.0, seed=2, max_new_tokens=40, response_format={"type": "regex", "pattern": REGEX}),
-               GenerationConfig(temperature=1.0, seed=3, choice=["north", "south"]),
-               GenerationConfig(max_new_tokens=12)]
+    configs = [
+        GenerationConfig(temperature=1.0, seed=1, max_new_tokens=120, response_format=schema_format(SCHEMAS["array_enum"])),
+        GenerationConfig(temperature=1.0, seed=2, max_new_tokens=40, response_format={"type": "regex", "pattern": REGEX}),
+        GenerationConfig(temperature=1.0, seed=3, choice=["north", "south"]),
+        GenerationConfig(max_new_tokens=12),
+    ]
     prompts = [PROMPT, "Edge boxes", PROMPT, PROMPT]
     results = engine.generate_batch(prompts, configs)
     for prompt, result, config in zip(prompts, results, configs):
@@ -148,14 +177,20 @@ def test_greedy_tokens_under_a_schema_equal_transformers_with_the_same_mask(engi
 
 
 def test_bad_constraints_are_settings_errors_before_any_work(engine):
-    cases = [({"response_format": {"type": "regex", "pattern": "[a-"}}, r"the regex cannot be used: .*"),
-             ({"response_format": {"type": "grammar", "lark": "start: missing_rule"}}, r"the grammar cannot be used: .*"),
-             ({"response_format": schema_format({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
-              r"the JSON schema cannot be used: .*"),
-             ({"response_format": {"type": "regex", "pattern": r"[^\s\S]"}}, r"no output can match the regex"),
-             ({"response_format": schema_format({"type": "object", "minProperties": 2, "maxProperties": 1})},
-              r"the JSON schema cannot be used: .*Unsatisfiable schema"),
-             ({"logit_bias": {320: 1}}, r"logit_bias \[320\] are outside the vocabulary \(0..319\)")]
+    cases = [
+        ({"response_format": {"type": "regex", "pattern": "[a-"}}, r"the regex cannot be used: .*"),
+        ({"response_format": {"type": "grammar", "lark": "start: missing_rule"}}, r"the grammar cannot be used: .*"),
+        (
+            {"response_format": schema_format({"type": "object", "properties": {"a": {"type": "nonsense"}}})},
+            r"the JSON schema cannot be used: .*",
+        ),
+        ({"response_format": {"type": "regex", "pattern": r"[^\s\S]"}}, r"no output can match the regex"),
+        (
+            {"response_format": schema_format({"type": "object", "minProperties": 2, "maxProperties": 1})},
+            r"the JSON schema cannot be used: .*Unsatisfiable schema",
+        ),
+        ({"logit_bias": {320: 1}}, r"logit_bias \[320\] are outside the vocabulary \(0..319\)"),
+    ]
     for settings, message in cases:
         with pytest.raises(SettingsError, match=message):
             engine.generate(PROMPT, **settings)
@@ -176,7 +211,7 @@ def test_logprobs_equal_transformers_log_softmax(engine, eos_llama):
     result = engine.generate(PROMPT, max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=5)
     ids = engine.prompt_ids(PROMPT)
     with torch.no_grad():
-        logits = model(torch.tensor([ids + result.token_ids])).logits[0, len(ids) - 1:-1].double()
+        logits = model(torch.tensor([ids + result.token_ids])).logits[0, len(ids) - 1 : -1].double()
     expected = torch.log_softmax(logits, -1).numpy()
     assert len(result.logprobs) == len(result.token_ids) == 12
     for step, (token, chosen) in enumerate(zip(result.token_ids, result.logprobs)):
@@ -231,9 +266,15 @@ def test_a_finished_constraint_ends_without_another_pass(engine):
     assert len(runs) == len(result.token_ids)  # the prefill made the first token, each decode one more
 
 
-GGUF_DECODER = {"type": "Sequence", "decoders": [
-    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-    {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+GGUF_DECODER = {
+    "type": "Sequence",
+    "decoders": [
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+    ],
+}
 
 
 @pytest.mark.parametrize("decoder", ["ByteLevel", "as converted from GGUF"])

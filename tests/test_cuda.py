@@ -1,4 +1,5 @@
 """The CUDA path on a real GPU; skipped cleanly where CUDA cannot run."""
+
 import pytest
 
 from edgeinfer import Engine
@@ -32,8 +33,9 @@ def _prefilled(engine, ids):
 def test_cuda_batches_and_sampling(engines):
     gpu, cpu = engines
     prompts = ["Hi", "The capital of France is" * 4]
-    assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=12)] == \
-        [cpu.generate(p, max_new_tokens=12).token_ids for p in prompts]
+    assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=12)] == [
+        cpu.generate(p, max_new_tokens=12).token_ids for p in prompts
+    ]
     sampled = gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3)
     assert sampled.token_ids == gpu.generate("The capital", max_new_tokens=12, temperature=0.8, seed=3).token_ids
     assert len(sampled.token_ids) == 12
@@ -79,5 +81,7 @@ def test_cuda_runs_the_split_layout_on_one_copy_of_the_weights(tiny_llama, tmp_p
     gpu, cpu = Engine.load(tmp_path / "split", provider="cuda"), Engine.load(tiny_llama[1], provider="cpu")
     assert gpu.runner._shared_weights and all(v.device_name().lower() == "cuda" for v in gpu.runner._shared_weights.values())
     for prompt in ["The capital", "The capital of France is" * 2]:
-        assert gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == \
-            cpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+        assert (
+            gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+            == cpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+        )

@@ -1,5 +1,6 @@
 """The real default model, SmolLM2-135M-Instruct, from its offline source (a PyPI wheel holding a
 GGUF file), exported into a fresh cache exactly as a new user's first `edgeinfer run` does."""
+
 import shutil
 import subprocess
 import sys
@@ -16,8 +17,13 @@ PROMPT = "Once upon a time, in a small village by the sea,"
 def first_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
     env = offline_env(cache)
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24",
-                           "What is the capital of France?"], env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24", "What is the capital of France?"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     yield cache, done
     shutil.rmtree(cache)  # 0.8 GiB: given back before the next module
 
@@ -59,8 +65,9 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(engine, referen
     ids = tokenizer(PROMPT).input_ids
     assert engine.prompt_ids(PROMPT) == ids
     with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        expected = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32, do_sample=False
+        )[0, len(ids) :].tolist()
     result = engine.generate(PROMPT, max_new_tokens=32)
     assert len(expected) == 32 and result.token_ids == expected
     assert engine.manifest.validation["passed"] and engine.manifest.validation["max_abs_diff_decode"] < 1e-3
@@ -70,11 +77,19 @@ def test_greedy_tokens_equal_transformers_on_the_same_checkpoint(engine, referen
     assert engine.manifest.kv.in_place
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of France?"},
-     {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Japan? 東京?"}],
-], ids=["user", "system-and-history"])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Japan? 東京?"},
+        ],
+    ],
+    ids=["user", "system-and-history"],
+)
 def test_chat_template_ids_equal_transformers(engine, reference, messages):
     assert engine.chat_prompt(messages) == reference[1].apply_chat_template(messages, add_generation_prompt=True)
 
@@ -88,27 +103,53 @@ def test_a_batch_answers_like_single_prompts(engine):
 
 
 REAL_SCHEMAS = {
-    "city": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
-        "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
-        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3}},
-        "required": ["city", "country", "population"], "additionalProperties": False},
-    "review": {"type": "object", "properties": {
-        "sentiment": {"enum": ["positive", "negative", "neutral"]},
-        "score": {"type": "number", "minimum": 0, "maximum": 10},
-        "summary": {"type": "string", "maxLength": 80}},
-        "required": ["sentiment", "score"], "additionalProperties": False},
-    "person": {"type": "object", "properties": {
-        "name": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 30},
-                                                  "last": {"type": "string", "maxLength": 30}},
-                 "required": ["first"], "additionalProperties": False},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "languages": {"type": "array", "items": {"enum": ["French", "English", "Japanese", "German"]}, "minItems": 1,
-                      "maxItems": 4}},
-        "required": ["name", "age", "languages"], "additionalProperties": False},
+    "city": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
+            "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+        },
+        "required": ["city", "country", "population"],
+        "additionalProperties": False,
+    },
+    "review": {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "score": {"type": "number", "minimum": 0, "maximum": 10},
+            "summary": {"type": "string", "maxLength": 80},
+        },
+        "required": ["sentiment", "score"],
+        "additionalProperties": False,
+    },
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "object",
+                "properties": {"first": {"type": "string", "maxLength": 30}, "last": {"type": "string", "maxLength": 30}},
+                "required": ["first"],
+                "additionalProperties": False,
+            },
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "languages": {
+                "type": "array",
+                "items": {"enum": ["French", "English", "Japanese", "German"]},
+                "minItems": 1,
+                "maxItems": 4,
+            },
+        },
+        "required": ["name", "age", "languages"],
+        "additionalProperties": False,
+    },
 }
-ASK = {"city": "Describe Paris as JSON.", "review": "Review this film as JSON: 'a slow but beautiful story'.",
-       "person": "Invent a person who speaks French and English, as JSON."}
+ASK = {
+    "city": "Describe Paris as JSON.",
+    "review": "Review this film as JSON: 'a slow but beautiful story'.",
+    "person": "Invent a person who speaks French and English, as JSON.",
+}
 
 
 @pytest.mark.parametrize("name", REAL_SCHEMAS)
@@ -122,8 +163,9 @@ def test_json_schema_outputs_of_the_real_model_validate(engine, name):
     schema = REAL_SCHEMAS[name]
     fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
     prompt = engine.chat_prompt([{"role": "user", "content": ASK[name]}])
-    results = engine.generate_batch([prompt] * 30, [GenerationConfig(temperature=1.0, seed=s, max_new_tokens=160,
-                                                                     response_format=fmt) for s in range(30)])
+    results = engine.generate_batch(
+        [prompt] * 30, [GenerationConfig(temperature=1.0, seed=s, max_new_tokens=160, response_format=fmt) for s in range(30)]
+    )
     complete = [r for r in results if r.complete]
     for result in complete:
         jsonschema.validate(__import__("json").loads(result.text), schema)
@@ -135,16 +177,20 @@ def test_the_real_model_chooses_and_matches_a_regex(engine):
     "L" (-1.96) well before "Paris" (-5.1), so the question is asked as text to complete."""
     answer = engine.generate("The capital of France is", choice=[" Paris", " London", " Berlin"])
     assert (answer.text, answer.complete, answer.finish_reason) == (" Paris", True, "eos")
-    date = engine.generate(engine.chat_prompt([{"role": "user", "content": "When did the Berlin wall fall?"}]),
-                           response_format={"type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    date = engine.generate(
+        engine.chat_prompt([{"role": "user", "content": "When did the Berlin wall fall?"}]),
+        response_format={"type": "regex", "pattern": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"},
+    )
     assert __import__("re").fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", date.text) and date.complete
 
 
 def test_speculative_decoding_on_the_real_model_gives_the_plain_greedy_tokens(engine):
     """A task whose answer copies the prompt: prompt lookup keeps most of its guesses, and the
     tokens equal plain greedy decoding (fp32)."""
-    text = ("The lighthouse keeper woke before dawn, as he had every morning for thirty years. He climbed the narrow "
-            "stairs with a lamp in one hand and a kettle in the other.")
+    text = (
+        "The lighthouse keeper woke before dawn, as he had every morning for thirty years. He climbed the narrow "
+        "stairs with a lamp in one hand and a kettle in the other."
+    )
     ids = engine.chat_prompt([{"role": "user", "content": f"Repeat this text exactly: {text}"}])
     plain = engine.generate(ids, max_new_tokens=64)
     fast = engine.generate(ids, max_new_tokens=64, speculative="prompt_lookup")
@@ -163,7 +209,9 @@ def test_the_config_and_tokenizer_converted_from_the_gguf_are_kept_and_equal_tra
     for text in [PROMPT, "  Tabs\tand\nnewlines, émigrés, 東京, 🙂, <|im_start|>user", ""]:
         assert kept(text).input_ids == tokenizer(text).input_ids
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    assert kept.apply_chat_template(messages, add_generation_prompt=True) == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert kept.apply_chat_template(messages, add_generation_prompt=True) == tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
     assert (kept.bos_token, kept.eos_token, len(kept)) == (tokenizer.bos_token, tokenizer.eos_token, len(tokenizer))
     ignore = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
     config = {k: v for k, v in AutoConfig.from_pretrained(folder).to_dict().items() if k not in ignore}

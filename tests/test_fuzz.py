@@ -2,6 +2,7 @@
 operation and a time limit, derandomized so CI runs the same cases), and Hypothesis feeding
 arbitrary JSON values to every field of the request models. No 5xx, every error in OpenAI's
 shape, the server healthy after."""
+
 import time
 
 import httpx
@@ -22,8 +23,14 @@ schemathesis = pytest.importorskip("schemathesis")
 KEY = "fuzz-key"
 EXAMPLES = 100  # per operation and mode (positive, negative)
 SECONDS = 150  # for the whole schemathesis run
-BOUNDED = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-                   suppress_health_check=list(HealthCheck))
+BOUNDED = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,7 @@ def test_schemathesis_finds_no_server_error_and_every_error_is_openais(server):
     for found in schema.get_all_operations():
         operation = found.ok()
         for mode in schemathesis.GenerationMode:
+
             @BOUNDED
             @given(operation.as_strategy(generation_mode=mode))
             def call(case):
@@ -57,6 +65,7 @@ def test_schemathesis_finds_no_server_error_and_every_error_is_openais(server):
                 assert response.status_code < 500, (case.as_curl_command(), response.text)
                 if response.status_code >= 400:
                     openai_error(response)
+
             try:
                 call()
             except Unsatisfiable:  # no data breaks the description of an operation without parameters (GET /health)
@@ -67,10 +76,18 @@ def test_schemathesis_finds_no_server_error_and_every_error_is_openais(server):
 
 
 # Any JSON value, with what JSON allows and text does not (lone surrogates), huge numbers and depth.
-LEAVES = (st.none() | st.booleans() | st.integers(min_value=-(10**40), max_value=10**40)
-          | st.floats(allow_nan=True, allow_infinity=True) | st.text(st.characters(codec=None), max_size=20))
-JSON = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
+LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(st.characters(codec=None), max_size=20)
+)
+JSON = st.recursive(
+    LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12
+)
+
+
 def nested_lists(depth: int) -> list:
     value = []
     for _ in range(depth):
@@ -96,10 +113,13 @@ def refused_cleanly(model, body: dict) -> None:
         pass
 
 
-@pytest.mark.parametrize("model, base", [
-    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
-    (CompletionRequest, {"model": "m", "prompt": "Hi"}),
-])
+@pytest.mark.parametrize(
+    "model, base",
+    [
+        (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+        (CompletionRequest, {"model": "m", "prompt": "Hi"}),
+    ],
+)
 def test_any_json_value_in_any_field_is_taken_or_refused_cleanly(model, base):
     fields = sorted(model.model_fields)
 

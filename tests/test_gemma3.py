@@ -1,6 +1,7 @@
 """The second real model, Gemma 3 270M, from its offline source (four PyPI wheels holding the pieces
 of a Q4_K_M GGUF, checked against the catalog's SHA-256), exported into a fresh cache through the
 CLI: its 262k vocabulary, sliding-window layers, query-key norms and scaled embedding."""
+
 import shutil
 import subprocess
 import sys
@@ -18,8 +19,9 @@ def exported(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
     env = offline_env(cache)
     out = cache / "gemma"
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "export", NAME, "-o", str(out)], env=env,
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "export", NAME, "-o", str(out)], env=env, capture_output=True, text=True, timeout=1800
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     yield cache, out, done
     shutil.rmtree(cache)  # 2.1 GiB: given back before the next module

@@ -1,5 +1,6 @@
 """Generation an app can embed, on tiny models built in the tests: seeded sampling, streaming,
 stop conditions, batches, threads and chat."""
+
 import json
 import shutil
 import subprocess
@@ -35,11 +36,14 @@ def chain(chain_llama):
 
 # Sampling
 
+
 def test_seeded_sampling_is_reproducible_in_process_and_across_processes(engine, tiny_llama):
     first = engine.generate(PROMPT, max_new_tokens=24, **SAMPLED).token_ids
     assert engine.generate(PROMPT, max_new_tokens=24, **SAMPLED).token_ids == first
-    script = (f"from edgeinfer import Engine; import json, sys; e = Engine.load(sys.argv[1], provider='cpu'); "
-              f"print(json.dumps(e.generate({PROMPT!r}, max_new_tokens=24, **{SAMPLED!r}).token_ids))")
+    script = (
+        f"from edgeinfer import Engine; import json, sys; e = Engine.load(sys.argv[1], provider='cpu'); "
+        f"print(json.dumps(e.generate({PROMPT!r}, max_new_tokens=24, **{SAMPLED!r}).token_ids))"
+    )
     done = subprocess.run([sys.executable, "-c", script, str(tiny_llama[1])], capture_output=True, text=True, timeout=300)
     assert json.loads(done.stdout) == first, done.stderr
     assert engine.generate(PROMPT, max_new_tokens=24, **{**SAMPLED, "seed": 8}).token_ids != first
@@ -55,7 +59,7 @@ def test_top_k_sampling_draws_only_among_transformers_top_k_at_every_step(engine
     for seed in range(4):
         tokens = engine.generate(PROMPT, max_new_tokens=12, temperature=1.0, top_k=3, seed=seed).token_ids
         with torch.no_grad():
-            logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1]
+            logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
         kept = TopKLogitsWarper(3)(None, logits)
         assert all(torch.isfinite(kept[step, token]) for step, token in enumerate(tokens)), (seed, tokens)
         off_argmax += sum(token != int(logits[step].argmax()) for step, token in enumerate(tokens))
@@ -91,6 +95,7 @@ def test_bad_settings_are_refused_when_the_call_is_made_before_any_work(tiny_lla
 
 
 # Streaming
+
 
 def test_each_streamed_piece_is_the_tokenizers_decode_of_its_tokens_when_sampling(engine, tiny_llama):
     """The pieces are made token by token (the detokenizer); transformers' tokenizer decodes each
@@ -133,6 +138,7 @@ def test_closing_a_stream_early_stops_the_work_and_the_engine_goes_on(tiny_llama
 
 # Stop conditions
 
+
 def test_a_stop_string_across_token_boundaries_ends_generation_before_it(chain):
     engine = chain[0]
     result = engine.generate([1], stop=["; ST", "never"])
@@ -160,6 +166,7 @@ def test_ignore_eos_makes_exactly_max_new_tokens(chain):
 
 
 # Batches
+
 
 def test_batch_rows_equal_each_prompt_alone_with_very_different_lengths(engine):
     prompts = ["Hi", PROMPT * 8, list(range(3, 200)), "Edge boxes run small language models."]
@@ -213,8 +220,11 @@ def test_in_a_batch_the_longest_prompt_sets_the_room_left(engine):
 
 # Threads
 
+
 def test_one_engine_shared_by_four_threads_gives_every_caller_its_own_answer(engine):
-    jobs = [(p, s) for p in ("Hi", PROMPT, "Edge boxes", PROMPT * 5) for s in ({}, SAMPLED, {"top_k": 5, "seed": 1, "temperature": 1.0})]
+    jobs = [
+        (p, s) for p in ("Hi", PROMPT, "Edge boxes", PROMPT * 5) for s in ({}, SAMPLED, {"top_k": 5, "seed": 1, "temperature": 1.0})
+    ]
     expected = [engine.generate(p, max_new_tokens=20, **s).token_ids for p, s in jobs]
     answers = {}
 
@@ -232,11 +242,16 @@ def test_one_engine_shared_by_four_threads_gives_every_caller_its_own_answer(eng
 
 # Chat
 
+
 def test_chat_renders_the_template_with_a_system_message_like_transformers(engine, tiny_llama):
     from transformers import AutoTokenizer
 
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Где Париж? 東京?"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Где Париж? 東京?"},
+    ]
     expected = AutoTokenizer.from_pretrained(tiny_llama[0]).apply_chat_template(messages, add_generation_prompt=True)
     assert engine.chat_prompt(messages) == expected
     assert engine.chat(messages, max_new_tokens=8).token_ids == engine.generate(expected, max_new_tokens=8).token_ids

@@ -1,6 +1,7 @@
 """The KV caches' books and the inputs the runner builds from them, on hand-made data without a
 model or ONNX Runtime: padding, masks, positions, prefill passes, rows handed out and taken back,
 trimming, and the capacity errors."""
+
 import numpy as np
 import pytest
 
@@ -9,8 +10,15 @@ from edgeinfer.sdk.kv_cache import PAD_ID, GrowingCache, SlotCache
 from edgeinfer.sdk.manifest import KVSpec
 from edgeinfer.sdk.runner import prepare_decode, prepare_left_padded, prepare_row, prepare_together
 
-SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_size=4, dtype="float32", sequence_axis=2,
-              past=["past_key_values.0.key", "past_key_values.0.value"], present=["present.0.key", "present.0.value"])
+SPEC = KVSpec(
+    num_layers=1,
+    num_kv_heads=2,
+    head_size=4,
+    dtype="float32",
+    sequence_axis=2,
+    past=["past_key_values.0.key", "past_key_values.0.value"],
+    present=["present.0.key", "present.0.value"],
+)
 P = PAD_ID
 
 
@@ -24,6 +32,7 @@ def spans(width, chunk):
 
 # The growing cache (optimum-onnx's attention): left-padded rows, presents become pasts.
 
+
 def test_a_batch_is_left_padded_and_positions_count_each_rows_own_tokens():
     cache = GrowingCache(SPEC, {}, [0, 0])
     ((_, _, inputs),) = list(prepare_left_padded(cache, [[11, 12, 13], [21]], 3, spans(3, 8)))
@@ -34,8 +43,7 @@ def test_a_batch_is_left_padded_and_positions_count_each_rows_own_tokens():
 def test_prefill_passes_cover_the_padded_width_and_the_mask_grows_with_them():
     cache = GrowingCache(SPEC, {}, [0, 0])
     passes = [lists(inputs) for _, _, inputs in prepare_left_padded(cache, [[11, 12, 13], [21]], 3, spans(3, 2))]
-    assert passes == [([[11, 12], [P, P]], [[1, 1], [0, 0]], [[0, 1], [0, 0]]),
-                      ([[13], [21]], [[1, 1, 1], [0, 0, 1]], [[2], [0]])]
+    assert passes == [([[11, 12], [P, P]], [[1, 1], [0, 0]], [[0, 1], [0, 0]]), ([[13], [21]], [[1, 1, 1], [0, 0, 1]], [[2], [0]])]
 
 
 def test_decode_appends_one_slot_per_row_and_takes_the_presents_as_the_next_past():
@@ -58,6 +66,7 @@ def test_a_growing_cache_trims_its_single_row_and_refuses_a_batch():
 
 # The slot cache (GroupQueryAttention): buffers written in place, right-padded rows.
 
+
 def slots(num_rows, capacity):
     return SlotCache(SPEC, {name: np.zeros((num_rows, 2, capacity, 4), np.float32) for name in SPEC.past}, num_rows, capacity)
 
@@ -72,8 +81,7 @@ def test_a_batch_prefilled_together_is_right_padded():
 def test_decode_writes_each_row_after_its_own_tokens_and_a_row_without_a_token_keeps_its_length():
     cache = slots(3, 6)
     prepare_together(cache, [[11, 12, 13], [21], [31, 32]], 3, 3)
-    assert lists(prepare_decode(cache, [5, 6, None])) == ([[5], [6], [P]], [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]],
-                                                          [[3], [1], [2]])
+    assert lists(prepare_decode(cache, [5, 6, None])) == ([[5], [6], [P]], [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], [[3], [1], [2]])
     assert cache.lengths.tolist() == [4, 2, 2]
     assert prepare_decode(cache, [7], is_static=True)["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0]]
 
@@ -108,5 +116,7 @@ def test_a_row_past_the_capacity_is_refused():
     cache = slots(1, 4)
     prepare_row(cache, 0, [1, 2, 3])
     prepare_decode(cache, [4])
-    with pytest.raises(GenerationError, match="a row of 5 tokens does not fit the cache's 4 slots per row: make the cache with a larger capacity"):
+    with pytest.raises(
+        GenerationError, match="a row of 5 tokens does not fit the cache's 4 slots per row: make the cache with a larger capacity"
+    ):
         prepare_decode(cache, [5])

@@ -1,4 +1,5 @@
 """The manifest contract, on hand-made data."""
+
 import json
 
 import pytest
@@ -10,10 +11,17 @@ from edgeinfer.sdk.manifest import FORMAT_VERSION, GraphSpec, KVSpec, Manifest, 
 def sample(files=None) -> Manifest:
     past = ["past_key_values.0.key", "past_key_values.0.value"]
     return Manifest(
-        source="test", architecture="llama", dtype="float32", vocab_size=10, max_context=32, bos_token_id=1,
-        eos_token_ids=[2], graph=GraphSpec("model.onnx", ["input_ids", *past], ["logits"]),
+        source="test",
+        architecture="llama",
+        dtype="float32",
+        vocab_size=10,
+        max_context=32,
+        bos_token_id=1,
+        eos_token_ids=[2],
+        graph=GraphSpec("model.onnx", ["input_ids", *past], ["logits"]),
         kv=KVSpec(1, 2, 4, "float32", 2, past, ["present.0.key", "present.0.value"]),
-        tokenizer=TokenizerSpec(chat_template=None), files=files or {},
+        tokenizer=TokenizerSpec(chat_template=None),
+        files=files or {},
     )
 
 
@@ -32,8 +40,10 @@ def test_a_newer_format_version_is_refused(tmp_path):
 def test_a_version_1_manifest_is_read_with_its_decode_graph_for_both_phases(tmp_path):
     data = sample().to_dict() | {"format_version": 1}
     graph = data.pop("graph")
-    data |= {"prefill": {"file": "prefill.onnx", "inputs": ["input_ids"], "outputs": ["logits"]},
-             "decode": graph | {"file": "decode.onnx"}}
+    data |= {
+        "prefill": {"file": "prefill.onnx", "inputs": ["input_ids"], "outputs": ["logits"]},
+        "decode": graph | {"file": "decode.onnx"},
+    }
     (tmp_path / "edgeinfer.json").write_text(json.dumps(data))
     manifest = load_manifest(tmp_path)
     assert manifest.graph == GraphSpec("decode.onnx", graph["inputs"], graph["outputs"]) and manifest.format_version == 1

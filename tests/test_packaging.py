@@ -1,23 +1,32 @@
 """A plain `pip install .` (a built wheel) works, not only the editable install."""
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK = ("import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models, edgeinfer.serve; "
-         "from edgeinfer import Engine, Scheduler; "
-         "from edgeinfer.sdk.heads import load_head; assert all(load_head(k, 10) for k in ('argmax', 'last')); "
-         "from edgeinfer.models import entries; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(entries()))")
+CHECK = (
+    "import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models, edgeinfer.serve; "
+    "from edgeinfer import Engine, Scheduler; "
+    "from edgeinfer.sdk.heads import load_head; assert all(load_head(k, 10) for k in ('argmax', 'last')); "
+    "from edgeinfer.models import entries; print(edgeinfer.sdk.__file__, edgeinfer.cli.__file__, sorted(entries()))"
+)
 
 
 def test_built_wheel_imports_and_runs_the_cli(tmp_path):
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     wheel = next((tmp_path / "dist").glob("edgeinfer-*.whl"))
     target = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "-q", "--target", str(target), str(wheel)], check=True, capture_output=True, timeout=600
+    )
     env = {**os.environ, "PYTHONPATH": str(target)}
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr

@@ -1,5 +1,6 @@
 """The prefix cache: a prompt that starts like an earlier one prefills only the rest, and every
 logit and token equals what the same engine gives with the cache off."""
+
 import numpy as np
 import pytest
 from conftest import count_graph_runs
@@ -66,8 +67,10 @@ def test_a_prompt_that_shares_only_part_of_a_block_uses_the_whole_blocks_before_
     cached.generate(SYSTEM, max_new_tokens=1)
     ids = SYSTEM[:40] + [90, 91, 92]  # 32 tokens of the first block, then 8 of the second, then others
     before = cached.prefix_cache.hit_tokens
-    assert cached.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids == \
-        plain.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids
+    assert (
+        cached.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids
+        == plain.generate(ids, max_new_tokens=10, ignore_eos=True).token_ids
+    )
     assert cached.prefix_cache.hit_tokens - before == 32
     changed = [SYSTEM[0] + 1] + SYSTEM[1:]  # one token differs in the first block: nothing matches
     before = cached.prefix_cache.hit_tokens
@@ -107,19 +110,27 @@ def test_a_batch_whose_rows_start_from_the_cache_prefills_each_row_from_its_bloc
     prompt token in one pass: the logits and tokens equal the cache off."""
     cached, plain = (Engine.load(exports["in place"], provider="cpu", prefix_cache=budget, prefill_chunk=16) for budget in (16, 0))
     first = [SYSTEM + q for q in QUESTIONS] + [[250 - i for i in range(45)]]
-    logits = [engine.runner.prefill(engine.runner.new_batch(len(first), 200), first).numpy() for engine in (cached, plain)]  # nothing cached yet: one pass
+    logits = [
+        engine.runner.prefill(engine.runner.new_batch(len(first), 200), first).numpy() for engine in (cached, plain)
+    ]  # nothing cached yet: one pass
     np.testing.assert_array_equal(*logits)
     assert cached.prefix_cache.hit_tokens == 0 and cached.prefix_cache.num_bytes > 0
     batch = first + [[260 - i for i in range(40)]]  # a row whose start is not cached
     runs = count_graph_runs(cached)
-    np.testing.assert_allclose(cached.runner.prefill(cached.runner.new_batch(len(batch), 200), batch).numpy(),
-                               plain.runner.prefill(plain.runner.new_batch(len(batch), 200), batch).numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        cached.runner.prefill(cached.runner.new_batch(len(batch), 200), batch).numpy(),
+        plain.runner.prefill(plain.runner.new_batch(len(batch), 200), batch).numpy(),
+        atol=1e-5,
+    )
     assert cached.prefix_cache.hit_tokens == 3 * 128 + 32
     assert len(runs) == 3 * 2 + 1 + 3 + 1  # the rest before the last token, 16 at a time: 22-26 tokens, 12, 39; then the last tokens
     del cached.runner.graph.session.run_with_iobinding
     settings = dict(max_new_tokens=10, ignore_eos=True)
-    assert [r.token_ids for r in cached.generate_batch(batch, **settings)] == \
-        [r.token_ids for r in plain.generate_batch(batch, **settings)] == [plain.generate(p, **settings).token_ids for p in batch]
+    assert (
+        [r.token_ids for r in cached.generate_batch(batch, **settings)]
+        == [r.token_ids for r in plain.generate_batch(batch, **settings)]
+        == [plain.generate(p, **settings).token_ids for p in batch]
+    )
 
 
 def test_a_bad_budget_is_refused(tiny_llama):

@@ -1,5 +1,6 @@
 """What edgeinfer leaves of the process's global state: ONNX Runtime's logger after the CUDA
 probe, and transformers' DynamicCache after tracing."""
+
 import threading
 import time
 
@@ -15,8 +16,10 @@ ORIGINAL = cache_utils.DynamicCache.__dict__["__init__"]
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 
 
-@pytest.mark.skipif(cuda_unusable_reason() is None or "CUDA provider could not start" not in cuda_unusable_reason(),
-                    reason="needs onnxruntime-gpu on a machine where its CUDA provider cannot start")
+@pytest.mark.skipif(
+    cuda_unusable_reason() is None or "CUDA provider could not start" not in cuda_unusable_reason(),
+    reason="needs onnxruntime-gpu on a machine where its CUDA provider cannot start",
+)
 def test_the_cuda_probe_is_silent_and_leaves_onnx_runtimes_logger_as_it_was(capfd):
     cuda_unusable_reason.cache_clear()
     reason = cuda_unusable_reason()
@@ -59,8 +62,10 @@ def test_concurrent_exports_cannot_leave_the_patch_installed():
     assert cache_utils.DynamicCache.__dict__["__init__"] is ORIGINAL
 
 
-@pytest.mark.skipif(cuda_unusable_reason() is None or "CUDA provider could not start" not in cuda_unusable_reason(),
-                    reason="needs onnxruntime-gpu on a machine where its CUDA provider cannot start")
+@pytest.mark.skipif(
+    cuda_unusable_reason() is None or "CUDA provider could not start" not in cuda_unusable_reason(),
+    reason="needs onnxruntime-gpu on a machine where its CUDA provider cannot start",
+)
 def test_an_app_that_silenced_onnx_runtime_stays_silent_after_the_probe(capfd):
     ort.set_default_logger_severity(4)  # the app's choice: nothing below fatal
     try:

@@ -3,6 +3,7 @@ with a well-formed result or is refused with the edgeinfer error that names the 
 the two must happen is decided first, by `expected_refusal` (the rules of the README written out
 again, independently of the code), and the test asserts it both ways: a call the rules allow must
 succeed, and a call they forbid must raise that error."""
+
 import math
 import numbers
 import re
@@ -18,8 +19,16 @@ VOCAB, CONTEXT = 320, 256
 FINISH = {"eos", "stop", "length"}
 
 # Each setting drawn from values it takes and values it must refuse.
-FORMATS = [{"type": "text"}, {"type": "json_object"}, {"type": "regex", "pattern": "[0-9]+"}, {"type": "regex"},
-           {"type": "grammar", "lark": 'start: "a" | "b"'}, {"type": "xml"}, {"type": "json_object", "schema": {}}, "json"]
+FORMATS = [
+    {"type": "text"},
+    {"type": "json_object"},
+    {"type": "regex", "pattern": "[0-9]+"},
+    {"type": "regex"},
+    {"type": "grammar", "lark": 'start: "a" | "b"'},
+    {"type": "xml"},
+    {"type": "json_object", "schema": {}},
+    "json",
+]
 VALID_FORMATS = FORMATS[:3] + FORMATS[4:5]
 ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-10, 10))
 SETTING_VALUES = {
@@ -44,24 +53,29 @@ SETTING_VALUES = {
 }
 SETTINGS = st.fixed_dictionaries({}, optional={**SETTING_VALUES, "unknown_setting": st.integers()})
 # Settings in their ranges, and prompts that fit the context.
-_VALID = st.fixed_dictionaries({"seed": st.integers(0, 2**32)}, optional={
-    "max_new_tokens": st.one_of(st.integers(1, 12), st.just(10**6)),
-    "temperature": st.floats(0, 2),
-    "top_k": st.integers(0, 400),
-    "top_p": st.floats(0.01, 1),
-    "min_p": st.floats(0, 1),
-    "repetition_penalty": st.floats(0.5, 2),
-    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
-    "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
-    "ignore_eos": st.booleans(),
-    "truncate": st.sampled_from([None, "left"]),
-    "presence_penalty": st.floats(-2, 2),
-    "frequency_penalty": st.floats(-2, 2),
-    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
-    "logprobs": st.just(True),
-    "constraint": st.one_of(st.sampled_from([{"response_format": f} for f in VALID_FORMATS]),
-                            st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3).map(lambda c: {"choice": c})),
-})
+_VALID = st.fixed_dictionaries(
+    {"seed": st.integers(0, 2**32)},
+    optional={
+        "max_new_tokens": st.one_of(st.integers(1, 12), st.just(10**6)),
+        "temperature": st.floats(0, 2),
+        "top_k": st.integers(0, 400),
+        "top_p": st.floats(0.01, 1),
+        "min_p": st.floats(0, 1),
+        "repetition_penalty": st.floats(0.5, 2),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        "ignore_eos": st.booleans(),
+        "truncate": st.sampled_from([None, "left"]),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
+        "logprobs": st.just(True),
+        "constraint": st.one_of(
+            st.sampled_from([{"response_format": f} for f in VALID_FORMATS]),
+            st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=3).map(lambda c: {"choice": c}),
+        ),
+    },
+)
 
 
 def _allowed_together(asked: dict, top_logprobs: int) -> dict:
@@ -76,8 +90,10 @@ def _allowed_together(asked: dict, top_logprobs: int) -> dict:
 
 
 VALID_SETTINGS = st.builds(_allowed_together, _VALID, st.integers(0, 20))
-VALID_PROMPTS = st.one_of(st.text(min_size=1, max_size=60),  # at most 240 bytes: tokens that fit the context
-                          st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=CONTEXT - 1))
+VALID_PROMPTS = st.one_of(
+    st.text(min_size=1, max_size=60),  # at most 240 bytes: tokens that fit the context
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=CONTEXT - 1),
+)
 TOKEN_PROMPTS = st.lists(st.integers(-3, VOCAB + 3), max_size=CONTEXT + 40)
 PROMPTS = st.one_of(st.text(max_size=200), TOKEN_PROMPTS, VALID_PROMPTS)
 CHECKS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -90,6 +106,7 @@ def engine(tiny_llama):
 
 # The rules, written out again: each returns None where the value is allowed, else the words the
 # refusal must contain.
+
 
 def _integer(value, low):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
@@ -113,8 +130,9 @@ RULES = {
     "truncate": lambda v: v in (None, "left"),
     "presence_penalty": lambda v: _real(v, lambda x: -2 <= x <= 2),
     "frequency_penalty": lambda v: _real(v, lambda x: -2 <= x <= 2),
-    "logit_bias": lambda v: v is None or (isinstance(v, dict) and all(_integer(t, 0) and _real(b, lambda x: -100 <= x <= 100)
-                                                                      for t, b in v.items())),
+    "logit_bias": lambda v: (
+        v is None or (isinstance(v, dict) and all(_integer(t, 0) and _real(b, lambda x: -100 <= x <= 100) for t, b in v.items()))
+    ),
     "logprobs": lambda v: isinstance(v, bool),
     "top_logprobs": lambda v: _integer(v, 0),
     "choice": lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(c, str) and c for c in v)),
@@ -204,7 +222,7 @@ def test_valid_calls_succeed_and_stream_the_decode_of_their_tokens(engine, promp
     assert tokens == result.token_ids and text == result.text  # seeded: the same draws both times
     decoded = engine.tokenizer.decode(tokens)  # the whole decode, against the pieces made token by token
     stops = [asked["stop"]] if isinstance(asked.get("stop"), str) else asked.get("stop", [])
-    if any(decoded[len(text):].startswith(s) for s in stops):
+    if any(decoded[len(text) :].startswith(s) for s in stops):
         assert decoded.startswith(text)  # a stop string: the text ends where it begins
     else:
         assert text == decoded
@@ -213,16 +231,56 @@ def test_valid_calls_succeed_and_stream_the_decode_of_their_tokens(engine, promp
 # One setting at a time, so that no other bad value can hide a rule that lets a bad one through,
 # with each rule's edges given explicitly.
 ONE_SETTING = st.one_of(*[st.tuples(st.just(name), values) for name, values in SETTING_VALUES.items()])
-EDGES = [("max_new_tokens", 1), ("max_new_tokens", 0), ("max_new_tokens", True), ("temperature", 0.0), ("temperature", -1e-9),
-         ("temperature", math.inf), ("top_k", 0), ("top_k", -1), ("top_k", 2.0), ("top_p", 1.0), ("top_p", 1.0 + 1e-9),
-         ("top_p", 0.0), ("min_p", 0.0), ("min_p", 1.0), ("min_p", 1.0 + 1e-9), ("repetition_penalty", 1e-9),
-         ("repetition_penalty", 0.0), ("seed", 0), ("seed", -1), ("seed", None), ("stop", "x"), ("stop", ""), ("stop", ["a", ""]),
-         ("stop_token_ids", VOCAB - 1), ("stop_token_ids", VOCAB), ("stop_token_ids", [0, -1]), ("ignore_eos", False),
-         ("ignore_eos", 1), ("truncate", None), ("truncate", "right"), ("presence_penalty", 2.0), ("presence_penalty", 2.0 + 1e-9),
-         ("frequency_penalty", -2.0), ("frequency_penalty", -2.0 - 1e-9), ("logit_bias", {VOCAB - 1: 100}), ("logit_bias", {VOCAB: 1}),
-         ("logit_bias", {0: -100 - 1e-9}), ("logit_bias", {-1: 1}), ("logit_bias", None), ("logprobs", True), ("logprobs", 1),
-         ("top_logprobs", 0), ("top_logprobs", 21), ("choice", ["a"]), ("choice", []), ("choice", [""]),
-         ("response_format", {"type": "text"}), ("response_format", {"type": "regex", "pattern": ""})]
+EDGES = [
+    ("max_new_tokens", 1),
+    ("max_new_tokens", 0),
+    ("max_new_tokens", True),
+    ("temperature", 0.0),
+    ("temperature", -1e-9),
+    ("temperature", math.inf),
+    ("top_k", 0),
+    ("top_k", -1),
+    ("top_k", 2.0),
+    ("top_p", 1.0),
+    ("top_p", 1.0 + 1e-9),
+    ("top_p", 0.0),
+    ("min_p", 0.0),
+    ("min_p", 1.0),
+    ("min_p", 1.0 + 1e-9),
+    ("repetition_penalty", 1e-9),
+    ("repetition_penalty", 0.0),
+    ("seed", 0),
+    ("seed", -1),
+    ("seed", None),
+    ("stop", "x"),
+    ("stop", ""),
+    ("stop", ["a", ""]),
+    ("stop_token_ids", VOCAB - 1),
+    ("stop_token_ids", VOCAB),
+    ("stop_token_ids", [0, -1]),
+    ("ignore_eos", False),
+    ("ignore_eos", 1),
+    ("truncate", None),
+    ("truncate", "right"),
+    ("presence_penalty", 2.0),
+    ("presence_penalty", 2.0 + 1e-9),
+    ("frequency_penalty", -2.0),
+    ("frequency_penalty", -2.0 - 1e-9),
+    ("logit_bias", {VOCAB - 1: 100}),
+    ("logit_bias", {VOCAB: 1}),
+    ("logit_bias", {0: -100 - 1e-9}),
+    ("logit_bias", {-1: 1}),
+    ("logit_bias", None),
+    ("logprobs", True),
+    ("logprobs", 1),
+    ("top_logprobs", 0),
+    ("top_logprobs", 21),
+    ("choice", ["a"]),
+    ("choice", []),
+    ("choice", [""]),
+    ("response_format", {"type": "text"}),
+    ("response_format", {"type": "regex", "pattern": ""}),
+]
 
 
 def with_edges(test):

@@ -1,4 +1,5 @@
 """Choosing the execution provider."""
+
 import pytest
 
 from edgeinfer import Engine

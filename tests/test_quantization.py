@@ -1,5 +1,6 @@
 """Quantized exports of the tiny llama: MatMulNBits weights, the quality cost measured and stored,
 generation that still works, and clear errors for bad settings."""
+
 import json
 
 import onnx
@@ -24,7 +25,11 @@ def test_quantized_export_has_nbits_weights_and_its_measured_quality(quantized, 
     assert (quality["method"], quality["block_size"], quality["accuracy_level"]) == (method, 32, 4)
     assert quality["text_tokens"] == 256  # the fixed text, cut to the tiny model's context
     # The tiny llama's random weights are hard on int4: 43% agreement, the same with the unfused graph.
-    assert {"int4": 0.3, "int8": 0.85}[method] < quality["top1_agreement"] <= 1.0 and quality["perplexity"] > 1 and quality["perplexity_fp32"] > 1
+    assert (
+        {"int4": 0.3, "int8": 0.85}[method] < quality["top1_agreement"] <= 1.0
+        and quality["perplexity"] > 1
+        and quality["perplexity_fp32"] > 1
+    )
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 2 * 5 + 1  # packed qkv, o, gate, up, down per layer, and the lm_head
@@ -39,8 +44,9 @@ def test_int8_is_closer_to_fp32_than_int4(tiny_llama, tmp_path):
         export_model(str(tiny_llama[0]), tmp_path / method, ExportOptions(quantization=Quantization(method)))
         results[method] = json.loads((tmp_path / method / "edgeinfer.json").read_text())["quantization"]
     assert results["int8"]["top1_agreement"] > results["int4"]["top1_agreement"]
-    assert abs(results["int8"]["perplexity"] - results["int8"]["perplexity_fp32"]) < \
-        abs(results["int4"]["perplexity"] - results["int4"]["perplexity_fp32"])
+    assert abs(results["int8"]["perplexity"] - results["int8"]["perplexity_fp32"]) < abs(
+        results["int4"]["perplexity"] - results["int4"]["perplexity_fp32"]
+    )
 
 
 # The worst step's cosine with transformers' fp32 logits, and the largest difference relative to the
@@ -65,10 +71,13 @@ def test_a_quantized_export_follows_transformers_logits_within_its_error(quantiz
     assert len(tokens) == 12 and "".join(p.text for p in pieces) == tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"method": "int3"}, "unknown quantization 'int3': use 'int4' or 'int8'"),
-    ({"method": "int4", "block_size": 48}, "block size must be a power of two of at least 16, got 48"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"method": "int3"}, "unknown quantization 'int3': use 'int4' or 'int8'"),
+        ({"method": "int4", "block_size": 48}, "block size must be a power of two of at least 16, got 48"),
+    ],
+)
 def test_bad_quantization_settings(settings, message):
     with pytest.raises(ExportError, match=message):
         Quantization(**settings)
@@ -86,7 +95,9 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     from onnx import TensorProto, helper
 
     build_llama(tmp_path / "hf", tie_word_embeddings=True)
-    manifest = export_model(str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4", symmetric=symmetric)))
+    manifest = export_model(
+        str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4", symmetric=symmetric))
+    )
     assert manifest.quantization["symmetric"] == symmetric
     graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
     assert not [t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT and sorted(t.dims) == [64, 320]]
@@ -97,18 +108,34 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     tensors = [t for t in graph.initializer if t.name in {*gather.input, *lm_head.input}]
 
     def run(node, inputs, outputs):
-        model = helper.make_model(helper.make_graph([node], "g", inputs, outputs, initializer=tensors),
-                                  opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+        model = helper.make_model(
+            helper.make_graph([node], "g", inputs, outputs, initializer=tensors),
+            opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+            ir_version=10,
+        )
         return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
-    gathered = run(gather, [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [320])],
-                   [helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, None)]
-                   ).run(None, {"input_ids": np.arange(320)})[0]
-    exact = helper.make_node("MatMulNBits", ["eye", *lm_head.input[1:4]], ["columns"], domain="com.microsoft",
-                             K=64, N=320, bits=4, block_size=32, accuracy_level=0)
-    columns = run(exact, [helper.make_tensor_value_info("eye", TensorProto.FLOAT, [64, 64])],
-                  [helper.make_tensor_value_info("columns", TensorProto.FLOAT, None)]
-                  ).run(None, {"eye": np.eye(64, dtype=np.float32)})[0]
+    gathered = run(
+        gather,
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [320])],
+        [helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, None)],
+    ).run(None, {"input_ids": np.arange(320)})[0]
+    exact = helper.make_node(
+        "MatMulNBits",
+        ["eye", *lm_head.input[1:4]],
+        ["columns"],
+        domain="com.microsoft",
+        K=64,
+        N=320,
+        bits=4,
+        block_size=32,
+        accuracy_level=0,
+    )
+    columns = run(
+        exact,
+        [helper.make_tensor_value_info("eye", TensorProto.FLOAT, [64, 64])],
+        [helper.make_tensor_value_info("columns", TensorProto.FLOAT, None)],
+    ).run(None, {"eye": np.eye(64, dtype=np.float32)})[0]
     assert gathered.shape == (320, 64)
     np.testing.assert_allclose(gathered, columns.T, rtol=0, atol=1e-6)
     import edgeinfer.export.quantize as quantize
@@ -154,8 +181,9 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     model = onnx.load(str(theirs / "model.onnx"))
     found = tied_embedding(model.graph)
     assert bool(found) == tied
-    quantizer = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(
-        block_size=32, is_symmetric=symmetric, accuracy_level=4, bits=bits))
+    quantizer = MatMulNBitsQuantizer(
+        model, algo_config=DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric, accuracy_level=4, bits=bits)
+    )
     quantizer.process()
     if found:
         assert quantized_embedding(quantizer.model.model.graph, *found, bits, 32)

@@ -1,6 +1,7 @@
 """`edgeinfer serve --ray`: the same server as Ray Serve replicas on a local Ray cluster, started as a
 user starts it (a subprocess on a free localhost port), driven by the real openai client. Each
 answer is compared with the SDK's, and the stream with the one `edgeinfer serve` sends."""
+
 import json
 import os
 import signal
@@ -26,8 +27,26 @@ def start_ray(export, *flags):
     """`edgeinfer serve --ray` and its base URL, once /health says every replica is ready (at most 120 s)."""
     port = free_port()
     log = open(export.parent / f"ray-{port}.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(export), "--port", str(port),
-                                "--provider", "cpu", *flags], stdout=log, stderr=log, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "serve",
+            "--ray",
+            "--model",
+            str(export),
+            "--port",
+            str(port),
+            "--provider",
+            "cpu",
+            *flags,
+        ],
+        stdout=log,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while time.monotonic() < deadline:
         assert process.poll() is None, Path(log.name).read_text()  # its own handle: a seek on the shared one moves the server's writes
@@ -63,7 +82,7 @@ def sse_payloads(response_text: str) -> list:
     payloads = []
     for line in response_text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             payloads.append(data if data == "[DONE]" else {k: v for k, v in json.loads(data).items() if k not in ("id", "created")})
     return payloads
 
@@ -127,13 +146,21 @@ def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama
     import openai
 
     port = free_port()
-    script = ("import sys, ray\nfrom ray import serve\nfrom edgeinfer.serve.replicas import ReplicaSettings, application\n"
-              "ray.init(address='local', num_cpus=2, include_dashboard=False, logging_level='WARNING')\n"
-              f"serve.start(http_options={{'host': '127.0.0.1', 'port': {port}}})\n"
-              f"serve.run(application(ReplicaSettings({str(tiny_llama[1])!r}, provider='cpu'), front=True), route_prefix='/')\n"
-              "print('deployed', flush=True)\nsys.stdin.read()\nserve.shutdown()\nray.shutdown()\n")
-    process = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, start_new_session=True)
+    script = (
+        "import sys, ray\nfrom ray import serve\nfrom edgeinfer.serve.replicas import ReplicaSettings, application\n"
+        "ray.init(address='local', num_cpus=2, include_dashboard=False, logging_level='WARNING')\n"
+        f"serve.start(http_options={{'host': '127.0.0.1', 'port': {port}}})\n"
+        f"serve.run(application(ReplicaSettings({str(tiny_llama[1])!r}, provider='cpu'), front=True), route_prefix='/')\n"
+        "print('deployed', flush=True)\nsys.stdin.read()\nserve.shutdown()\nray.shutdown()\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert process.stdout.readline().strip() == "deployed"
         url = f"http://127.0.0.1:{port}"
@@ -158,8 +185,10 @@ def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama
 def test_a_folder_missing_on_a_node_is_a_clear_error_not_a_hang(tmp_path):
     """The replica's own error comes back through Ray (the folder exists where the command runs
     but not at the path the replicas were given: as on a node that lacks it)."""
-    script = ("from edgeinfer.serve.replicas import ReplicaSettings, run_replicas\n"
-              f"run_replicas(ReplicaSettings({str(tmp_path / 'absent')!r}, provider='cpu'), '127.0.0.1', {free_port()})\n")
+    script = (
+        "from edgeinfer.serve.replicas import ReplicaSettings, run_replicas\n"
+        f"run_replicas(ReplicaSettings({str(tmp_path / 'absent')!r}, provider='cpu'), '127.0.0.1', {free_port()})\n"
+    )
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode != 0 and time.monotonic() - started < 120
@@ -168,14 +197,26 @@ def test_a_folder_missing_on_a_node_is_a_clear_error_not_a_hang(tmp_path):
 
 
 def test_ray_flags_need_ray_and_an_unreachable_cluster_is_an_error(tiny_llama):
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tiny_llama[1]), "--replicas", "2"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tiny_llama[1]), "--replicas", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "--replicas, --autoscale and --address apply to --ray" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]), "--autoscale", "3:1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]), "--autoscale", "3:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "is not MIN:MAX with 1 <= MIN <= MAX" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]),
-                           "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--model", str(tiny_llama[1]), "--address", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "cannot reach the Ray cluster at 127.0.0.1:1" in done.stderr
 
 
@@ -224,8 +265,12 @@ def test_a_killed_replica_comes_back_and_the_other_keeps_answering(long_export):
         assert {o[0] for o in lost}.isdisjoint(answered) and all(o[3] == "engine_unavailable" for o in lost), outcomes
         assert all(o[2:] == (503, "engine_unavailable", "1") for i, o in enumerate(outcomes) if i % 2 == 0 and not o[1]), outcomes
         assert all(o[2] == 200 for i, o in enumerate(outcomes) if i % 2 == 1), outcomes  # a stream's status went first
-        after = [httpx.post(f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 4},
-                            timeout=60).status_code for _ in range(10)]
+        after = [
+            httpx.post(
+                f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 4}, timeout=60
+            ).status_code
+            for _ in range(10)
+        ]
         assert after == [200] * 10
         deadline = time.monotonic() + 60
         while not (len(replica_pids(process)) == 2 and before[0] not in replica_pids(process)):
@@ -262,15 +307,50 @@ def test_joining_a_running_cluster_deploys_there_and_leaves_it_running(tiny_llam
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port, scratch = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's sockets live under it
-    started = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--num-cpus", "2", "--disable-usage-stats",
-                              "--include-dashboard=false", "--temp-dir", scratch], env=env, capture_output=True,
-                             text=True, timeout=120)
+    started = subprocess.run(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--disable-usage-stats",
+            "--include-dashboard=false",
+            "--temp-dir",
+            scratch,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode == 0, started.stderr
     try:
         served_port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--address", f"127.0.0.1:{port}",
-                                   "--model", str(tiny_llama[1]), "--port", str(served_port), "--provider", "cpu"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "edgeinfer.cli",
+                "serve",
+                "--ray",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--model",
+                str(tiny_llama[1]),
+                "--port",
+                str(served_port),
+                "--provider",
+                "cpu",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -283,8 +363,9 @@ def test_joining_a_running_cluster_deploys_there_and_leaves_it_running(tiny_llam
         models = httpx.get(f"http://127.0.0.1:{served_port}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [tiny_llama[1].name]
         assert stop(server) == 0
-        status = subprocess.run([ray_bin, "status", "--address", f"127.0.0.1:{port}"], env=env, capture_output=True, text=True,
-                                timeout=60)
+        status = subprocess.run(
+            [ray_bin, "status", "--address", f"127.0.0.1:{port}"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert status.returncode == 0 and "1 node_" in status.stdout
     finally:  # this cluster's processes only (`ray stop` would stop every cluster on the machine)
         subprocess.run(["pkill", "-KILL", "-f", scratch], capture_output=True)
@@ -301,8 +382,11 @@ def test_autoscaling_starts_a_second_replica_under_load(long_export):
 
         def load():
             while time.monotonic() < stop_at and len(replica_pids(process)) < 2:
-                httpx.post(f"{url}/v1/completions", json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 3000,
-                                                          "ignore_eos": True}, timeout=120)
+                httpx.post(
+                    f"{url}/v1/completions",
+                    json={"model": long_export.name, "prompt": [5, 6], "max_tokens": 3000, "ignore_eos": True},
+                    timeout=120,
+                )
 
         threads = [threading.Thread(target=load) for _ in range(6)]
         for thread in threads:

@@ -1,5 +1,6 @@
 """Every bad export file, prompt and limit gets an edgeinfer error that names the problem and the
 way out; the memory an engine needs is worked out before anything is allocated."""
+
 import json
 import shutil
 
@@ -28,7 +29,9 @@ def test_a_truncated_or_missing_export_file_is_named_before_onnx_runtime_reads_i
     path = copy / name
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(NotAnExportError, match=rf"{name} has {len(data) // 2} bytes but the manifest says {len(data)}.*export the model again"):
+    with pytest.raises(
+        NotAnExportError, match=rf"{name} has {len(data) // 2} bytes but the manifest says {len(data)}.*export the model again"
+    ):
         Engine.load(copy, provider="cpu")
     path.unlink()
     with pytest.raises(NotAnExportError, match=rf"{name} is missing.*export the model again"):
@@ -113,8 +116,11 @@ def test_the_memory_plan_counts_the_weights_and_the_cache_the_engine_allocates(e
 def test_loading_refuses_what_does_not_fit_and_says_what_would(engine, tiny_llama):
     weights = engine.memory.weights
     limit = weights + KV_PER_TOKEN * 100 + 10
-    with pytest.raises(SettingsError, match=r"needs .* of weights and 128.0 KiB of KV cache \(256 tokens x 1 rows\), but the "
-                                             r"memory limit has .*: load it with max_context=100 \(--max-context 100\), or free memory"):
+    with pytest.raises(
+        SettingsError,
+        match=r"needs .* of weights and 128.0 KiB of KV cache \(256 tokens x 1 rows\), but the "
+        r"memory limit has .*: load it with max_context=100 \(--max-context 100\), or free memory",
+    ):
         Engine.load(tiny_llama[1], provider="cpu", memory_limit=limit)
     fitted = Engine.load(tiny_llama[1], provider="cpu", memory_limit=limit, max_context=100)
     assert len(fitted.generate([5] * 10, max_new_tokens=5).token_ids) == 5
@@ -128,8 +134,11 @@ def test_a_batch_beyond_the_memory_limit_is_refused_before_its_cache_is_allocate
     limit = engine.memory.weights + KV_PER_TOKEN * 256
     small = Engine.load(tiny_llama[1], provider="cpu", memory_limit=limit)
     prompts = [[5] * 60, [6] * 60, [7] * 60]
-    with pytest.raises(GenerationError, match=r"3 rows of 100 tokens need 150.0 KiB of KV cache, but the memory limit has "
-                                              r"128.0 KiB left: run at most 2 prompts at a time"):
+    with pytest.raises(
+        GenerationError,
+        match=r"3 rows of 100 tokens need 150.0 KiB of KV cache, but the memory limit has "
+        r"128.0 KiB left: run at most 2 prompts at a time",
+    ):
         small.generate_batch(prompts, max_new_tokens=40)
     rows = small.generate_batch(prompts[:2], max_new_tokens=40)
     assert [len(r.token_ids) for r in rows] == [40, 40]

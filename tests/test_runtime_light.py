@@ -1,5 +1,6 @@
 """The runtime profile: loading, generating and constrained decoding must not import torch,
 transformers, optimum or onnx."""
+
 import json
 import subprocess
 import sys

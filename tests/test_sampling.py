@@ -1,11 +1,17 @@
 """The sampler on hand-made logits, and its filters against transformers' own logits processors."""
+
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from edgeinfer import GenerationConfig
 from edgeinfer.sdk import sampling
@@ -84,10 +90,17 @@ def kept_by_transformers(config):
     return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
 
 
-@pytest.mark.parametrize("settings", [
-    {"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 100, "top_p": 0.5},
-    {"top_k": 200, "top_p": 0.95, "min_p": 0.02, "temperature": 0.7}, {"top_p": 0.3, "temperature": 2.0},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"top_k": 40},
+        {"top_p": 0.9},
+        {"min_p": 0.05},
+        {"top_k": 100, "top_p": 0.5},
+        {"top_k": 200, "top_p": 0.95, "min_p": 0.02, "temperature": 0.7},
+        {"top_p": 0.3, "temperature": 2.0},
+    ],
+)
 def test_filters_keep_the_same_tokens_as_transformers(settings):
     config = GenerationConfig(**{"temperature": 1.0, **settings})
     kept = kept_by_edgeinfer(config)

@@ -1,5 +1,6 @@
 """Continuous batching (sdk/scheduler.py) on the tiny llama, without HTTP: requests from many threads
 join and leave one running batch, and each gets exactly what it gets alone."""
+
 import os
 import threading
 
@@ -10,10 +11,26 @@ from edgeinfer import BusyError, Engine, Scheduler
 from edgeinfer.export import ExportOptions, export_model
 from edgeinfer.sdk.errors import GenerationError, SettingsError
 
-PROMPTS = [list(range(3, 200)), [5, 6], "The capital of France is", list(range(40, 60)), "Hi", list(range(100, 150)),
-           "Edge boxes run small language models.", [7] * 30]
-SETTINGS = [{}, {}, {"temperature": 0.9, "seed": 3}, {}, {"temperature": 1.0, "top_k": 5, "seed": 1}, {"stop": ["x", "ed"]},
-            {"repetition_penalty": 1.3}, {"temperature": 0.7, "top_p": 0.9, "seed": 9}]
+PROMPTS = [
+    list(range(3, 200)),
+    [5, 6],
+    "The capital of France is",
+    list(range(40, 60)),
+    "Hi",
+    list(range(100, 150)),
+    "Edge boxes run small language models.",
+    [7] * 30,
+]
+SETTINGS = [
+    {},
+    {},
+    {"temperature": 0.9, "seed": 3},
+    {},
+    {"temperature": 1.0, "top_k": 5, "seed": 1},
+    {"stop": ["x", "ed"]},
+    {"repetition_penalty": 1.3},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 9},
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +55,9 @@ def test_sixteen_callers_in_threads_each_get_what_they_get_alone(engine):
         errors = in_threads(call, len(jobs))
     assert errors == []
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
-    assert [(r.text, r.finish_reason, r.prompt_tokens) for r in results] == [(e.text, e.finish_reason, e.prompt_tokens) for e in expected]
+    assert [(r.text, r.finish_reason, r.prompt_tokens) for r in results] == [
+        (e.text, e.finish_reason, e.prompt_tokens) for e in expected
+    ]
 
 
 def test_rows_decode_together_in_one_pass(engine):

@@ -2,6 +2,7 @@
 slot cache's books and logs every pass; its "model" says the token after t is t + 1. Admission,
 the order of passes (a long prompt's chunks interleaved with the other rows' decode passes),
 cancellation and the queue limit are checked exactly."""
+
 import threading
 import time
 
@@ -78,11 +79,16 @@ def test_a_long_prompt_is_prefilled_chunk_by_chunk_while_the_other_row_decodes()
         assert short.result().token_ids == [12, 13, 14, 15, 16, 17]
         assert long.result().token_ids == [112, 113, 114]
     assert engine.runner.passes == [
-        ("prefill", 0, 0, 2), ("decode", 0),
-        ("prefill", 1, 0, 4), ("decode", 0),
-        ("prefill", 1, 4, 8), ("decode", 0),
-        ("prefill", 1, 8, 12), ("decode", 0, 1),
-        ("decode", 0, 1)]
+        ("prefill", 0, 0, 2),
+        ("decode", 0),
+        ("prefill", 1, 0, 4),
+        ("decode", 0),
+        ("prefill", 1, 4, 8),
+        ("decode", 0),
+        ("prefill", 1, 8, 12),
+        ("decode", 0, 1),
+        ("decode", 0, 1),
+    ]
 
 
 def test_requests_past_the_rows_wait_and_take_the_first_row_freed():

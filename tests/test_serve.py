@@ -1,6 +1,7 @@
 """`edgeinfer serve` as a real subprocess on a free localhost port with the tiny llama, driven by the
 real openai client, and by raw HTTP where the stream's exact bytes matter. Every answer is compared
 with what the SDK gives for the same prompt alone."""
+
 import json
 import os
 import signal
@@ -32,8 +33,13 @@ def start(export, *flags):
     goes to a file beside the export, read back by `log(process)`."""
     port = free_port()
     log = open(export.parent / f"serve-{port}.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port), *flags],
-                               stdout=log, stderr=log, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port), *flags],
+        stdout=log,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
     process.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -143,7 +149,9 @@ def test_seeded_sampling_is_reproducible_and_equals_the_sdk(server, client, engi
     first = client.completions.create(model=server[1], prompt="Edge boxes", **asked).choices[0].text
     assert client.completions.create(model=server[1], prompt="Edge boxes", **asked).choices[0].text == first
     assert first == engine.generate("Edge boxes", max_new_tokens=16, temperature=0.9, top_p=0.95, seed=7).text
-    extra = client.completions.create(model=server[1], prompt="Edge boxes", max_tokens=16, seed=7, extra_body={"top_k": 3, "temperature": 1.0})
+    extra = client.completions.create(
+        model=server[1], prompt="Edge boxes", max_tokens=16, seed=7, extra_body={"top_k": 3, "temperature": 1.0}
+    )
     assert extra.choices[0].text == engine.generate("Edge boxes", max_new_tokens=16, seed=7, top_k=3, temperature=1.0).text
 
 
@@ -164,18 +172,21 @@ def test_the_stream_is_what_openai_clients_parse(server, engine):
     assert text == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=10).text
 
 
-@pytest.mark.parametrize("asked, status, message", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported by edgeinfer yet"),
-    ({"presence_penalty": 5}, 400, r"presence_penalty must be a number in \[-2, 2\]"),
-    ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
-    ({"logit_bias": {"99999": 1}}, 400, r"logit_bias \[99999\] are outside the vocabulary"),
-    ({"response_format": {"type": "regex", "pattern": "[a-"}}, 400, "the regex cannot be used"),
-    ({"response_format": {"type": "json_schema"}}, 400, r"response_format json_schema needs"),
-    ({"top_p": 3}, 400, r"top_p must be a number in \(0, 1\]"),
-    ({"bogus": 1}, 400, "unknown parameter 'bogus'"),
-    ({"max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "other"}, 404, "the model 'other' is not served here"),
-])
+@pytest.mark.parametrize(
+    "asked, status, message",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported by edgeinfer yet"),
+        ({"presence_penalty": 5}, 400, r"presence_penalty must be a number in \[-2, 2\]"),
+        ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+        ({"logit_bias": {"99999": 1}}, 400, r"logit_bias \[99999\] are outside the vocabulary"),
+        ({"response_format": {"type": "regex", "pattern": "[a-"}}, 400, "the regex cannot be used"),
+        ({"response_format": {"type": "json_schema"}}, 400, r"response_format json_schema needs"),
+        ({"top_p": 3}, 400, r"top_p must be a number in \(0, 1\]"),
+        ({"bogus": 1}, 400, "unknown parameter 'bogus'"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "other"}, 404, "the model 'other' is not served here"),
+    ],
+)
 def test_bad_requests_get_openai_errors_that_name_the_problem(server, asked, status, message):
     body = {"model": server[1], "messages": CHAT, "max_tokens": 4, **asked}
     response = httpx.post(f"{server[0]}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -193,13 +204,20 @@ def test_constraints_through_the_openai_client(server, client, engine):
     for seed in range(4):
         reply = client.chat.completions.create(model=server[1], messages=CHAT, temperature=1.0, seed=seed, response_format=fmt)
         assert json.loads(reply.choices[0].message.content) in schema["enum"]
-        assert reply.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), temperature=1.0, seed=seed,
-                                                                   response_format=fmt).text
+        assert (
+            reply.choices[0].message.content
+            == engine.generate(engine.chat_prompt(CHAT), temperature=1.0, seed=seed, response_format=fmt).text
+        )
     regex = {"type": "regex", "pattern": "[0-9]{3}"}
-    text = client.completions.create(model=server[1], prompt="Edge boxes", temperature=1.0, seed=3,
-                                     extra_body={"response_format": regex}).choices[0].text
-    assert __import__("re").fullmatch("[0-9]{3}", text) and text == engine.generate("Edge boxes", temperature=1.0, seed=3,
-                                                                                     response_format=regex).text
+    text = (
+        client.completions.create(model=server[1], prompt="Edge boxes", temperature=1.0, seed=3, extra_body={"response_format": regex})
+        .choices[0]
+        .text
+    )
+    assert (
+        __import__("re").fullmatch("[0-9]{3}", text)
+        and text == engine.generate("Edge boxes", temperature=1.0, seed=3, response_format=regex).text
+    )
     picked = client.completions.create(model=server[1], prompt="Edge boxes", extra_body={"choice": ["yes", "no"]})
     assert picked.choices[0].text in ("yes", "no") and picked.choices[0].finish_reason == "stop"
 
@@ -239,8 +257,11 @@ def test_context_key_size_and_unknown_paths(server, client):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(f"{server[0]}/v1/completions", json={"model": server[1], "prompt": "x"}, headers=headers)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
-    big = httpx.post(f"{server[0]}/v1/completions", content=b"{" + b" " * (5 * 2**20) + b"}",
-                     headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    big = httpx.post(
+        f"{server[0]}/v1/completions",
+        content=b"{" + b" " * (5 * 2**20) + b"}",
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
     assert big.status_code == 413 and "over" in big.json()["error"]["message"]
     assert httpx.get(f"{server[0]}/v2/nothing").json()["error"]["code"] == "unknown_url"
 
@@ -313,7 +334,10 @@ def test_a_repeated_start_comes_from_the_prefix_cache(server, client, engine):
     second = client.completions.create(model=server[1], prompt=prompt + [6], max_tokens=6).choices[0].text
     assert metric(server[0], "edgeinfer_prefix_cache_hit_tokens") - before == 96  # 3 whole blocks of 32
     assert metric(server[0], "edgeinfer_prefix_cache_bytes") > 0
-    assert (first, second) == (engine.generate(prompt + [5], max_new_tokens=6).text, engine.generate(prompt + [6], max_new_tokens=6).text)
+    assert (first, second) == (
+        engine.generate(prompt + [5], max_new_tokens=6).text,
+        engine.generate(prompt + [6], max_new_tokens=6).text,
+    )
 
 
 def test_a_server_without_the_prefix_cache_keeps_nothing(tiny_llama, engine):
@@ -334,8 +358,12 @@ def test_the_metrics_add_up(server, client):
     before = {name: metric(server[0], name) for name in ("edgeinfer_generated_tokens_total", "edgeinfer_prompt_tokens_total")}
     statuses = metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}')
     made = [client.completions.create(model=server[1], prompt=[5] * n, max_tokens=n).usage for n in (3, 7, 11)]
-    assert metric(server[0], "edgeinfer_generated_tokens_total") - before["edgeinfer_generated_tokens_total"] == sum(u.completion_tokens for u in made)
-    assert metric(server[0], "edgeinfer_prompt_tokens_total") - before["edgeinfer_prompt_tokens_total"] == sum(u.prompt_tokens for u in made)
+    assert metric(server[0], "edgeinfer_generated_tokens_total") - before["edgeinfer_generated_tokens_total"] == sum(
+        u.completion_tokens for u in made
+    )
+    assert metric(server[0], "edgeinfer_prompt_tokens_total") - before["edgeinfer_prompt_tokens_total"] == sum(
+        u.prompt_tokens for u in made
+    )
     assert metric(server[0], 'edgeinfer_requests_total{path="/v1/completions",status="200"}') == statuses + 3
 
 
@@ -356,6 +384,11 @@ def test_sigterm_lets_running_requests_end_with_length_and_exits_0(long_export):
 
 def test_a_model_that_cannot_load_ends_the_server_with_its_error(tmp_path):
     port = free_port()
-    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tmp_path / "missing"), "--port", str(port)],
-                          capture_output=True, text=True, timeout=60, env={**os.environ})
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tmp_path / "missing"), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
     assert done.returncode == 1 and "error: model path" in done.stderr and "does not exist" in done.stderr

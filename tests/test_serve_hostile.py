@@ -1,6 +1,7 @@
 """`edgeinfer serve` against hostile and sloppy clients, each driven the way a real one would be
 (raw sockets where the bytes on the wire are the point), and the OpenAI details clients rely on:
 n, batched prompts, cached tokens, the developer role, strict types, error shapes, CORS."""
+
 import json
 import socket
 import subprocess
@@ -30,8 +31,23 @@ def nested(depth: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    process, url = start(tiny_llama[1], "--max-batch", "4", "--api-key", KEY, "--metrics-key", METRICS_KEY, "--cors-origin", ORIGIN,
-                         "--header-timeout", "1", "--body-timeout", "1", "--provider", "cpu")
+    process, url = start(
+        tiny_llama[1],
+        "--max-batch",
+        "4",
+        "--api-key",
+        KEY,
+        "--metrics-key",
+        METRICS_KEY,
+        "--cors-origin",
+        ORIGIN,
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--provider",
+        "cpu",
+    )
     yield url, tiny_llama[1].name, process
     process.kill()
     process.wait(timeout=30)
@@ -67,33 +83,59 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_stays_usable(server):
     url, model, _ = server
     with httpx.Client(headers={**AUTH, "content-type": "application/json"}, timeout=30) as http:
         for path, field, where, good in (
-                ("/v1/chat/completions", '"messages": [{"role": "user", "content": "a\\ud800b"}]', "messages[0].content",
-                 {"messages": CHAT}),
-                ("/v1/completions", '"prompt": "a\\udfffb"', "prompt", {"prompt": "ab"})):
+            (
+                "/v1/chat/completions",
+                '"messages": [{"role": "user", "content": "a\\ud800b"}]',
+                "messages[0].content",
+                {"messages": CHAT},
+            ),
+            ("/v1/completions", '"prompt": "a\\udfffb"', "prompt", {"prompt": "ab"}),
+        ):
             response = http.post(f"{url}{path}", content=f'{{"model": "{model}", {field}, "max_tokens": 2}}'.encode())
             assert response.status_code == 400 and error_of(response)["param"] == where
             assert "lone surrogate" in error_of(response)["message"]
             again = http.post(f"{url}{path}", json={"model": model, "max_tokens": 2, **good})  # on the same connection
             assert again.status_code == 200
-        paired = http.post(f"{url}/v1/completions", content=f'{{"model": "{model}", "prompt": "a\\ud83d\\ude42", "max_tokens": 2}}'.encode())
+        paired = http.post(
+            f"{url}/v1/completions", content=f'{{"model": "{model}", "prompt": "a\\ud83d\\ude42", "max_tokens": 2}}'.encode()
+        )
         assert paired.status_code == 200  # a surrogate pair is an emoji
 
 
 def test_schemas_past_the_parsers_depth_and_without_finite_json_are_400s(server, client):
     url, model, _ = server
-    deep = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 4, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "deep", "schema": nested(127)}}})
+    deep = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": CHAT,
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested(127)}},
+        },
+    )
     assert deep.status_code == 400 and error_of(deep)["param"] == "response_format"
     assert "recursion limit" in error_of(deep)["message"]
-    too_deep = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "deep", "schema": nested(300)}}})
+    too_deep = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": CHAT,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested(300)}},
+        },
+    )
     assert too_deep.status_code == 400 and "nested more than 512 levels" in error_of(too_deep)["message"]
     loop = {"type": "json_schema", "json_schema": {"name": "loop", "schema": LOOP_SCHEMA}}
     whole = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 20, "response_format": loop})
     assert whole.status_code == 400 and error_of(whole)["param"] == "response_format"
     assert "cannot match the JSON schema" in error_of(whole)["message"]
-    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, json={
-            "model": model, "messages": CHAT, "max_tokens": 20, "response_format": loop, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        json={"model": model, "messages": CHAT, "max_tokens": 20, "response_format": loop, "stream": True},
+    ) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert response.status_code == 200 and "cannot match the JSON schema" in json.loads(events[-1])["error"]["message"]
     assert all(choice.get("finish_reason") is None for e in events[:-1] for choice in json.loads(e)["choices"])
@@ -130,8 +172,10 @@ def test_a_huge_prompt_beside_a_stream_does_not_stall_it(long_export):
     reader.start()
     try:
         poll(url, lambda: len(arrivals) > 20)
-        for path, body in (("/v1/completions", {"prompt": "Edge boxes run small models. " * 135000}),  # 3.9 MB
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 60000})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "Edge boxes run small models. " * 135000}),  # 3.9 MB
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 60000}),
+        ):
             started = time.monotonic()
             big = httpx.post(f"{url}{path}", json={"model": "long", "max_tokens": 4, **body}, timeout=60)
             ended = time.monotonic()
@@ -194,34 +238,48 @@ def test_clients_that_stall_are_cut_off(server):
     assert silent == b"" and 0.9 < after < 3
     partial, after = raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     assert partial.startswith(b"HTTP/1.1 408") and b"request_timeout" in partial and after < 3
-    short, after = raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-                       + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    short, after = raw(
+        url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b'\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"model"',
+    )
     assert short.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in short and after < 3
 
 
 def test_keys_compare_whole_and_an_empty_key_is_refused(server, tiny_llama):
     url, model, _ = server
     for key in ("-", KEY[:-1], KEY + "x", KEY.upper()):
-        response = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "x"}, headers={"Authorization": f"Bearer {key}"})
+        response = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "x"}, headers={"Authorization": f"Bearer {key}"}
+        )
         assert response.status_code == 401
     for flag in ("--api-key", "--metrics-key"):
-        done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tiny_llama[1]), flag, "",
-                               "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(tiny_llama[1]), flag, "", "--port", str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 2 and "an empty key would turn authentication off" in done.stderr
 
 
 def test_cors_preflight_needs_no_key_and_other_origins_are_refused(server):
     url, model, _ = server
-    asked = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+    asked = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+    }
     preflight = httpx.options(f"{url}/v1/chat/completions", headers=asked)
     assert preflight.status_code == 204 and preflight.headers["access-control-allow-origin"] == ORIGIN
     assert "x-stainless-os" in preflight.headers["access-control-allow-headers"]
     assert "POST" in preflight.headers["access-control-allow-methods"]
     other = httpx.options(f"{url}/v1/chat/completions", headers={**asked, "Origin": "http://evil.example"})
     assert other.status_code == 403 and "--cors-origin http://evil.example" in error_of(other)["message"]
-    call = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 2},
-                      headers={**AUTH, "Origin": ORIGIN})
+    call = httpx.post(
+        f"{url}/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 2}, headers={**AUTH, "Origin": ORIGIN}
+    )
     assert call.status_code == 200 and call.headers["access-control-allow-origin"] == ORIGIN
     assert "access-control-allow-origin" not in httpx.get(f"{url}/health", headers={"Origin": "http://evil.example"}).headers
 
@@ -231,8 +289,9 @@ def test_n_choices_are_seeded_apart_and_share_the_prompts_prefill(server, client
     prompt = [(7 * i) % 300 + 3 for i in range(100)]
     reply = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=11)
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert [c.text for c in reply.choices] == [engine.generate(prompt, max_new_tokens=8, temperature=1.0, seed=11 + i).text
-                                               for i in range(3)]
+    assert [c.text for c in reply.choices] == [
+        engine.generate(prompt, max_new_tokens=8, temperature=1.0, seed=11 + i).text for i in range(3)
+    ]
     assert reply.usage.prompt_tokens == 100 and reply.usage.completion_tokens == 24
     hits = metric(url, "edgeinfer_prefix_cache_hit_tokens")
     fresh = [(11 * i) % 290 + 4 for i in range(100)]
@@ -274,10 +333,12 @@ def test_usage_reports_cached_tokens_and_responses_carry_a_fingerprint(server, c
 
 def test_the_developer_role_is_the_system_role_and_agent_histories_validate(server, client, engine):
     url, model, _ = server
-    developer = client.chat.completions.create(model=model, messages=[{"role": "developer", "content": "Be brief."}, *CHAT], max_tokens=6)
+    developer = client.chat.completions.create(
+        model=model, messages=[{"role": "developer", "content": "Be brief."}, *CHAT], max_tokens=6
+    )
     system = [{"role": "system", "content": "Be brief."}, *CHAT]
     assert developer.choices[0].message.content == engine.generate(engine.chat_prompt(system), max_new_tokens=6).text
-    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
     history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "And?"}]
     response = post(url, "/v1/chat/completions", {"model": model, "messages": history, "max_tokens": 2})
     assert response.status_code == 400 and "does not render tool calls" in error_of(response)["message"]  # the schema took it
@@ -285,15 +346,18 @@ def test_the_developer_role_is_the_system_role_and_agent_histories_validate(serv
     assert no_content.status_code == 400 and error_of(no_content)["param"] == "messages[0]"
 
 
-@pytest.mark.parametrize("asked, param, message", [
-    ({"max_tokens": True}, "max_tokens", "valid integer"),
-    ({"stream": "yes"}, "stream", "valid boolean"),
-    ({"temperature": "0.5"}, "temperature", "valid number"),
-    ({"n": 0}, "n", "greater than or equal to 1"),
-    ({"seed": 2**64}, "seed", "less than or equal to"),
-    ({"max_tokens": 250}, "max_tokens", "ask for at most"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "Input should be"),
-])
+@pytest.mark.parametrize(
+    "asked, param, message",
+    [
+        ({"max_tokens": True}, "max_tokens", "valid integer"),
+        ({"stream": "yes"}, "stream", "valid boolean"),
+        ({"temperature": "0.5"}, "temperature", "valid number"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
+        ({"seed": 2**64}, "seed", "less than or equal to"),
+        ({"max_tokens": 250}, "max_tokens", "ask for at most"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "Input should be"),
+    ],
+)
 def test_strict_types_and_the_context_rule(server, asked, param, message):
     url, model, _ = server
     response = post(url, "/v1/chat/completions", {"model": model, "messages": CHAT, **asked})
@@ -307,8 +371,11 @@ def test_error_shapes_for_bodies_that_are_not_requests(server):
     bad_json = httpx.post(f"{url}/v1/completions", content=b'{"model": "x", ', headers={**AUTH, "content-type": "application/json"})
     assert bad_json.status_code == 400 and error_of(bad_json)["param"] is None
     assert "not valid JSON" in error_of(bad_json)["message"]
-    as_curl_sends_it = httpx.post(f"{url}/v1/completions", content=json.dumps({"model": server[1], "prompt": "ab", "max_tokens": 1}),
-                                  headers={**AUTH, "content-type": "application/x-www-form-urlencoded"})
+    as_curl_sends_it = httpx.post(
+        f"{url}/v1/completions",
+        content=json.dumps({"model": server[1], "prompt": "ab", "max_tokens": 1}),
+        headers={**AUTH, "content-type": "application/x-www-form-urlencoded"},
+    )
     assert as_curl_sends_it.status_code == 200 and as_curl_sends_it.json()["usage"]["completion_tokens"] == 1
     array = post(url, "/v1/completions", [1, 2])
     assert array.status_code == 400 and error_of(array)["message"].startswith("the request body")

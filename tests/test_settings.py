@@ -1,5 +1,6 @@
 """Generation settings: every bad value is refused with its name, its rule and the value given;
 a call's settings come from the model's defaults, a config and keywords, in that order."""
+
 import json
 
 import pytest
@@ -36,11 +37,17 @@ BAD = [
     ({"logprobs": 1}, r"logprobs must be True or False, got 1"),
     ({"choice": []}, r"choice must be a non-empty list of non-empty strings, got \[\]"),
     ({"choice": ["a", ""]}, r"choice must be a non-empty list of non-empty strings"),
-    ({"response_format": {"type": "xml"}}, r"response_format must be a dict whose type is one of text, json_object, "
-                                           r"json_schema, regex, grammar, got 'xml'"),
+    (
+        {"response_format": {"type": "xml"}},
+        r"response_format must be a dict whose type is one of text, json_object, "
+        r"json_schema, regex, grammar, got 'xml'",
+    ),
     ({"response_format": "json"}, r"response_format must be a dict whose type is one of .*, got 'json'"),
-    ({"response_format": {"type": "json_schema", "schema": {}}}, r"response_format of type 'json_schema' takes "
-                                                                 r"\['json_schema'\], not \['schema'\]"),
+    (
+        {"response_format": {"type": "json_schema", "schema": {}}},
+        r"response_format of type 'json_schema' takes "
+        r"\['json_schema'\], not \['schema'\]",
+    ),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, r"needs \{\"json_schema\": \{\"schema\""),
     ({"response_format": {"type": "regex"}}, r"response_format of type 'regex' needs 'pattern', a non-empty string"),
     ({"response_format": {"type": "grammar", "lark": ""}}, r"type 'grammar' needs 'lark', a non-empty string"),
@@ -67,9 +74,9 @@ def test_response_formats_become_one_constraint():
     from edgeinfer.sdk.settings import Constraint
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert GenerationConfig(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
-                                                                                      "strict": True}}).constraint == \
-        Constraint("json_schema", json.dumps(schema))
+    assert GenerationConfig(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    ).constraint == Constraint("json_schema", json.dumps(schema))
     assert GenerationConfig(response_format={"type": "json_object"}).constraint == Constraint("json_schema", '{"type": "object"}')
     assert GenerationConfig(response_format={"type": "regex", "pattern": "a+"}).constraint == Constraint("regex", "a+")
     assert GenerationConfig(response_format={"type": "grammar", "lark": "start: /x/"}).constraint == Constraint("lark", "start: /x/")
@@ -83,8 +90,14 @@ def test_greedy_means_nothing_is_sampled_or_penalized():
     assert GenerationConfig(temperature=0.9, top_k=1).chooses_by_argmax
     assert not GenerationConfig(temperature=0.9).chooses_by_argmax
     assert not GenerationConfig(repetition_penalty=1.2).chooses_by_argmax
-    for setting in ({"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logit_bias": {1: 1}}, {"choice": ["a"]},
-                    {"response_format": {"type": "json_object"}}, {"logprobs": True}):
+    for setting in (
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -0.5},
+        {"logit_bias": {1: 1}},
+        {"choice": ["a"]},
+        {"response_format": {"type": "json_object"}},
+        {"logprobs": True},
+    ):
         assert not GenerationConfig(**setting).chooses_by_argmax, setting
 
 
@@ -97,8 +110,11 @@ def test_keywords_override_the_config_which_replaces_the_model_defaults():
 
 
 def test_an_unknown_keyword_is_an_error_that_suggests_the_right_one():
-    with pytest.raises(SettingsError, match=r"unknown generation setting 'temprature': did you mean 'temperature'\? "
-                                            r"the settings are max_new_tokens, temperature"):
+    with pytest.raises(
+        SettingsError,
+        match=r"unknown generation setting 'temprature': did you mean 'temperature'\? "
+        r"the settings are max_new_tokens, temperature",
+    ):
         resolve_settings(GenerationConfig(), None, {"temprature": 0.5})
     with pytest.raises(SettingsError, match="config must be a GenerationConfig, got dict"):
         resolve_settings(GenerationConfig(), {"temperature": 1}, {})
@@ -110,8 +126,13 @@ def test_export_maps_the_models_generation_config_to_settings():
     from edgeinfer.export.pipeline import generation_defaults
 
     assert generation_defaults(HFConfig()) == {}
-    assert generation_defaults(HFConfig(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=100)) == \
-        {"max_new_tokens": 100, "temperature": 0.6, "top_k": 50, "top_p": 0.9, "min_p": 0.0}
+    assert generation_defaults(HFConfig(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=100)) == {
+        "max_new_tokens": 100,
+        "temperature": 0.6,
+        "top_k": 50,
+        "top_p": 0.9,
+        "min_p": 0.0,
+    }
     # sampling settings without do_sample are not used by transformers, so not by edgeinfer either
     assert generation_defaults(HFConfig(temperature=0.6, repetition_penalty=1.3)) == {"repetition_penalty": 1.3}
     assert set(generation_defaults(HFConfig(do_sample=True, repetition_penalty=1.1, max_new_tokens=5))) <= set(FIELDS)

@@ -1,5 +1,6 @@
 """Speculative decoding: proposed tokens checked in one pass give exactly the greedy tokens of plain
 decoding, the same distribution when sampling, and fewer passes where proposals are right."""
+
 import json
 import shutil
 
@@ -61,8 +62,7 @@ def test_greedy_tokens_equal_plain_greedy(engine, count):
     totals = [0, 0]
     for prompt in PROMPTS:
         plain = engine.generate(prompt, max_new_tokens=40, ignore_eos=True)
-        fast = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculative="prompt_lookup",
-                               num_speculative_tokens=count)
+        fast = engine.generate(prompt, max_new_tokens=40, ignore_eos=True, speculative="prompt_lookup", num_speculative_tokens=count)
         assert fast.token_ids == plain.token_ids and fast.text == plain.text and fast.finish_reason == "length"
         assert plain.proposed_tokens is None and 0 <= fast.accepted_tokens <= fast.proposed_tokens
         totals = [totals[0] + fast.proposed_tokens, totals[1] + fast.accepted_tokens]
@@ -107,8 +107,7 @@ def test_a_batch_row_accepts_its_own_count(exports):
 
 
 def test_greedy_with_penalties_bias_and_logprobs_equals_plain(engine):
-    settings = dict(max_new_tokens=30, ignore_eos=True, repetition_penalty=1.3, logit_bias={7: 2.0}, logprobs=True,
-                    top_logprobs=2)
+    settings = dict(max_new_tokens=30, ignore_eos=True, repetition_penalty=1.3, logit_bias={7: 2.0}, logprobs=True, top_logprobs=2)
     plain = engine.generate(PROMPTS[0], **settings)
     fast = engine.generate(PROMPTS[0], speculative="prompt_lookup", **settings)
     assert fast.token_ids == plain.token_ids
@@ -152,9 +151,12 @@ def test_sampled_output_has_the_distribution_of_plain_sampling(exports):
     folder = exports["in place"]
     engine = Engine.load(folder, provider="cpu", prefix_cache=0, draft=folder)
     draws, settings = 1000, dict(max_new_tokens=3, ignore_eos=True, temperature=0.3, top_k=3)
-    rows = {spec: engine.generate_batch([PROMPTS[0]] * draws, [GenerationConfig(seed=s, speculative=spec, **settings)
-                                                               for s in range(draws)])
-            for spec in (None, "draft")}
+    rows = {
+        spec: engine.generate_batch(
+            [PROMPTS[0]] * draws, [GenerationConfig(seed=s, speculative=spec, **settings) for s in range(draws)]
+        )
+        for spec in (None, "draft")
+    }
     proposed, accepted = (sum(getattr(r, n) for r in rows["draft"]) for n in ("proposed_tokens", "accepted_tokens"))
     assert proposed >= draws and 0.2 * proposed < accepted < 0.8 * proposed
     for position, bound in ((1, 0.15), (2, 0.2)):
@@ -285,19 +287,29 @@ def test_the_server_speculates_by_default_or_per_request_and_reports_it_in_usage
         process, url = start(folder, "--provider", "cpu", *flags)
         try:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            answer = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30,
-                                               extra_body={"ignore_eos": True, **extra})
+            answer = client.completions.create(
+                model=folder.name, prompt=PROMPTS[0], max_tokens=30, extra_body={"ignore_eos": True, **extra}
+            )
             assert answer.choices[0].text == expected.text
             details = answer.usage.completion_tokens_details
             assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
-                expected.accepted_tokens, expected.proposed_tokens - expected.accepted_tokens)
-            stream = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30, stream=True,
-                                               stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra})
+                expected.accepted_tokens,
+                expected.proposed_tokens - expected.accepted_tokens,
+            )
+            stream = client.completions.create(
+                model=folder.name,
+                prompt=PROMPTS[0],
+                max_tokens=30,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, **extra},
+            )
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
             assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == expected.accepted_tokens
-            plain = client.completions.create(model=folder.name, prompt=PROMPTS[0], max_tokens=30,
-                                              extra_body={"ignore_eos": True, "speculative": None})
+            plain = client.completions.create(
+                model=folder.name, prompt=PROMPTS[0], max_tokens=30, extra_body={"ignore_eos": True, "speculative": None}
+            )
             assert plain.choices[0].text == expected.text
         finally:
             process.kill()
@@ -310,7 +322,8 @@ def test_a_server_with_a_draft_speculates_with_it_by_default(exports):
 
     folder = exports["in place"]
     expected = Engine.load(folder, provider="cpu", prefix_cache=0, draft=folder).generate(
-        PROMPTS[1], max_new_tokens=30, ignore_eos=True, speculative="draft")
+        PROMPTS[1], max_new_tokens=30, ignore_eos=True, speculative="draft"
+    )
     process, url = start(folder, "--provider", "cpu", "--draft", str(folder))
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -353,7 +366,7 @@ def test_a_row_never_checks_past_its_budget(chain_llama):
     engine = Engine.load(folder, provider="cpu", prefix_cache=0)
     for limit in range(1, 9):
         fast = engine.generate(chain + [1], max_new_tokens=limit, speculative="prompt_lookup", num_speculative_tokens=8)
-        assert fast.token_ids == chain[1:limit + 1] and fast.finish_reason == "length"
+        assert fast.token_ids == chain[1 : limit + 1] and fast.finish_reason == "length"
 
 
 def test_a_draft_forgets_its_rejected_guesses(exports):

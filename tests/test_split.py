@@ -1,6 +1,7 @@
 """The split layout (`edgeinfer export --graphs split`): prefill.onnx and decode.onnx on one
 weights file, loaded by the runtime, giving the single graph's tokens and logits; and its shapes
 fixed with --prefill-length and --static-context."""
+
 import shutil
 
 import numpy as np
@@ -29,14 +30,20 @@ def layouts(tiny_llama, tmp_path_factory):
 
 
 def _inputs(path):
-    return {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
-            for i in onnx.load(str(path), load_external_data=False).graph.input}
+    return {
+        i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim]
+        for i in onnx.load(str(path), load_external_data=False).graph.input
+    }
 
 
 def test_split_writes_two_graphs_on_one_weights_file(layouts):
     folder = layouts["static"]
     manifest = load_manifest(folder)
-    assert sorted(p.name for p in folder.iterdir() if p.suffix in (".onnx", ".data")) == ["decode.onnx", "prefill.onnx", "weights.data"]
+    assert sorted(p.name for p in folder.iterdir() if p.suffix in (".onnx", ".data")) == [
+        "decode.onnx",
+        "prefill.onnx",
+        "weights.data",
+    ]
     assert manifest.layout == "split" and manifest.format_version == 3
     assert (manifest.prefill.file, manifest.graph.file) == ("prefill.onnx", "decode.onnx")
     assert not any(name.startswith("past_key_values.") for name in manifest.prefill.inputs)
@@ -61,8 +68,10 @@ def test_split_layouts_give_the_single_graphs_tokens_and_logits(layouts, layout)
     single, split = Engine.load(layouts["single"]), Engine.load(layouts[layout])
     assert split.runner.prefill_graph is not None and single.runner.prefill_graph is None
     for prompt in PROMPTS:  # the second is longer than the static prefill graph's 12 positions
-        assert split.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == \
-            single.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+        assert (
+            split.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+            == single.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+        )
     ids = single.prompt_ids(PROMPTS[1])
     ours, theirs = [], []
     for engine, out in ((split, ours), (single, theirs)):
@@ -74,8 +83,9 @@ def test_split_layouts_give_the_single_graphs_tokens_and_logits(layouts, layout)
             out.append(logits)
     assert np.abs(np.stack(ours) - np.stack(theirs)).max() <= 1e-4
     short = ["The capital", "Edge"]  # a batch that fits the prefill graph's positions
-    assert [r.token_ids for r in split.generate_batch(short, max_new_tokens=8, ignore_eos=True)] == \
-        [r.token_ids for r in single.generate_batch(short, max_new_tokens=8, ignore_eos=True)]
+    assert [r.token_ids for r in split.generate_batch(short, max_new_tokens=8, ignore_eos=True)] == [
+        r.token_ids for r in single.generate_batch(short, max_new_tokens=8, ignore_eos=True)
+    ]
 
 
 def test_split_layouts_match_transformers(layouts, tiny_llama):

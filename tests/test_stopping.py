@@ -1,4 +1,5 @@
 """Stop strings on hand-made text pieces: held back only while they could still start a stop."""
+
 from edgeinfer.sdk.stopping import StopStrings
 
 

@@ -1,4 +1,5 @@
 """Export and generation on a tiny random-weight llama, pinned against transformers."""
+
 import collections
 import json
 import shutil
@@ -30,20 +31,37 @@ def engine(tiny_llama):
 
 def hf_greedy(model, ids, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     folder = tiny_llama[1]
     manifest = json.loads((folder / "edgeinfer.json").read_text())
     assert manifest["format_version"] == 2
-    assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == ("llama", 2, 2, 16)
+    assert (manifest["architecture"], manifest["kv"]["num_layers"], manifest["kv"]["num_kv_heads"], manifest["kv"]["head_size"]) == (
+        "llama",
+        2,
+        2,
+        16,
+    )
     assert (manifest["vocab_size"], manifest["max_context"], manifest["bos_token_id"], manifest["eos_token_ids"]) == (320, 256, 1, [])
     assert manifest["validation"]["passed"] and manifest["validation"]["max_abs_diff_decode"] < 1e-4
-    assert set(manifest["files"]) == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                                      "generation_config.json", "model.onnx", "model.onnx.data"}
+    assert set(manifest["files"]) == {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "generation_config.json",
+        "model.onnx",
+        "model.onnx.data",
+    }
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     past = [f"past_key_values.{layer}.{kind}" for layer in range(2) for kind in ("key", "value")]
     assert manifest["kv"]["in_place"]  # GroupQueryAttention rotates by each row's slots: no position ids
@@ -68,8 +86,10 @@ def test_export_fuses_the_graph_and_no_fuse_keeps_optimums(tiny_llama, tmp_path)
     plain_manifest = json.loads((tmp_path / "plain" / "edgeinfer.json").read_text())
     assert "fusion" not in plain_manifest["validation"] and not plain_manifest["kv"]["in_place"]
     prompt = "The capital of France is"
-    assert Engine.load(tmp_path / "plain", provider="cpu").generate(prompt, max_new_tokens=16).token_ids == \
-        Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=16).token_ids
+    assert (
+        Engine.load(tmp_path / "plain", provider="cpu").generate(prompt, max_new_tokens=16).token_ids
+        == Engine.load(tiny_llama[1], provider="cpu").generate(prompt, max_new_tokens=16).token_ids
+    )
 
 
 def test_greedy_tokens_equal_transformers(engine, hf):
@@ -176,8 +196,10 @@ def test_force_replaces_an_existing_export(tiny_llama, tmp_path):
     export_model(str(tiny_llama[0]), out, ExportOptions(force=True))
     assert not (out / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
-    assert Engine.load(out, provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids == \
-        Engine.load(tiny_llama[1], provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids
+    assert (
+        Engine.load(out, provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids
+        == Engine.load(tiny_llama[1], provider="cpu").generate(PROMPT, max_new_tokens=8).token_ids
+    )
 
 
 def test_failed_export_leaves_nothing(tmp_path):
@@ -261,7 +283,9 @@ def test_fusion_falls_back_where_the_rewrite_does_not_apply_and_fails_on_a_bug(t
         return {}["missing"]
 
     monkeypatch.setattr(fuse, "rewrite_attention", a_bug)
-    with pytest.raises(ExportError, match="the fuse stage failed with KeyError: 'missing': this is a bug in edgeinfer.*--no-fuse") as error:
+    with pytest.raises(
+        ExportError, match="the fuse stage failed with KeyError: 'missing': this is a bug in edgeinfer.*--no-fuse"
+    ) as error:
         export_model(str(tiny_llama[0]), tmp_path / "bug")
     assert isinstance(error.value.__cause__, KeyError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fallback"]
