@@ -119,8 +119,8 @@ def _contrib_ops(graph: onnx.ModelProto) -> dict[str, int]:
 
 
 def _trim_rotary_caches(graph, max_context: int) -> None:
-    """The optimizer sizes RotaryEmbedding's cos/sin caches for 131,072 positions (34 MB for
-    SmolLM2); positions past the export's context are never read."""
+    """The optimizer sizes RotaryEmbedding's cos/sin caches for 131,072 positions; positions past
+    the export's context are never read, so they are cut to it."""
     from onnx import numpy_helper
 
     names = {n.input[i] for n in graph.node if n.op_type == "RotaryEmbedding" for i in (2, 3) if len(n.input) > i}

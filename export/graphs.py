@@ -15,11 +15,8 @@ verifies k proposed tokens in one pass and passes k + 1.
 
 from __future__ import annotations
 
-import inspect
 import shutil
-import threading
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +28,7 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
 from .families import onnx_config_constructor
+from .patches import full_length_caches, onnx_float, weights_apart
 from .source import first_line
 
 GRAPH_FILE = "model.onnx"
@@ -52,7 +50,7 @@ def export_graph(model, folder: Path) -> GraphSpec:
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
-        with warnings.catch_warnings(), _full_length_caches(model.config), _weights_apart() as weights:
+        with warnings.catch_warnings(), full_length_caches(model.config), weights_apart() as weights:
             # The tracer's warnings about Python-side shape checks are expected for these
             # models; the export's validation stage is the real check of the graph.
             warnings.simplefilter("ignore")
@@ -77,8 +75,8 @@ def export_graph(model, folder: Path) -> GraphSpec:
 def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
     """The output axes that optimum's `fix_dynamic_axes` would make static: those the tracer left
     dynamic under a name the config does not give. It finds them through an ONNX Runtime session
-    over all the weights (5 s of SmolLM2's export); they are in the graph file's outputs, read here
-    without the weights, and the session runs only where there are some."""
+    over all the weights; they are in the graph file's outputs, read here without the weights, and
+    the session runs only where there are some."""
     allowed = {name for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for name in axes.values()}
     outputs = onnx.load(str(path), load_external_data=False).graph.output
     return [
@@ -223,8 +221,8 @@ def tied_embedding(graph: onnx.GraphProto, folder: Path | None = None):
 
 def _transposed_equal(table: onnx.TensorProto, weight: onnx.TensorProto, folder: Path | None, rows: int = 16384) -> bool:
     """Whether `table` is `weight` transposed, compared `rows` rows of the table at a time, each
-    block through mappings of its own: mapping both whole kept every page read resident until the
-    end (Gemma 3's two 671 MB tables counted 1.4 GiB in the process)."""
+    block through mappings of its own: mapping both whole would keep every page read resident until
+    the end."""
     for start in range(0, table.dims[0], rows):
         if not np.array_equal(
             tensor_array(table, folder)[start : start + rows], tensor_array(weight, folder)[:, start : start + rows].T
@@ -248,44 +246,6 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
     )
 
 
-_EXPORTING = threading.Lock()  # the patch below is process-wide: one export uses it at a time
-_APART = 1024  # bytes: floating-point tensors this large are written apart from torch.onnx's message
-
-
-@contextmanager
-def _weights_apart():
-    """torch.onnx's TorchScript exporter copies every weight into ONNX messages in C++ twice: for
-    ONNX's shape inference (`_jit_pass_onnx_graph_shape_type_inference`, which takes the values for
-    constant propagation: Gemma 3 270M went from 1.60 to 3.58 GiB there), and for the graph it
-    serializes (`Graph._export_onnx`: the weights three times over, SmolLM2 from 0.98 to 2.82 GiB).
-    While it runs here, both are given only the tensors under 1 KiB and those that are not floating
-    point (what shape inference may read), so the others are graph inputs of known shapes; the dict
-    yielded holds them (the weights, and what constant folding made of them), for `write_weights`
-    to put in the data file one at a time."""
-    import torch
-
-    graph_class, held = torch._C.Graph, {}
-    export_original, infer_original = graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference
-
-    def small(params):
-        return {name: tensor for name, tensor in params.items() if not (_onnx_float(tensor) and _nbytes(tensor) >= _APART)}
-
-    def infer(graph, params, *args, **kwargs):
-        return infer_original(graph, small(params), *args, **kwargs)
-
-    def export_onnx(self, params, *args, **kwargs):
-        kept = small(params)
-        held.update((name, tensor) for name, tensor in params.items() if name not in kept)
-        return export_original(self, kept, *args, **kwargs)
-
-    with _EXPORTING:
-        graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference = export_onnx, infer
-        try:
-            yield held
-        finally:
-            graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference = export_original, infer_original
-
-
 def write_weights(path: Path, weights: dict) -> None:
     """Make the graph inputs named in `weights` (torch tensors) initializers again, their bytes
     written to the graph's data file one tensor at a time."""
@@ -306,7 +266,7 @@ def write_weights(path: Path, weights: dict) -> None:
             offset = out.tell()
             out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             proto = onnx.TensorProto(
-                name=name, dims=list(tensor.shape), data_type=_onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL
+                name=name, dims=list(tensor.shape), data_type=onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL
             )
             for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
                 entry = proto.external_data.add()
@@ -315,77 +275,6 @@ def write_weights(path: Path, weights: dict) -> None:
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     onnx.save(model, str(path))
-
-
-def _onnx_float(tensor) -> int | None:
-    import torch
-
-    return {
-        torch.float32: onnx.TensorProto.FLOAT,
-        torch.float16: onnx.TensorProto.FLOAT16,
-        torch.bfloat16: onnx.TensorProto.BFLOAT16,
-        torch.float64: onnx.TensorProto.DOUBLE,
-    }.get(tensor.dtype)
-
-
-def _nbytes(tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-_TRACING = threading.Lock()  # the patch below is process-wide: one export traces with it at a time
-
-
-@contextmanager
-def _full_length_caches(config):
-    """Every layer's cache keeps all its tokens while the graph is traced.
-
-    transformers 4.57 gives sliding-window layers a cache that keeps only the last window - 1
-    tokens, so a prefill traced with it returns presents of different lengths per layer, which
-    optimum-onnx 0.1.0's decode graph cannot take (it sizes the attention mask from one layer's
-    past and fails, or attends to the wrong slots, once a prompt passes the window). With
-    full-length caches the sliding window is still applied, by the attention mask, so the outputs
-    are the same; the cost is that the cache of a sliding layer grows past its window.
-
-    `DynamicCache.__init__` is patched to ignore its config only for models that have such layers,
-    under a lock, and the class gets back exactly what it had.
-    """
-    if not _has_sliding_layers(config):
-        yield
-        return
-    from transformers import cache_utils
-
-    cache = cache_utils.DynamicCache
-    with _TRACING:
-        own, original = cache.__dict__.get("__init__"), cache.__init__
-        signature = inspect.signature(original)
-        if "config" not in signature.parameters:
-            raise ExportError(
-                "transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
-                "models relies on: install the transformers version the export extra pins (4.57)"
-            )
-
-        def without_layer_types(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.arguments["config"] = None
-            original(*bound.args, **bound.kwargs)
-
-        cache.__init__ = without_layer_types
-        try:
-            yield
-        finally:
-            if own is None:
-                del cache.__init__
-            else:
-                cache.__init__ = own
-
-
-def _has_sliding_layers(config) -> bool:
-    """Whether `DynamicCache(config=config)` would give some layer a sliding-window cache."""
-    text = config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None)
-    if types:
-        return any(kind in ("sliding_attention", "chunked_attention") for kind in types)
-    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None))
 
 
 def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:

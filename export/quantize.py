@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx.external_data_helper import uses_external_data
 
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
@@ -17,6 +16,7 @@ from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .graphs import GRAPH_FILE, save_graph, tied_embedding
+from .patches import one_weight_at_a_time
 
 BITS = {"int4": 4, "int8": 8}
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -48,10 +48,9 @@ class Quantization:
 def quantize_graph(folder: Path, quantization: Quantization) -> None:
     """Replace model.onnx and its weights in `folder` by the quantized graph: ONNX Runtime's
     MatMulNBitsQuantizer, given the graph without its weights, reads each MatMul's fp32 weight from
-    the data file as it packs it (`_one_weight_at_a_time`). Loading them all first, as the
-    quantizer expects, held every fp32 weight until the end: quantizing Gemma 3 270M's fused graph
-    alone peaked at 2.79 GiB, its 262k-token table loaded twice; now 1.16 GiB, and the files
-    written are the same bytes. Tensors the quantizer leaves alone (the embedding table, norms) are
+    the data file as it packs it (`patches.one_weight_at_a_time`), so one fp32 weight is in
+    memory at a time, and the files written are the bytes of the quantizer's own run on the loaded
+    graph. Tensors the quantizer leaves alone (the embedding table, norms) are
     copied from the old data file by `save_graph`."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -69,42 +68,17 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
         accuracy_level=quantization.accuracy_level,
         algo_config=config,
     )
-    _one_weight_at_a_time(quantizer.node_quantizer, folder)
+    one_weight_at_a_time(quantizer.node_quantizer, folder)
     quantizer.process()
     if tied:
         quantized_embedding(quantizer.model.model.graph, *tied, bits, quantization.block_size)
     save_graph(quantizer.model.model, folder, weights_from=folder)
 
 
-def _one_weight_at_a_time(node_quantizer, folder: Path) -> None:
-    """Make `node_quantizer` read a node's weight from `folder`'s data file for the time it
-    quantizes that node: the tensor's file reference is made absolute meanwhile, so that the
-    quantizer's reader (onnx_ir) maps the bytes from the file instead of copying them, and the
-    pages are let go with the mapping. Loading the weight into the graph first held it twice during
-    quantization (the message's bytes, and the array copied from them): 1.34 GB for Gemma 3's
-    lm_head."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
-
-    quantize = node_quantizer.quantize
-
-    def one_weight(node, graph_stack):
-        weight = get_initializer(node.input[1], graph_stack)[0] if len(node.input) > 1 else None
-        if weight is None or not uses_external_data(weight):
-            return quantize(node, graph_stack)
-        (location,) = [entry for entry in weight.external_data if entry.key == "location"]
-        relative, location.value = location.value, str(Path(folder).resolve() / location.value)
-        try:
-            return quantize(node, graph_stack)
-        finally:
-            location.value = relative
-
-    node_quantizer.quantize = one_weight
-
-
 def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) -> bool:
     """Where the embedding table is the lm_head's weight transposed (tied weights), gather from the
     lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes, scales and zero
-    points, so no fp32 table is left (113 MB for SmolLM2). MatMulNBits lays its weight out as
+    points, so no fp32 table is left. MatMulNBits lays its weight out as
     [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized along hidden;
     GatherBlockQuantized wants it as [vocab, bytes per row], a reshaped copy of the bytes alone (the
     scales and zero points are shared; without zero points both ops take the same default,
@@ -113,8 +87,7 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     fp32 exports keep both tables: the lm_head's MatMul weight is pre-packed at load, and ONNX
     Runtime keeps an initializer that another node reads resident after packing it, while the
     embedding table is memory-mapped and only the rows of the tokens seen are ever read. Sharing
-    one fp32 tensor saved 113 MB of disk but cost 108 MiB of resident memory after load (SmolLM2:
-    677 against 569 MiB once the session was built)."""
+    one fp32 tensor saves disk but costs resident memory (docs/manifest.md has the figures)."""
     from onnx import helper, numpy_helper
 
     lm_head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{weight}_Q{bits}"), None)
@@ -161,14 +134,14 @@ class QualityReference:
 
 def quality_reference(model, folder: Path) -> QualityReference:
     """The PyTorch model's side of `quality`, taken right after the graph is traced so that the
-    model can be let go (SmolLM2: 0.5 GiB) before the checks and the quantizer run."""
+    model (its fp32 weights) can be let go before the checks and the quantizer run."""
     import torch
 
     manifest = load_manifest(folder)
     ids = Tokenizer(Path(folder), manifest.tokenizer).encode(QUALITY_TEXT.read_text())[: manifest.max_context]
     targets, parts, past = np.array(ids[1:]), [], None
-    with torch.no_grad():  # 256 positions a pass on the model's own cache: one pass over the text held its
-        for start in range(0, len(targets), _CHUNK):  # 233 MB of logits and the activations behind them
+    with torch.no_grad():  # _CHUNK positions a pass on the model's own cache: one pass over the whole text
+        for start in range(0, len(targets), _CHUNK):  # would hold all its logits and the activations behind them
             out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
             parts.append(_scores(out.logits[0].float().numpy(), targets[start : start + _CHUNK]))
             past = out.past_key_values
@@ -191,9 +164,9 @@ def quality(reference: QualityReference, folder: Path) -> dict:
 def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`_scores` of the export's logits after each prefix of `ids`: the first token as a prompt,
     then the rest a chunk per pass, with the logits of every position (as speculative decoding
-    checks its guesses). One decode step per token took 21 s of SmolLM2's int4 export; this takes
-    about 4. Each chunk's logits are reduced as they come: all of them at once, in float64, took
-    466 MB for SmolLM2's vocabulary, and as much again for each step of the softmax."""
+    checks its guesses), not one decode step per token. Each chunk's logits are reduced as they
+    come: all of them at once, in float64, would take text x vocabulary x 8 bytes, and as much again
+    for each step of the softmax."""
     cache = engine.runner.new_batch(1, len(ids))
     parts = [_scores(engine.runner.prefill(cache, [ids[:1]]).numpy()[0, -1:], targets[:1])]
     rest, step = ids[1:-1], engine.prefill_chunk
@@ -205,7 +178,7 @@ def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) 
 
 def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = 32) -> tuple[np.ndarray, np.ndarray]:
     """Each position's top token and the log-probability it gives its target, in float64, `rows`
-    positions at a time (with Gemma 3's 262k-token vocabulary, 256 rows took 537 MB a copy)."""
+    positions at a time (a large vocabulary makes each row's float64 copy large)."""
     top, scores = [], []
     for start in range(0, len(logits), rows):
         block = logits[start : start + rows].astype(np.float64)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import re
 import shutil
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
 from .families import SUPPORTED, UNSUPPORTED
+from .patches import faster_gguf
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -83,7 +81,7 @@ def load_model(source: Source, with_tokenizer: bool = True):
         check_supported(_model_type(Path(source.path)))
     try:
         converted = _converted_gguf(source) if source.gguf_file else None
-        with _faster_gguf(bool(source.gguf_file)):
+        with faster_gguf(bool(source.gguf_file)):
             config = AutoConfig.from_pretrained(converted or source.path, **({} if converted else kwargs))
             check_supported(config.model_type)
             model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch.float32, **kwargs).eval()
@@ -103,94 +101,9 @@ def load_model(source: Source, with_tokenizer: bool = True):
     return model, tokenizer
 
 
-_PATCHED = threading.Lock()  # the patches below are process-wide: one GGUF load uses them at a time
-
-
-@contextmanager
-def _faster_gguf(gguf: bool):
-    """Two of the gguf library's functions, replaced while a GGUF file loads and given back afterwards:
-    - transformers 4.57's loader builds gguf's TensorNameMap once for every module of the model (12
-      of SmolLM2's 29 s of load under a profiler); the map depends only on the architecture and the
-      layer count, so `gguf.get_tensor_name_map` returns one map per pair;
-    - `GGUFReader` reads arrays in its metadata one element at a time (3.5 s for SmolLM2's 245,000
-      tokens, token types and merges, on every read of the file); `fast_array_parts` reads them in
-      one pass into the same parts;
-    - `gguf.dequantize` makes temporaries of about twice its output: Gemma 3 270M's Q8_0 embedding
-      (671 MB in fp32) set the export's peak memory, 2.80 GiB, in the load stage. `in_row_blocks`
-      dequantizes large tensors a block of rows at a time into the output."""
-    if not gguf:
-        yield
-        return
-    import gguf as library
-    from gguf.gguf_reader import GGUFReader
-
-    with _PATCHED:
-        name_map, field_parts, dequantize = library.get_tensor_name_map, GGUFReader._get_field_parts, library.dequantize
-        library.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
-        GGUFReader._get_field_parts = fast_array_parts(field_parts)
-        library.dequantize = in_row_blocks(dequantize)  # transformers imports it from gguf at each load
-        try:
-            yield
-        finally:
-            library.get_tensor_name_map, GGUFReader._get_field_parts, library.dequantize = name_map, field_parts, dequantize
-
-
-def fast_array_parts(original):
-    """`GGUFReader._get_field_parts` with arrays of numbers or strings read in one pass: the same
-    parts (a view of each element), indices and types; other fields go to `original`."""
-    import numpy as np
-    from gguf.constants import GGUFValueType
-
-    def get_field_parts(self, orig_offs: int, raw_type: int):
-        if raw_type != GGUFValueType.ARRAY:
-            return original(self, orig_offs, raw_type)
-        raw_itype, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        item_type, count, offs = GGUFValueType(int(raw_itype[0])), int(length[0]), orig_offs + 12
-        parts, types = [raw_itype, length], [GGUFValueType.ARRAY] + ([item_type] if count else [])
-        number = self.gguf_scalar_to_np.get(item_type)
-        if number is not None:
-            values = self._get(offs, number, count)
-            parts += list(values.reshape(count, 1))
-            return 12 + int(values.nbytes), parts, list(range(2, 2 + count)), types
-        if item_type != GGUFValueType.STRING:
-            return original(self, orig_offs, raw_type)  # arrays of arrays
-        data, size = np.asarray(self.data), np.dtype(np.uint64).newbyteorder(self.byte_order)
-        indices = []
-        for _ in range(count):
-            string_length = data[offs : offs + 8].view(size)
-            end = offs + 8 + int(string_length[0])
-            parts += (string_length, data[offs + 8 : end])
-            indices.append(len(parts) - 1)
-            offs = end
-        return offs - orig_offs, parts, indices, types
-
-    return get_field_parts
-
-
-def in_row_blocks(original, rows: int = 8192):
-    """`gguf.dequantize` for tensors of more than `rows` rows, `rows` at a time into one output
-    array. GGUF's quantization blocks never cross a row, so each block of rows dequantizes alone
-    to the same values. F32 tensors go to `original`, which returns a view of the file's bytes."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-
-    def dequantize(data, qtype):
-        if data.ndim < 2 or data.shape[0] <= rows or qtype == GGMLQuantizationType.F32:
-            return original(data, qtype)
-        first = original(data[:rows], qtype)
-        out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)
-        out[:rows] = first
-        for start in range(rows, data.shape[0], rows):
-            out[start : start + rows] = original(data[start : start + rows], qtype)
-        return out
-
-    return dequantize
-
-
 def _converted_gguf(source: Source) -> str | None:
     """The folder where an earlier export of this GGUF file kept its config and tokenizer, which
-    transformers otherwise converts again from the GGUF's metadata (with it and the name map above,
-    SmolLM2's load stage went from 44 s to 12 s, medians of 3)."""
+    transformers otherwise converts again from the GGUF's metadata at every load."""
     folder = _conversion_folder(source)
     return str(folder) if (folder / "tokenizer.json").is_file() and (folder / "config.json").is_file() else None
 

@@ -29,10 +29,10 @@ class Constraints:
 
     @property
     def tokenizer(self):
-        """llguidance's tokenizer, built at the first use (0.6 s for SmolLM2's 49,152 tokens)
-        from each token's bytes as edgeinfer decodes them: llguidance's own reading of a
-        tokenizer.json takes byte-level tokens for text where the decoder is not plain ByteLevel
-        (as in tokenizers converted from GGUF), and would then let through what it should not."""
+        """llguidance's tokenizer, built at the first use from each token's bytes as edgeinfer
+        decodes them: llguidance's own reading of a tokenizer.json takes byte-level tokens for text
+        where the decoder is not plain ByteLevel (as in tokenizers converted from GGUF), and would
+        then let through what it should not."""
         with self._lock:
             if self._tokenizer is None:
                 llguidance = _llguidance()

@@ -11,7 +11,7 @@ full [batch, sequence, vocab] logits never have to come to the host:
 The graphs give logits for each row's last tokens only, so `last` is position -1 of every row.
 
 The serialized heads ship with the package (head_graphs/), so loading an engine does not import
-the onnx package (0.1 s); `python -m edgeinfer.sdk.heads` writes them again from `head_model`,
+the onnx package; `python -m edgeinfer.sdk.heads` writes them again from `head_model`,
 and a test checks that the files are what it builds.
 """
 

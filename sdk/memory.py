@@ -137,9 +137,9 @@ def check_generation(plan: MemoryPlan, batch: int, capacity: int, device: str, l
 
 
 def give_back_freed_memory() -> None:
-    """Return to the system what the C allocator keeps of memory already freed (glibc kept 0.44 GiB
-    of ONNX Runtime's sessions after SmolLM2's export validation), so that the next step's peak
-    starts from what is really in use. Without glibc, nothing."""
+    """Return to the system what the C allocator keeps of memory already freed (glibc keeps much of
+    what ONNX Runtime's sessions freed), so that the next step's peak starts from what is really in
+    use. Without glibc, nothing."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -152,9 +152,8 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter
 def map_large_blocks(threshold: int = 1 << 20) -> None:
     """Have glibc serve blocks of `threshold` bytes or more from their own mappings, which go back to
     the system as soon as they are freed, for the rest of the process. By default glibc raises that
-    threshold (to 32 MiB) each time such a block is freed, and smaller blocks stay in its heap: the
-    memory peak of SmolLM2's export graph stage then varied from 1.45 to 1.61 GiB between runs,
-    against 1.30-1.31 GiB with this. Without glibc, nothing."""
+    threshold (to 32 MiB) each time such a block is freed, and smaller blocks stay in its heap, which
+    makes an export's peak memory higher and vary between runs. Without glibc, nothing."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
     except (OSError, AttributeError):

@@ -251,7 +251,7 @@ def test_the_graph_file_shows_the_output_axes_onnx_runtime_sees(name, tmp_path):
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path, monkeypatch):
     """export_graph hands torch.onnx's exporter the weights as graph inputs and writes them to the
-    data file itself (export/graphs.py `_weights_apart`); the graph must be the one optimum-onnx's
+    data file itself (export/patches.py `weights_apart`); the graph must be the one optimum-onnx's
     own export writes, with the logits cut to the last positions: the same nodes, inputs, outputs,
     and initializers (names, types, shapes and bytes)."""
     import onnx
@@ -260,6 +260,7 @@ def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path
 
     from edgeinfer.export import graphs
     from edgeinfer.export.families import onnx_config_constructor
+    from edgeinfer.export.patches import full_length_caches
 
     held = []
     write = graphs.write_weights
@@ -269,7 +270,7 @@ def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path
     (tmp_path / "ours").mkdir()
     graphs.export_graph(model, tmp_path / "ours")
     onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
-    with graphs._full_length_caches(model.config):
+    with full_length_caches(model.config):
         export(model, onnx_config, tmp_path / "theirs" / graphs.GRAPH_FILE)
     theirs = onnx.load(str(tmp_path / "theirs" / graphs.GRAPH_FILE))
     graphs.last_position_logits(theirs.graph)

@@ -285,13 +285,13 @@ def test_the_progress_line_says_what_a_stage_does_and_is_cleared_before_the_next
 
 @pytest.mark.parametrize("byte_order", ["little", "big"])
 def test_the_fast_gguf_array_reader_gives_the_readers_own_fields(tmp_path, byte_order):
-    """export/source.py reads GGUF metadata arrays in one pass while a GGUF loads: every field,
+    """export/patches.py reads GGUF metadata arrays in one pass while a GGUF loads: every field,
     part (dtype, shape, bytes), index and type must be the gguf library's own, in both byte orders."""
     import numpy as np
     from gguf import GGUFEndian, GGUFWriter
     from gguf.gguf_reader import GGUFReader
 
-    from edgeinfer.export.source import fast_array_parts
+    from edgeinfer.export.patches import fast_array_parts
 
     path = tmp_path / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama", endianess=GGUFEndian.BIG if byte_order == "big" else GGUFEndian.LITTLE)
@@ -334,7 +334,7 @@ def test_gguf_tensors_dequantized_a_block_of_rows_at_a_time_equal_the_whole():
     import numpy as np
     from gguf import GGMLQuantizationType, GGML_QUANT_SIZES, dequantize
 
-    from edgeinfer.export.source import in_row_blocks
+    from edgeinfer.export.patches import in_row_blocks
 
     blocked, rng, tried = in_row_blocks(dequantize, rows=5), np.random.default_rng(0), []
     for qtype in GGMLQuantizationType:

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from transformers import LlamaConfig, MistralConfig, cache_utils
 
-from edgeinfer.export.graphs import _full_length_caches
+from edgeinfer.export.patches import full_length_caches
 from edgeinfer.sdk.runtime import cuda_unusable_reason
 
 ORIGINAL = cache_utils.DynamicCache.__dict__["__init__"]
@@ -31,11 +31,11 @@ def test_the_cuda_probe_is_silent_and_leaves_onnx_runtimes_logger_as_it_was(capf
 
 
 def test_tracing_patches_the_cache_only_for_sliding_window_models_and_restores_it():
-    with _full_length_caches(LlamaConfig(**SMALL)):
+    with full_length_caches(LlamaConfig(**SMALL)):
         assert cache_utils.DynamicCache.__dict__["__init__"] is ORIGINAL
     sliding = MistralConfig(**SMALL, sliding_window=4)
     assert all(isinstance(layer, cache_utils.DynamicSlidingWindowLayer) for layer in cache_utils.DynamicCache(config=sliding).layers)
-    with _full_length_caches(sliding):
+    with full_length_caches(sliding):
         cache = cache_utils.DynamicCache(config=sliding)
         assert cache.layers == [] or not any(isinstance(layer, cache_utils.DynamicSlidingWindowLayer) for layer in cache.layers)
         cache_utils.DynamicCache(None, config=sliding)  # the config given by keyword, as transformers may
@@ -47,7 +47,7 @@ def test_concurrent_exports_cannot_leave_the_patch_installed():
 
     def trace():
         try:
-            with _full_length_caches(sliding):
+            with full_length_caches(sliding):
                 inside.append(cache_utils.DynamicCache.__dict__["__init__"] is not ORIGINAL)
                 time.sleep(0.02)  # long enough for the other threads to come in, were nothing stopping them
         except Exception as e:  # noqa: BLE001 - reported below

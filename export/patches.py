@@ -1,0 +1,479 @@
+"""Every change edgeinfer makes to another library's code, in one place.
+
+Each patch is scoped (a context manager around one call, or a subclass or wrapper of one object),
+gives back exactly what it replaced, and is listed in PATCHES with the library version it was
+written against and the tests that pin its result to the library's own. When a library moves,
+tests/test_patches.py fails first: run the patch's pinning tests on the new version, then move its
+target. The export checks every graph against PyTorch in any case.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import inspect
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgeinfer.sdk.errors import ExportError
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str  # the function in this module
+    library: str  # the distribution it changes
+    target: str  # the major.minor series it was written and tested against
+    pinned_by: tuple[str, ...]  # tests/FILE.py::TEST, each comparing the patched result with the library's own
+    why: str
+
+
+PATCHES = (
+    Patch(
+        "weights_apart",
+        "torch",
+        "2.13",
+        ("tests/test_architectures.py::test_the_graph_with_its_weights_written_apart_is_optimums_own",),
+        "torch.onnx's TorchScript exporter copies every weight into ONNX messages, once for shape inference and "
+        "three times for the graph it serializes",
+    ),
+    Patch(
+        "full_length_caches",
+        "transformers",
+        "4.57",
+        (
+            "tests/test_process_state.py::test_tracing_patches_the_cache_only_for_sliding_window_models_and_restores_it",
+            "tests/test_gemma3.py::test_a_prompt_past_the_sliding_window_equals_transformers",
+        ),
+        "a sliding-window layer's cache keeps only its window while tracing, which optimum-onnx's decode graph cannot take",
+    ),
+    Patch(
+        "faster_gguf",
+        "gguf",
+        "0.19",
+        (
+            "tests/test_export_safety.py::test_the_fast_gguf_array_reader_gives_the_readers_own_fields",
+            "tests/test_export_safety.py::test_gguf_tensors_dequantized_a_block_of_rows_at_a_time_equal_the_whole",
+        ),
+        "GGUFReader reads metadata arrays an element at a time, transformers builds a tensor name map per module, "
+        "and dequantize makes temporaries twice its output",
+    ),
+    Patch(
+        "fast_model_class",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_architectures.py::test_the_fast_optimizer_gives_onnx_runtimes_graph",),
+        "the transformer optimizer's lookups walk the whole graph in Python on every call",
+    ),
+    Patch(
+        "one_weight_at_a_time",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_quantization.py::test_one_weight_at_a_time_writes_the_quantizers_own_graph",),
+        "MatMulNBitsQuantizer expects every fp32 weight loaded into the graph before it starts",
+    ),
+)
+
+
+def installed_version(library: str) -> str | None:
+    """The installed version of a distribution; onnxruntime is onnxruntime-gpu where that is installed."""
+    names = ("onnxruntime-gpu", "onnxruntime") if library == "onnxruntime" else (library,)
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# --- torch: the weights held apart from torch.onnx's messages -------------------------------------
+
+_EXPORTING = threading.Lock()  # the patch is process-wide: one export uses it at a time
+_APART = 1024  # bytes: floating-point tensors this large are written apart from torch.onnx's message
+
+
+@contextmanager
+def weights_apart():
+    """While torch.onnx's TorchScript exporter runs, its shape inference
+    (`_jit_pass_onnx_graph_shape_type_inference`, which takes the values for constant propagation) and
+    its serializer (`Graph._export_onnx`) are given only the tensors under 1 KiB and those that are
+    not floating point (what shape inference may read), so the others become graph inputs of known
+    shapes. The dict yielded holds them (the weights, and what constant folding made of them), for
+    `graphs.write_weights` to put in the data file one at a time."""
+    import torch
+
+    graph_class, held = torch._C.Graph, {}
+    export_original, infer_original = graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference
+
+    def small(params):
+        return {name: tensor for name, tensor in params.items() if not (onnx_float(tensor) and nbytes(tensor) >= _APART)}
+
+    def infer(graph, params, *args, **kwargs):
+        return infer_original(graph, small(params), *args, **kwargs)
+
+    def export_onnx(self, params, *args, **kwargs):
+        kept = small(params)
+        held.update((name, tensor) for name, tensor in params.items() if name not in kept)
+        return export_original(self, kept, *args, **kwargs)
+
+    with _EXPORTING:
+        graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference = export_onnx, infer
+        try:
+            yield held
+        finally:
+            graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference = export_original, infer_original
+
+
+def onnx_float(tensor) -> int | None:
+    """The ONNX element type of a floating-point torch tensor; None for other tensors."""
+    import onnx
+    import torch
+
+    return {
+        torch.float32: onnx.TensorProto.FLOAT,
+        torch.float16: onnx.TensorProto.FLOAT16,
+        torch.bfloat16: onnx.TensorProto.BFLOAT16,
+        torch.float64: onnx.TensorProto.DOUBLE,
+    }.get(tensor.dtype)
+
+
+def nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+# --- transformers: full-length caches while tracing ------------------------------------------------
+
+_TRACING = threading.Lock()  # the patch is process-wide: one export traces with it at a time
+
+
+@contextmanager
+def full_length_caches(config):
+    """Every layer's cache keeps all its tokens while the graph is traced.
+
+    transformers gives sliding-window layers a cache that keeps only the last window - 1 tokens, so
+    a prefill traced with it returns presents of different lengths per layer, which optimum-onnx's
+    decode graph cannot take (it sizes the attention mask from one layer's past and fails, or
+    attends to the wrong slots, once a prompt passes the window). With full-length caches the
+    sliding window is still applied, by the attention mask, so the outputs are the same; the cost is
+    that the cache of a sliding layer grows past its window.
+
+    `DynamicCache.__init__` is patched to ignore its config only for models that have such layers,
+    under a lock, and the class gets back exactly what it had.
+    """
+    if not has_sliding_layers(config):
+        yield
+        return
+    from transformers import cache_utils
+
+    cache = cache_utils.DynamicCache
+    with _TRACING:
+        own, original = cache.__dict__.get("__init__"), cache.__init__
+        signature = inspect.signature(original)
+        if "config" not in signature.parameters:
+            raise ExportError(
+                "transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
+                "models relies on: install the transformers version the export extra pins (4.57)"
+            )
+
+        def without_layer_types(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["config"] = None
+            original(*bound.args, **bound.kwargs)
+
+        cache.__init__ = without_layer_types
+        try:
+            yield
+        finally:
+            if own is None:
+                del cache.__init__
+            else:
+                cache.__init__ = own
+
+
+def has_sliding_layers(config) -> bool:
+    """Whether `DynamicCache(config=config)` would give some layer a sliding-window cache."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return any(kind in ("sliding_attention", "chunked_attention") for kind in types)
+    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None))
+
+
+# --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------
+
+_LOADING_GGUF = threading.Lock()  # the patches are process-wide: one GGUF load uses them at a time
+
+
+@contextmanager
+def faster_gguf(gguf: bool):
+    """Three of the gguf library's functions, replaced while a GGUF file loads and given back after:
+    - `gguf.get_tensor_name_map`, which transformers' loader calls for every module of the model,
+      returns one map per (architecture, layer count), the only things it depends on;
+    - `GGUFReader._get_field_parts` reads arrays of numbers or strings in one pass
+      (`fast_array_parts`), the same parts;
+    - `gguf.dequantize` dequantizes large tensors a block of rows at a time into the output
+      (`in_row_blocks`), the same values without temporaries of twice the output."""
+    if not gguf:
+        yield
+        return
+    import gguf as library
+    from gguf.gguf_reader import GGUFReader
+
+    with _LOADING_GGUF:
+        name_map, field_parts, dequantize = library.get_tensor_name_map, GGUFReader._get_field_parts, library.dequantize
+        library.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+        GGUFReader._get_field_parts = fast_array_parts(field_parts)
+        library.dequantize = in_row_blocks(dequantize)  # transformers imports it from gguf at each load
+        try:
+            yield
+        finally:
+            library.get_tensor_name_map, GGUFReader._get_field_parts, library.dequantize = name_map, field_parts, dequantize
+
+
+def fast_array_parts(original):
+    """`GGUFReader._get_field_parts` with arrays of numbers or strings read in one pass: the same
+    parts (a view of each element), indices and types; other fields go to `original`."""
+    import numpy as np
+    from gguf.constants import GGUFValueType
+
+    def get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != GGUFValueType.ARRAY:
+            return original(self, orig_offs, raw_type)
+        raw_itype, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        item_type, count, offs = GGUFValueType(int(raw_itype[0])), int(length[0]), orig_offs + 12
+        parts, types = [raw_itype, length], [GGUFValueType.ARRAY] + ([item_type] if count else [])
+        number = self.gguf_scalar_to_np.get(item_type)
+        if number is not None:
+            values = self._get(offs, number, count)
+            parts += list(values.reshape(count, 1))
+            return 12 + int(values.nbytes), parts, list(range(2, 2 + count)), types
+        if item_type != GGUFValueType.STRING:
+            return original(self, orig_offs, raw_type)  # arrays of arrays
+        data, size = np.asarray(self.data), np.dtype(np.uint64).newbyteorder(self.byte_order)
+        indices = []
+        for _ in range(count):
+            string_length = data[offs : offs + 8].view(size)
+            end = offs + 8 + int(string_length[0])
+            parts += (string_length, data[offs + 8 : end])
+            indices.append(len(parts) - 1)
+            offs = end
+        return offs - orig_offs, parts, indices, types
+
+    return get_field_parts
+
+
+def in_row_blocks(original, rows: int = 8192):
+    """`gguf.dequantize` for tensors of more than `rows` rows, `rows` at a time into one output
+    array. GGUF's quantization blocks never cross a row, so each block of rows dequantizes alone
+    to the same values. F32 tensors go to `original`, which returns a view of the file's bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    def dequantize(data, qtype):
+        if data.ndim < 2 or data.shape[0] <= rows or qtype == GGMLQuantizationType.F32:
+            return original(data, qtype)
+        first = original(data[:rows], qtype)
+        out = np.empty((data.shape[0], *first.shape[1:]), first.dtype)
+        out[:rows] = first
+        for start in range(rows, data.shape[0], rows):
+            out[start : start + rows] = original(data[start : start + rows], qtype)
+        return out
+
+    return dequantize
+
+
+# --- onnxruntime: the transformer optimizer's lookups ----------------------------------------------
+
+# The model methods that change nodes or names: each forgets the maps the lookups below keep.
+_INVALIDATING = (
+    "add_node",
+    "add_nodes",
+    "remove_node",
+    "remove_nodes",
+    "replace_output_of_all_nodes",
+    "update_graph",
+    "prune_graph",
+    "topological_sort",
+    "remove_unused_constant",
+    "remove_useless_cast_nodes",
+    "remove_cascaded_cast_nodes",
+    "clean_graph",
+    "rename_graph_output",
+    "add_prefix_to_names",
+)
+
+# BertOnnxModel.optimize's passes in the order it runs them, for the progress line.
+OPTIMIZER_PASSES = (
+    "remove_useless_cast_nodes",
+    "fuse_constant_fold",
+    "fuse_layer_norm",
+    "fuse_simplified_layer_norm",
+    "fuse_gelu",
+    "preprocess",
+    "fuse_reshape",
+    "fuse_skip_layer_norm",
+    "fuse_skip_simplified_layer_norm",
+    "fuse_rotary_embeddings",
+    "fuse_attention",
+    "fuse_shape",
+    "postprocess",
+    "fuse_bias_gelu",
+    "fuse_add_bias_skip_layer_norm",
+    "remove_unused_constant",
+    "topological_sort",
+)
+
+
+class _FastLookups:
+    """The answers of OnnxModel's lookups for a graph without subgraphs (every decoder export), from
+    loops that run once over the node list instead of a walk of the graph per call; a graph with
+    subgraphs gets the base class's own. Mixed in before the base class (`fast_model_class`)."""
+
+    _outputs = None  # output_name_to_node(), kept until a node changes
+    _readers = None  # input_name_to_nodes(), held through the rotary pass, which changes no node until it ends
+    _renamed = None  # the readers of each name, kept up to date through the useless-Cast pass's renames
+    progress = staticmethod(lambda doing, fraction=None: None)
+
+    def _flat(self):
+        return len(self.graphs()) == 1
+
+    def output_name_to_node(self, exclude_subgraphs=False):
+        if exclude_subgraphs:
+            return super().output_name_to_node(exclude_subgraphs)
+        if self._outputs is None:
+            self._outputs = super().output_name_to_node()
+        return dict(self._outputs)  # a copy: some fusions edit the map they are given
+
+    def nodes(self):
+        return list(self.model.graph.node) if self._flat() else super().nodes()
+
+    def get_nodes_by_op_type(self, op_type):
+        if not self._flat():
+            return super().get_nodes_by_op_type(op_type)
+        return [node for node in self.model.graph.node if node.op_type == op_type]
+
+    def input_name_to_nodes(self, exclude_subgraphs=False):
+        if not self._flat():
+            return super().input_name_to_nodes(exclude_subgraphs)
+        readers = {}
+        for node in self.model.graph.node:
+            for name in node.input:
+                if name:
+                    readers.setdefault(name, []).append(node)
+        return readers
+
+    def get_graph_by_node(self, node):
+        return self.model.graph if self._flat() else super().get_graph_by_node(node)
+
+    def get_children(self, node, input_name_to_nodes=None, output_index=None):
+        return super().get_children(node, input_name_to_nodes or self._readers, output_index)
+
+    def fuse_rotary_embeddings(self, *args, **kwargs):
+        # Its fusion asks get_children(), without a map, about every node of many paths. Until it
+        # removes and adds nodes at its end (methods that forget the map), its calls only collect
+        # nodes, so one map answers them all.
+        self._readers = self.input_name_to_nodes()
+        try:
+            return super().fuse_rotary_embeddings(*args, **kwargs)
+        finally:
+            self._readers = None
+
+    def fuse_skip_layer_norm(self, *args, **kwargs):
+        # It starts from LayerNormalization nodes, after a symbolic shape inference of the whole graph;
+        # on a graph without any (RMS-norm models) it would change nothing.
+        if self._flat() and not self.get_nodes_by_op_type("LayerNormalization"):
+            return None
+        return super().fuse_skip_layer_norm(*args, **kwargs)
+
+    def remove_node(self, node):
+        if not self._flat():
+            return super().remove_node(node)
+        try:
+            self.model.graph.node.remove(node)  # the base class first asks `node in graph.node`: a second walk
+        except ValueError:
+            super().remove_node(node)  # its warning
+
+    def replace_input_of_all_nodes(self, old_input_name, new_input_name):
+        if not self._flat():
+            return super().replace_input_of_all_nodes(old_input_name, new_input_name)
+        if self._renamed is None:
+            readers = [node for node in self.model.graph.node if old_input_name in node.input]
+        else:  # the nodes that read the name, and from now on read the new one
+            readers = self._renamed.pop(old_input_name, [])
+            self._renamed.setdefault(new_input_name, []).extend(readers)
+        for node in readers:
+            self.replace_node_input(node, old_input_name, new_input_name)
+
+    def remove_useless_cast_nodes(self):
+        # It renames the inputs of all nodes once per Cast it removes, each a walk over the graph; a
+        # map of the readers of each name, renamed with them, finds the same nodes. A removed Cast
+        # stays among its input's readers, where renaming it again changes nothing.
+        if self._flat():
+            self._renamed = self.input_name_to_nodes()
+        try:
+            return super().remove_useless_cast_nodes()
+        finally:
+            self._renamed = None
+
+
+def fast_model_class(base):
+    """`base` (an onnxruntime.transformers OnnxModel class) with the lookups of `_FastLookups`, the
+    maps forgotten by every method that changes nodes, and `progress` told of each pass."""
+    model_class = type(f"Fast{base.__name__}", (_FastLookups, base), {})
+    for name in _INVALIDATING:
+        if hasattr(base, name):
+            setattr(model_class, name, _forgetting(getattr(model_class, name)))
+    for index, name in enumerate(OPTIMIZER_PASSES):
+        if hasattr(base, name):
+            setattr(model_class, name, _reported(getattr(model_class, name), name, index))
+    return model_class
+
+
+def _reported(method, name: str, index: int):
+    def call(self, *args, **kwargs):
+        self.progress(f"optimizer: {name.removeprefix('fuse_').replace('_', ' ')}", index / len(OPTIMIZER_PASSES))
+        return method(self, *args, **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+def _forgetting(method):
+    def call(self, *args, **kwargs):
+        self._outputs = self._readers = None
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._outputs = self._readers = None
+
+    call.__name__ = method.__name__
+    return call
+
+
+# --- onnxruntime: the quantizer reads one weight at a time -----------------------------------------
+
+
+def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
+    """Make `node_quantizer` (MatMulNBitsQuantizer's) read a node's weight from `folder`'s data file
+    for the time it quantizes that node: the tensor's file reference is made absolute meanwhile, so
+    that the quantizer's reader (onnx_ir) maps the bytes from the file instead of copying them, and
+    the pages are let go with the mapping. The quantizer otherwise expects every weight loaded
+    into the graph, each then held twice while it is quantized."""
+    from onnx.external_data_helper import uses_external_data
+    from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
+
+    quantize = node_quantizer.quantize
+
+    def one_weight(node, graph_stack):
+        weight = get_initializer(node.input[1], graph_stack)[0] if len(node.input) > 1 else None
+        if weight is None or not uses_external_data(weight):
+            return quantize(node, graph_stack)
+        (location,) = [entry for entry in weight.external_data if entry.key == "location"]
+        relative, location.value = location.value, str(Path(folder).resolve() / location.value)
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            location.value = relative
+
+    node_quantizer.quantize = one_weight
