@@ -111,27 +111,9 @@ def serve(
 ):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
-    try:
-        from edgeinfer.serve import ServerOptions, run_server
-    except ImportError as e:
-        raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
+    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace)
     from edgeinfer.sdk import Scheduler
-
-    for flag, key in (("--api-key", api_key), ("--metrics-key", metrics_key)):
-        if key is not None and not key.strip():
-            raise click.BadParameter(
-                "an empty key would turn authentication off: give a key, or leave the option (and its "
-                "environment variable) out to serve without one",
-                param_hint=flag,
-            )
-    for origin in cors_origins:
-        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
-            raise click.BadParameter(
-                f"{origin!r} is not an origin: scheme and host, with a port where it has one "
-                "(http://localhost:3000), no path; or '*' for any",
-                param_hint="--cors-origin",
-            )
-    options = ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace)
+    from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     path = Path(model).expanduser() if model else None
@@ -140,19 +122,11 @@ def serve(
     if on_ray:
         from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
 
+        folder = str(resolve_export(model, say).resolve())
+        draft_folder = None if draft is None else str(resolve_export(draft, say).resolve())
+        limit = memory_limit * 2**20 if memory_limit else None
         settings = ReplicaSettings(
-            str(resolve_export(model, say).resolve()),
-            name,
-            provider,
-            threads,
-            max_context,
-            max_batch,
-            max_queue,
-            memory_limit * 2**20 if memory_limit else None,
-            prefix_cache,
-            api_key,
-            None if draft is None else str(resolve_export(draft, say).resolve()),
-            mode,
+            folder, name, provider, threads, max_context, max_batch, max_queue, limit, prefix_cache, api_key, draft_folder, mode
         )
         run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, options)
         return
@@ -166,6 +140,37 @@ def serve(
         return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
     run_server(load, name, host, port, options)
+
+
+def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace):
+    """The server's options, once the serve extra is known to be installed and the flags are sound."""
+    try:
+        from edgeinfer.serve import ServerOptions
+    except ImportError as e:
+        raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
+    _check_keys(api_key, metrics_key)
+    _check_origins(cors_origins)
+    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace)
+
+
+def _check_keys(api_key: str | None, metrics_key: str | None) -> None:
+    for flag, key in (("--api-key", api_key), ("--metrics-key", metrics_key)):
+        if key is not None and not key.strip():
+            raise click.BadParameter(
+                "an empty key would turn authentication off: give a key, or leave the option (and its "
+                "environment variable) out to serve without one",
+                param_hint=flag,
+            )
+
+
+def _check_origins(cors_origins) -> None:
+    for origin in cors_origins:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise click.BadParameter(
+                f"{origin!r} is not an origin: scheme and host, with a port where it has one "
+                "(http://localhost:3000), no path; or '*' for any",
+                param_hint="--cors-origin",
+            )
 
 
 def _min_max(text: str | None) -> tuple[int, int] | None:

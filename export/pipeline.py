@@ -211,9 +211,31 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         "split": options.graphs == "split",
     }
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
-    say = stage.say  # clears the progress line first
+    torch_model, manifest, weights = _traced(model, work, options, stage)
+    with stage("validate"):
+        stage.progress("PyTorch's logits and tokens for the checks")
+        config, references = torch_model.config, _references(torch_model, work, options)
+        del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
+        gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
+        give_back_freed_memory()
+        validation = _validated(work, references["validate"], stage)
+    manifest, quantization = _refined(work, manifest, config, references, options, stage, validation)
+    with stage("write"):
+        manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
+        manifest.save(work)
+    peak = peak_memory()
+    if peak:
+        stage.say(
+            f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
+            f"{stage.total:.0f} s in all"
+        )
+    return manifest
+
+
+def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages):
+    """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32 bytes."""
     with stage("load"):
-        source = resolve_source(model, say)
+        source = resolve_source(model, stage.say)
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
     weights = fp32_weights(torch_model)
@@ -227,19 +249,24 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     context = max_context(torch_model.config, tokenizer, options.max_context)
     manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     manifest.save(work)
-    with stage("validate"):
-        stage.progress("PyTorch's logits and tokens for the checks")
-        config, references = torch_model.config, _references(torch_model, work, options)
-        del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
-        gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
-        give_back_freed_memory()
-        stage.progress("prefill, decode and 4 tokens at once, against PyTorch's")
-        validation = validate(references["validate"], work)
-        say(
-            f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
-            f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
-            f"(tolerance {validation['tolerance']:.2e})"
-        )
+    return torch_model, manifest, weights
+
+
+def _validated(work: Path, reference, stage: _Stages) -> dict:
+    stage.progress("prefill, decode and 4 tokens at once, against PyTorch's")
+    validation = validate(reference, work)
+    stage.say(
+        f"largest logits difference: prefill {validation['max_abs_diff_prefill']:.2e}, "
+        f"decode {validation['max_abs_diff_decode']:.2e}, {EXTEND_TOKENS} tokens at once {validation['max_abs_diff_extend']:.2e} "
+        f"(tolerance {validation['tolerance']:.2e})"
+    )
+    return validation
+
+
+def _refined(work: Path, manifest: Manifest, config, references: dict, options: ExportOptions, stage: _Stages, validation: dict):
+    """The optional stages, in order (fuse, fp16, quantize, split), each adding its checks to
+    `validation`; returns the manifest and the quantization entry."""
+    say = stage.say
     if options.fuse:
         with stage("fuse"):
             fusion, manifest = fuse_graph(work, config, references["check"], manifest, stage.progress)
@@ -252,8 +279,8 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
             )
     if options.dtype == "fp16":
         with stage("fp16"):
-            manifest, validation["float16"] = convert_to_fp16(work, references["check"], manifest)
-            half = validation["float16"]
+            manifest, half = convert_to_fp16(work, references["check"], manifest)
+            validation["float16"] = half
             say(
                 f"float16: largest logits difference prefill {half['max_abs_diff_prefill']:.2e}, decode "
                 f"{half['max_abs_diff_decode']:.2e} (tolerance {half['tolerance']:.2e}); greedy tokens "
@@ -271,24 +298,19 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
             )
     if options.graphs == "split":
         with stage("split"):
-            stage.progress("prefill.onnx and decode.onnx, then their tokens and logits against the one graph's")
-            manifest, validation["split"] = split_export(work, manifest, options.prefill_length, options.static_context)
-            split = validation["split"]
-            say(
-                f"split: prefill.onnx ({options.prefill_length or 'any'} positions) and decode.onnx (cache of "
-                f"{options.static_context or 'any'} slots) on one weights file; against the one graph: largest logits "
-                f"difference {split['max_abs_diff']:.2e}, greedy tokens {'equal' if split['tokens_equal'] else 'differ'}"
-            )
-    with stage("write"):
-        manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
-        manifest.save(work)
-    peak = peak_memory()
-    if peak:
-        say(
-            f"peak memory {size_text(peak)}: {peak / weights:.1f}x the {size_text(weights)} of fp32 weights, "
-            f"{stage.total:.0f} s in all"
-        )
-    return manifest
+            manifest, validation["split"] = _split(work, manifest, options, stage)
+    return manifest, quantization
+
+
+def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: _Stages):
+    stage.progress("prefill.onnx and decode.onnx, then their tokens and logits against the one graph's")
+    manifest, split = split_export(work, manifest, options.prefill_length, options.static_context)
+    stage.say(
+        f"split: prefill.onnx ({options.prefill_length or 'any'} positions) and decode.onnx (cache of "
+        f"{options.static_context or 'any'} slots) on one weights file; against the one graph: largest logits "
+        f"difference {split['max_abs_diff']:.2e}, greedy tokens {'equal' if split['tokens_equal'] else 'differ'}"
+    )
+    return manifest, split
 
 
 def _references(model, work: Path, options: ExportOptions) -> dict:
@@ -301,13 +323,11 @@ def _references(model, work: Path, options: ExportOptions) -> dict:
     return references
 
 
-# Memory an export takes on top of the loaded PyTorch model, measured as the process's high-water
-# mark (ru_maxrss; a sampler misses the spikes) less the high-water mark once the model was loaded.
+# Memory an export takes on top of the loaded PyTorch model: the fp32 weights once more, plus 512 MiB.
 # torch.onnx's tracer gets the weights apart, once the graph is traced the model is let go (the
-# checks hold ONNX Runtime's weights in its place), and the quantizer reads one weight at a time.
-# Measured (README "Export time and memory"): SmolLM2-135M 0.25 GiB fp32 and 0.27 GiB int4 (0.50 GiB
-# of fp32 weights); a 0.5B qwen2 nothing beyond its load (1.84 GiB); Gemma 3 270M 0.14 GiB fp32 and
-# 0.18 GiB int4 (1.00 GiB).
+# checks hold ONNX Runtime's weights in its place), and the quantizer reads one weight at a time,
+# so the process's high-water mark over the loaded model stays under this on every checkpoint
+# measured (docs/benchmarks.md, "Export time and memory").
 EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
 
 

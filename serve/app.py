@@ -105,6 +105,12 @@ def create_app(
         routes=lambda: app.routes,
     )
     _add_error_handlers(app)
+    _add_routes(app, _Routes(loaded, metrics, model_name))
+    return app
+
+
+def _add_routes(app: FastAPI, routes: _Routes) -> None:
+    loaded, metrics, model_name = routes.loaded, routes.metrics, routes.model_name
 
     @app.get("/health")
     async def health():
@@ -121,18 +127,25 @@ def create_app(
     @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
     async def chat(http: HTTPRequest):
         body = await _read(http, ChatRequest)
-        return await _generate(body, http, [body.conversation()], chat=True)
+        return await routes.generate(body, http, [body.conversation()], chat=True)
 
     @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest))
     async def completions(http: HTTPRequest):
         body = await _read(http, CompletionRequest)
-        return await _generate(body, http, body.prompts(), chat=False)
+        return await routes.generate(body, http, body.prompts(), chat=False)
 
-    async def _generate(body, http: HTTPRequest, prompts: list, chat: bool):
-        backend = loaded.ready()
-        if body.model != model_name:
+
+class _Routes:
+    """What the generation routes share: the backend once loaded, the metrics, the model's name."""
+
+    def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str):
+        self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
+
+    async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
+        backend = self.loaded.ready()
+        if body.model != self.model_name:
             raise RequestError(
-                f"the model '{body.model}' is not served here: this server serves '{model_name}'",
+                f"the model '{body.model}' is not served here: this server serves '{self.model_name}'",
                 param="model",
                 status=404,
                 code="model_not_found",
@@ -143,23 +156,26 @@ def create_app(
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name, backend.tokenizer.token_bytes, loaded.fingerprint, len(requests), len(choices))
+        reply = Reply(chat, self.model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = requests[0].response_headers or None
         if body.stream:
-            return StreamingResponse(_events(requests, reply, body.include_usage), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self.events(requests, reply, body.include_usage), media_type="text/event-stream", headers=headers)
+        return await self.whole(requests, reply, http, headers)
+
+    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None):
         try:
             results = await _whole(requests, http)
         except EdgeInferError as e:
             status, error, more = from_edgeinfer(e)
             return JSONResponse(error, status_code=status, headers={**(headers or {}), **more})
         if results is None:  # the client went away: nobody reads this
-            _cancelled(requests, reply.id, 0)
+            self.cancelled(requests, reply.id, 0)
             return Response(status_code=499)
         for result in results:
-            _finished(reply.id, result)
+            self.finished(reply.id, result)
         return JSONResponse(reply.whole(results), headers=headers)
 
-    async def _events(requests: list, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, requests: list, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         pieces, is_done = [[] for _ in requests], [False] * len(requests)
         try:
             for chunk in reply.first_chunks():
@@ -171,7 +187,7 @@ def create_app(
                 if piece.finish_reason is not None:
                     is_done[index] = True
                     yield _sse(reply.last_chunk(index, piece.finish_reason))
-                    _finished(reply.id, GenerationResult.from_pieces(pieces[index]))
+                    self.finished(reply.id, GenerationResult.from_pieces(pieces[index]))
             if include_usage:
                 yield _sse(reply.usage_chunk([GenerationResult.from_pieces(p) for p in pieces]))
             yield "data: [DONE]\n\n"
@@ -183,16 +199,16 @@ def create_app(
         finally:
             left = [request for request, done in zip(requests, is_done) if not done]
             if left:  # the client went away: the rows are freed at the scheduler's next step
-                _cancelled(left, reply.id, sum(len(p.token_ids) for ps in pieces for p in ps))
+                self.cancelled(left, reply.id, sum(len(p.token_ids) for ps in pieces for p in ps))
 
-    def _cancelled(requests: list, request_id: str, made: int) -> None:
+    def cancelled(self, requests: list, request_id: str, num_generated: int) -> None:
         for request in requests:
             request.cancel()
-            metrics.cancelled.inc()
-        log.info("%s cancelled: the client went away after %d tokens", request_id, made)
+            self.metrics.cancelled.inc()
+        log.info("%s cancelled: the client went away after %d tokens", request_id, num_generated)
 
-    def _finished(request_id: str, result: GenerationResult) -> None:
-        metrics.finished(result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s)
+    def finished(self, request_id: str, result: GenerationResult) -> None:
+        self.metrics.finished(result.prompt_tokens, len(result.token_ids), result.ttft_s, result.decode_tokens_per_s)
         log.info(
             "%s prompt %d completion %d ttft %.0f ms %.1f tok/s finish %s",
             request_id,
@@ -202,8 +218,6 @@ def create_app(
             result.decode_tokens_per_s,
             result.finish_reason,
         )
-
-    return app
 
 
 def _body_of(model: type[BaseModel]) -> dict:

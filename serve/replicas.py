@@ -14,14 +14,16 @@ the replica, restarts one that dies, and scales between a minimum and a maximum.
 
 The front is this process, not Ray's HTTP proxy in front of replicas that each run the app: the
 proxy answers the requests of a replica that died itself (a plain-text 500, or a cut stream), where
-no code of ours sees them, and it added 12-14 ms to a request here (benchmarks/ray_serve.py). Here a
+no code of ours sees them, and it added more latency (docs/ray.md). Here a
 request on a replica that dies ends with an OpenAI-shaped 503 (UnavailableError), or with an error
 event in a stream under way, which the client can send again.
 
 A replica is ready only once its engine has loaded (its constructor loads it), and its health
 check fails if its scheduler's step loop has stopped. Every response names the replica that served
 it in the `x-edgeinfer-replica` header. The export folder must exist, at the same path, on every
-node that runs a replica (or on a shared path), and on the front's node for the tokenizer.
+node that runs a replica (or on a shared path), and on the front's node for the tokenizer. A
+replica whose engine cannot load leaves its EdgeInferError (class and message) with a Ray actor of
+the front's (`LoadErrors`), and the front refuses to start with it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ REPLICA_HEADER = "x-edgeinfer-replica"
 # requests on an edge box is over by then). Ray keeps its own 10-minute delay before scaling down.
 UPSCALE_DELAY_S = 5
 APP = "edgeinfer"  # the Ray Serve application's name, and its deployment's
+LOAD_ERRORS, NAMESPACE = "edgeinfer-load-errors", "edgeinfer"  # the actor where replicas leave why they failed to load
 log = logging.getLogger("edgeinfer.serve")
 
 
@@ -123,7 +126,11 @@ def _replica_class():
 
     class EngineReplica:
         def __init__(self, settings: ReplicaSettings, cpus: float):
-            self.engine, self.scheduler = load_replica(settings, cpus)
+            try:
+                self.engine, self.scheduler = load_replica(settings, cpus)
+            except EdgeInferError as e:
+                _report_load_error(e)
+                raise
             self.name = serve.get_replica_context().replica_id.unique_id
 
         def mode(self) -> str:
@@ -308,20 +315,9 @@ def run_replicas(
     options = options or ServerOptions(api_key=settings.api_key)
     grace = options.grace
 
-    _check_reachable(address)
-    # "local": a new cluster on this machine, even where RAY_ADDRESS names another; with its
-    # dashboard on loopback, which `serve status` and the dashboard's pages need
-    own = {"include_dashboard": True, "dashboard_host": "127.0.0.1"} if address is None else {}
-    try:
-        context = ray.init(address=address or "local", logging_level="WARNING", **own)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise EdgeInferError(
-            f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
-            "there, or leave --address out for a cluster on this machine"
-        ) from None
-    if address is None:
-        log.info("%s", ray_tools_note(context.dashboard_url))
+    _join_or_start(ray, address)
     count = f"{replicas} replica{'s' * (replicas > 1)}" if autoscale is None else f"{autoscale[0]} to {autoscale[1]} replicas"
+    errors = _load_errors_class().options(name=LOAD_ERRORS, namespace=NAMESPACE, get_if_exists=True).remote()
 
     def load():
         try:  # returns once every replica has loaded its engine
@@ -332,7 +328,7 @@ def run_replicas(
                 blocking=False,
             )
         except RuntimeError as e:
-            raise EdgeInferError(f"the replicas could not start: {_deployment_error(serve) or first_line(e)}") from None
+            raise EdgeInferError(f"the replicas could not start: {_replica_error(errors) or first_line(e)}") from None
         log.info("%s of %s on Ray Serve", count, settings.folder)
         return Replicas(handle, settings.folder, settings.max_context)
 
@@ -378,18 +374,67 @@ def _check_reachable(address: str | None, seconds: float = 5.0) -> None:
         ) from None
 
 
-def _deployment_error(serve) -> str | None:
-    """The replicas' own error (the last line of the exception a replica's constructor raised, an
-    EdgeInferError's message where it was one), from Ray Serve's status."""
+def _join_or_start(ray, address: str | None) -> None:
+    """ray.init: the cluster at `address`, or else a new one on this machine ("local", even where
+    RAY_ADDRESS names another) with its dashboard on loopback, which `serve status` and the
+    dashboard's pages need."""
+    _check_reachable(address)
+    own = {"include_dashboard": True, "dashboard_host": "127.0.0.1"} if address is None else {}
     try:
-        message = serve.status().applications[APP].deployments[APP].message
-    except (KeyError, AttributeError):
+        context = ray.init(address=address or "local", logging_level="WARNING", **own)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise EdgeInferError(
+            f"cannot reach the Ray cluster at {address} ({first_line(e)}): start one with `ray start --head` "
+            "there, or leave --address out for a cluster on this machine"
+        ) from None
+    if address is None:
+        log.info("%s", ray_tools_note(context.dashboard_url))
+
+
+def _load_errors_class():
+    """A Ray actor (made here, so that importing this module needs no Ray) that keeps the first
+    EdgeInferError a replica's engine raised while loading, as (class name, message)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class LoadErrors:
+        def __init__(self):
+            self.first = None
+
+        def report(self, kind: str, message: str) -> None:
+            self.first = self.first or (kind, message)
+
+        def get(self):
+            return self.first
+
+    return LoadErrors
+
+
+def _report_load_error(error: EdgeInferError) -> None:
+    """Leave `error` with the front's LoadErrors actor; without one (an application run by Ray's
+    own `serve run`), Ray Serve's status and logs have it."""
+    import ray
+
+    try:
+        errors = ray.get_actor(LOAD_ERRORS, namespace=NAMESPACE)
+        ray.get(errors.report.remote(type(error).__name__, str(error)), timeout=10)
+    except (ValueError, ray.exceptions.RayError):
+        return
+
+
+def _replica_error(errors) -> str | None:
+    """The replicas' own error, "Class: message", from the LoadErrors actor `errors`."""
+    import ray
+
+    try:
+        found = ray.get(errors.get.remote(), timeout=10)
+    except ray.exceptions.RayError:
         return None
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    error = next((line.split("errors.", 1)[1] for line in reversed(lines) if "edgeinfer.sdk.errors." in line), None)
-    if error and error.startswith("NotAnExportError"):
-        return f"{error} (the export folder must exist at the same path on every node that runs a replica)"
-    return error or (lines[-1] if lines else None)
+    if found is None:
+        return None
+    kind, message = found
+    where = " (the export folder must exist at the same path on every node that runs a replica)" if kind == "NotAnExportError" else ""
+    return f"{kind}: {message}{where}"
 
 
 def first_line(error: BaseException) -> str:
