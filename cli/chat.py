@@ -9,7 +9,7 @@ import click
 from edgeinfer.sdk.errors import GenerationError
 from edgeinfer.sdk.settings import resolve_settings
 
-from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
+from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, with_options
 from .resolve import load_engine, say
 
 HELP = "type a message and press Enter; /reset starts over; /exit, Ctrl-D or Ctrl-C ends"
@@ -92,5 +92,5 @@ def _reply(engine, conversation: Conversation, text: str, config) -> None:
         say("(reply interrupted)")
         conversation.undo()
     except GenerationError as e:
-        say(f"error: {e}")
+        say(f"error: {in_flags(e)}")
         conversation.undo()

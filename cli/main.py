@@ -13,7 +13,7 @@ from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
 from .bench import bench
 from .chat import chat
-from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, with_options
+from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, with_options
 from .resolve import _exporter, live_stream, load_engine, say, say_timings
 from .serve import serve
 
@@ -224,7 +224,7 @@ def main() -> None:
     except EdgeInferError as e:
         if debug:
             raise
-        say(f"error: {e}")
+        say(f"error: {in_flags(e)}")
         sys.exit(1)
     except click.exceptions.Abort:
         say("interrupted")

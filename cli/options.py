@@ -136,3 +136,31 @@ def _bias(pair: str) -> tuple[int, float]:
         return int(token), float(bias)
     except ValueError:
         raise click.BadParameter(f"{pair!r} is not ID=BIAS (e.g. 50256=-100)", param_hint="--logit-bias") from None
+
+
+# The settings the flags do not spell as --NAME: the flags that give them.
+_OTHER_FLAGS = {"response_format": "--json-schema, --regex or --grammar"}
+
+
+def _flags() -> dict[str, str]:
+    """Each generation setting's flag, read off the options themselves."""
+
+    def command():
+        pass
+
+    with_options(MODEL_OPTIONS + GENERATION_OPTIONS)(command)
+    return {param.name: param.opts[0] for param in command.__click_params__} | _OTHER_FLAGS
+
+
+def in_flags(error) -> str:
+    """The message of an edgeinfer error in the CLI's words: a SettingsError about `max_new_tokens`
+    names `--max-new-tokens` (the SDK's messages name the SDK's parameters), on one line."""
+    param = getattr(error, "param", None)
+    base = param.split("[", 1)[0] if param else None
+    flag = _flags().get(base) if base else None
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if flag is None:
+        return message
+    if message.startswith(param):
+        return f"{flag}{param[len(base) :]}{message[len(param) :]}"
+    return f"{flag}: {message}"

@@ -272,10 +272,18 @@ def test_run_reads_the_prompt_from_stdin(tiny_llama):
     assert done.returncode == 0 and json.loads(done.stdout)["token_ids"] == expected.token_ids, done.stderr
 
 
-def test_run_with_an_invalid_setting(tiny_llama):
-    assert_one_line_error(
-        edgeinfer("run", "--model", str(tiny_llama[1]), "--top-p", "2", "hi"), "top_p must be a number in (0, 1]", "got 2.0"
-    )
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (("--top-p", "2"), ("error: --top-p must be a number in (0, 1]", "got 2.0")),
+        (("--max-new-tokens", "0"), ("error: --max-new-tokens must be an integer of at least 1", "got 0")),
+        (("--logit-bias", "1=500"), ("error: --logit-bias[1] must be a number in [-100, 100]",)),
+        (("--regex", "("), ("error: --json-schema, --regex or --grammar: the regex cannot be used", "unclosed group")),
+    ],
+)
+def test_run_with_an_invalid_setting_names_its_flag_on_one_line(tiny_llama, flags, words):
+    """The SDK's messages name its parameters (top_p); the CLI's name its flags (--top-p)."""
+    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "hi"), *words)
 
 
 def chat(folder, lines, *flags):
