@@ -21,7 +21,7 @@ class StandInRunner:
     batches_continuously, is_static = True, False
 
     def __init__(self):
-        self.passes = []
+        self.passes, self.started = [], []  # every pass; the first token of each prompt, as its prefill starts
 
     def new_batch(self, num_rows, capacity, reuses_logits=False):
         return Batch(SlotCache(SPEC, {}, num_rows, capacity), reuses_logits)
@@ -35,6 +35,8 @@ class StandInRunner:
     def prefill_span(self, batch, row, ids, start, end):
         prepare_row(batch.cache, row, ids[start:end])
         self.passes.append(("prefill", row, start, end))
+        if start == 0:
+            self.started.append(ids[0])
         return {0: ids[end - 1] + 1}
 
     def decode(self, batch, tokens):
@@ -129,3 +131,19 @@ def test_the_queue_limit_counts_the_requests_waiting_for_a_row():
             with pytest.raises(BusyError, match=r"1 requests are already waiting \(max_queue 1\): retry later"):
                 scheduler.submit([5], max_new_tokens=2)
         assert [first.result().token_ids, second.result().token_ids] == [[2, 3], [4, 5]]
+
+
+def test_waiting_requests_take_rows_in_the_order_they_came_and_prefill_one_at_a_time():
+    """Fairness: first come, first served for rows, and one prompt's chunks at a time, so a later long
+    prompt does not delay an earlier one; the running rows decode between every chunk."""
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=2) as scheduler:
+        jobs = [([1], 6), (list(range(100, 108)), 2), (list(range(200, 208)), 2), ([30], 1), ([40], 1)]
+        requests = queued(scheduler, *jobs)
+        assert [r.result().token_ids for r in requests] == [[2, 3, 4, 5, 6, 7], [108, 109], [208, 209], [31], [41]]
+    assert engine.runner.started == [1, 100, 200, 30, 40]  # the order they came
+    prefills = [(p[1], p[2]) for p in engine.runner.passes if p[0] == "prefill"]
+    assert prefills[:3] == [(0, 0), (1, 0), (1, 4)]  # the second prompt's chunks one after the other
+    passes = engine.runner.passes
+    chunked = [i for i, p in enumerate(passes) if p[0] == "prefill" and p[1] == 1 and p[2] == 4]
+    assert passes[chunked[0] - 1] == ("decode", 0)  # row 0 decoded between the two chunks
