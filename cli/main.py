@@ -6,6 +6,7 @@ import dataclasses
 import json
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -89,11 +90,27 @@ def export(model, output, force, max_context, quantize, block_size, symmetric, d
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming."
 )
-def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat, as_json, **params):
+@click.option(
+    "--tools",
+    "tools_file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="With --chat: OpenAI function tools (a JSON list).",
+)
+@click.option("--tool-choice", default=None, help="With --tools: auto, none, required, or a tool's name [default: auto].")
+def run(
+    prompt, model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat, as_json, tools_file, tool_choice, **params
+):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
     settings = generation_settings(params, draft)
     prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
+    if (tools_file or tool_choice) and not chat:
+        raise click.UsageError("--tools and --tool-choice apply to --chat")
+    if tool_choice and not tools_file:
+        raise click.UsageError("--tool-choice needs --tools")
     engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft)
+    if tools_file:
+        return _run_with_tools(engine, prompt, tools_file, tool_choice, as_json, settings)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
     if as_json:
         result = engine.generate(ids, **settings)
@@ -108,6 +125,26 @@ def run(prompt, model, provider, threads, max_context, memory_limit, prefix_cach
         sys.stdout.flush()
     click.echo()
     say_timings(piece)
+
+
+def _run_with_tools(engine, prompt: str, tools_file: str, tool_choice: str | None, as_json: bool, settings: dict) -> None:
+    """One chat turn with tools: the reply's text, then each call as a JSON line {"name", "arguments"}."""
+    try:
+        tools = json.loads(Path(tools_file).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"{tools_file} is not JSON ({e}): give a JSON list of OpenAI function tools", param_hint="--tools")
+    named = tool_choice not in (None, "auto", "none", "required")
+    choice = {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
+    result = engine.chat([{"role": "user", "content": prompt}], tools=tools, tool_choice=choice, **settings)
+    if as_json:
+        payload = {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}
+        click.echo(json.dumps(payload, ensure_ascii=False))
+        return
+    if result.text:
+        click.echo(result.text)
+    for call in result.tool_calls:
+        click.echo(json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False))
+    say(f"finish: {result.finish_reason}, tool format: {result.tool_format}")
 
 
 @cli.command()

@@ -18,6 +18,7 @@ from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 from .tokenizer import Tokenizer
+from .tools import plan, tool_request, with_calls
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a prefill pass takes: the same logits, a smaller peak
 DEFAULT_PREFIX_CACHE_MIB = 64  # prompts' keys and values kept for prompts that start the same way
@@ -185,9 +186,31 @@ class Engine:
             raise GenerationError("stream_batch takes a non-empty list of prompts")
         return self._start(list(prompts), config, settings)
 
-    def chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> GenerationResult:
-        """The model's reply to a conversation (a list of {"role", "content"} messages)."""
-        return self.generate(self.chat_prompt(messages), config, **settings)
+    def chat(
+        self,
+        messages: list[dict],
+        config: GenerationConfig | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
+        **settings,
+    ) -> GenerationResult:
+        """The model's reply to a conversation (a list of {"role", "content"} messages). With
+        `tools` (OpenAI's function tools), the calls it makes are in `result.tool_calls`;
+        `tool_choice` "required" or a named tool constrains the output to valid calls (tools.py)."""
+        if tools is None:
+            if tool_choice is not None:
+                raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
+            return self.generate(self.chat_prompt(messages), config, **settings)
+        chosen = plan(self.tokenizer, messages, tool_request(tools, tool_choice, parallel_tool_calls))
+        if chosen.response_format is not None:
+            asked = (settings.get("response_format"), settings.get("choice"), config and config.constraint)
+            if any(value is not None for value in asked):
+                raise SettingsError("a response_format or choice cannot constrain an output that calls tools", "response_format")
+            settings = {**settings, "response_format": chosen.response_format}
+        prompt = self.tokenizer.chat_ids(chosen.messages, self.max_context, tools=chosen.tools)
+        return with_calls(self.generate(prompt, config, **settings), chosen, self.tokenizer)
 
     def stream_chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
         """The model's reply to a conversation, piece by piece."""

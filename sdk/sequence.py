@@ -57,6 +57,8 @@ class GenerationResult:
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
     cached_tokens: int = 0
+    tool_calls: list | None = None  # chat with tools: the ToolCalls made (tools.py); None without tools
+    tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:

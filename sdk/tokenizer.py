@@ -96,7 +96,7 @@ class Tokenizer:
         """The id of a token given by its text (a special token's), or None."""
         return None if text is None else self._tokenizer.token_to_id(text)
 
-    def chat_ids(self, messages: list[dict], context: int | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the chat template, ready for a reply (refused
         at once where they cannot leave room in a context of `context` tokens). An assistant
         message may have `content` None where it has `tool_calls`, as OpenAI's do."""
@@ -107,11 +107,13 @@ class Tokenizer:
                 "this model's chat template does not render tool calls, so an assistant message with "
                 "tool_calls cannot be shown to it: send the calls' text as the message's content"
             )
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools=tools)
         return self.encode(text, False) if context is None else self.encode_within(text, context, False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation as the model's chat template writes it, with `tools` (OpenAI's function
+        tools) given to the template as transformers gives them; a call's arguments sent as JSON
+        text are given to it as the object they spell, as templates expect."""
         if self.chat_template is None:
             raise GenerationError("this model has no chat template: pass a plain prompt instead of messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -120,13 +122,41 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages,
+                messages=[_with_argument_objects(m) for m in messages],
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.spec.bos_token or "",
                 eos_token=self.spec.eos_token or "",
             )
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
+
+    def decode_all(self, ids: list[int]) -> str:
+        """The text of `ids` with the special tokens' own text kept (a tool call's markers may be special tokens)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """Each special token's text and id."""
+        vocabulary = self.vocabulary
+        return {vocabulary.tokens[i].decode(errors="replace"): i for i in vocabulary.special}
+
+
+def _with_argument_objects(message: dict) -> dict:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+            except ValueError:
+                pass
+        converted.append(call)
+    return {**message, "tool_calls": converted}
 
 
 _LONG_TEXT = 4096  # characters: shorter texts are encoded holding the GIL (the batch call costs more)

@@ -1,0 +1,378 @@
+"""Tool calls: the tools rendered into the prompt, the call format read off the model's own chat
+template, decoding constrained to a valid call where one is required, and the calls parsed back
+in OpenAI's shape.
+
+The format is found by rendering the template with a known call and reading what it writes
+around it (Hermes/Qwen's `<tool_call>...</tool_call>`, Llama 3's bare JSON with "parameters",
+Mistral's `[TOOL_CALLS][...]`, or any other markers around a JSON object or array). A template
+that renders no tools gets the generic format: the tools described in a system message, and the
+answer a JSON object, `{"tool_calls": [...]}` or `{"response": "..."}`, always constrained, so
+even a model never trained on tools answers in a shape that parses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from .constraints import JSON_DEFAULTS
+from .errors import SettingsError
+
+GENERIC = "generic"
+_PROBE_NAME, _PROBE_ARGUMENTS = "edgeinfer_probe", {"edgeinfer_argument": "edgeinfer_value"}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_NAME,
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"edgeinfer_argument": {"type": "string"}}},
+    },
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: `arguments` is the JSON text of the arguments, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes its calls: `opening` text, the calls (a JSON object each, or one JSON
+    array of them where `is_list`), `between` two calls, `closing` text; each call's arguments
+    under `arguments_key`. `name` is GENERIC, or "template" for a format read off the template."""
+
+    name: str
+    opening: str = ""
+    closing: str = ""
+    between: str | None = None  # None: the template writes one call per turn
+    arguments_key: str = "arguments"
+    is_list: bool = False
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat call's tools, checked: `tools` in OpenAI's shape, `choice` "auto", "none",
+    "required" or a tool's name, and whether several calls may come in one turn."""
+
+    tools: tuple[dict, ...]
+    choice: str
+    parallel: bool
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("auto", "none")
+
+    def offered(self) -> list[dict]:
+        """The tools the output may call."""
+        if self.choice in ("auto", "none", "required"):
+            return list(self.tools)
+        return [t for t in self.tools if t["function"]["name"] == self.choice]
+
+
+def tool_request(tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolRequest:
+    """`tools` (a list of {"type": "function", "function": {"name", "description", "parameters"}})
+    and `tool_choice` ("auto", "none", "required", or {"type": "function", "function": {"name": ...}})
+    checked, or a SettingsError naming the one at fault."""
+    if not isinstance(tools, (list, tuple)) or not tools:
+        raise SettingsError('tools must be a non-empty list of {"type": "function", "function": {...}} objects', "tools")
+    checked = tuple(_checked_tool(tool, index) for index, tool in enumerate(tools))
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise SettingsError(f"tools must have distinct names, got {names}", "tools")
+    choice = "auto" if tool_choice is None else tool_choice
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise SettingsError(
+                f"tool_choice {json.dumps(choice)} names no tool of tools ({', '.join(names)}): "
+                'pass {"type": "function", "function": {"name": NAME}} with one of them',
+                "tool_choice",
+            )
+        choice = name
+    elif choice not in ("auto", "none", "required"):
+        raise SettingsError(f"tool_choice must be 'auto', 'none', 'required' or a named function, got {choice!r}", "tool_choice")
+    if not isinstance(parallel_tool_calls, bool):
+        raise SettingsError(f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}", "parallel_tool_calls")
+    return ToolRequest(checked, choice, parallel_tool_calls)
+
+
+def _checked_tool(tool, index: int) -> dict:
+    where = f"tools[{index}]"
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if not isinstance(function, dict):
+        raise SettingsError(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}', where)
+    name, parameters = function.get("name"), function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-" for c in name) or len(name) > 64:
+        raise SettingsError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}", f"{where}.function.name")
+    if not isinstance(parameters, dict):
+        raise SettingsError(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+    return {"type": "function", "function": {**function, "parameters": parameters}}
+
+
+def tool_format(tokenizer) -> ToolFormat:
+    """The format the model's chat template writes calls in, found by rendering a known call."""
+    template = tokenizer.chat_template or ""
+    if "tool" not in template:
+        return ToolFormat(GENERIC)
+    user = {"role": "user", "content": "Hello"}
+    try:
+        prompt = tokenizer.render_chat([user], True, tools=[_PROBE_TOOL])
+        one = tokenizer.render_chat([user, _probe_turn(1)], False, tools=[_PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a template may raise anything on a turn it does not expect: then it has no usable format
+        return ToolFormat(GENERIC)
+    turn = one[len(os.path.commonprefix([prompt, one])) :]
+    found = _probe_call(turn)
+    if found is None:
+        return ToolFormat(GENERIC)
+    start, end, key = found
+    opening, closing = turn[:start], _turn_end(turn[end:], tokenizer.spec.eos_token)
+    is_list = opening.endswith("[") and closing.startswith("]")
+    if is_list:
+        opening, closing = opening[:-1], closing[1:]
+    between = _between(tokenizer, user, prompt, is_list)
+    return ToolFormat("template", opening.lstrip(" "), closing, between, key, is_list)
+
+
+def _probe_turn(count: int) -> dict:
+    call = {"type": "function", "id": "call_0", "function": {"name": _PROBE_NAME, "arguments": _PROBE_ARGUMENTS}}
+    return {"role": "assistant", "content": "", "tool_calls": [call] * count}
+
+
+def _probe_call(text: str, after: int = 0) -> tuple[int, int, str] | None:
+    """(start, end, arguments key) of the first JSON object in `text` after `after` that is the probe call."""
+    decoder = json.JSONDecoder()
+    at = text.find(f'"{_PROBE_NAME}"', after)
+    while at >= 0:
+        for start in range(at, after - 1, -1):
+            if text[start] != "{":
+                continue
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except ValueError:
+                continue
+            if isinstance(value, dict) and value.get("name") == _PROBE_NAME:
+                key = next((k for k, v in value.items() if v in (_PROBE_ARGUMENTS, json.dumps(_PROBE_ARGUMENTS))), None)
+                if key is not None:
+                    return start, end, key
+        at = text.find(f'"{_PROBE_NAME}"', at + 1)
+    return None
+
+
+def _turn_end(text: str, eos: str | None) -> str:
+    """What follows a call up to the end of the assistant's turn (the EOS ends generation)."""
+    if eos and eos in text:
+        return text[: text.index(eos)]
+    return text.rstrip()
+
+
+def _between(tokenizer, user: dict, prompt: str, is_list: bool) -> str | None:
+    """What the template writes between two calls of one turn; None where it writes one only."""
+    try:
+        two = tokenizer.render_chat([user, _probe_turn(2)], False, tools=[_PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - see tool_format
+        return None
+    first = _probe_call(two, len(os.path.commonprefix([prompt, two])))
+    second = None if first is None else _probe_call(two, first[1])
+    if second is None or is_list:  # a list's calls are one JSON array, whatever is between them
+        return None
+    return two[first[1] : second[0]]
+
+
+def call_schema(request: ToolRequest, format: ToolFormat) -> dict:
+    """The JSON schema of one call of the offered tools: its name and its arguments."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool["function"]["name"]}, format.arguments_key: tool["function"]["parameters"]},
+            "required": ["name", format.arguments_key],
+            "additionalProperties": False,
+        }
+        for tool in request.offered()
+    ]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def generic_schema(request: ToolRequest) -> dict:
+    """The generic format's answer: the calls, or (where the choice allows a reply) a reply."""
+    calls = {"type": "array", "items": call_schema(request, ToolFormat(GENERIC)), "minItems": 1}
+    if not request.parallel:
+        calls["maxItems"] = 1
+    call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
+    if request.forced:
+        return call
+    reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
+    return {"anyOf": [call, reply]}
+
+
+def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:
+    """An llguidance Lark grammar that admits only the format's calls of the offered tools, each
+    valid for its tool's schema (one, or one or more with `parallel`). `special`: the special
+    tokens' texts and ids, which the grammar names by id."""
+    compact = {"x-guidance": JSON_DEFAULTS}  # JSON as json.dumps writes it, as for response_format
+    schema = json.dumps({**call_schema(request, format), **compact})
+    if format.is_list:
+        one = call_schema(request, format)
+        array = {"type": "array", "items": one, "minItems": 1, **({} if request.parallel else {"maxItems": 1}), **compact}
+        body = f"%json {json.dumps(array)}"
+    elif request.parallel and format.between is not None:
+        body = f"call ({_literal(format.between, special)} call)*"
+    else:
+        body = "call"
+    rules = [
+        "start: " + " ".join(part for part in (_literal(format.opening, special), body, _literal(format.closing, special)) if part)
+    ]
+    if not format.is_list:
+        rules.append(f"call: %json {schema}")
+    return "\n".join(rules)
+
+
+def _literal(text: str, special: dict[str, int]) -> str:
+    """`text` as a sequence of Lark string literals, its special tokens as `<[id]>`."""
+    parts, rest = [], text
+    while rest:
+        found = min(((rest.find(t), t) for t in special if t and t in rest), default=None)
+        if found is None:
+            parts.append(json.dumps(rest))
+            break
+        at, token = found
+        if at:
+            parts.append(json.dumps(rest[:at]))
+        parts.append(f"<[{special[token]}]>")
+        rest = rest[at + len(token) :]
+    return " ".join(parts)
+
+
+def generic_messages(messages: list[dict], request: ToolRequest) -> list[dict]:
+    """The conversation for a template that renders no tools: the tools described in the system
+    message; earlier calls and their results written as the generic format's text."""
+    described = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in request.offered())
+    shape = '{"tool_calls": [{"name": NAME, "arguments": {...}}]}'
+    reply = "" if request.forced else ', or {"response": "your reply"} to answer without a tool'
+    system = f"You can call these tools:\n{described}\nAnswer with one JSON object: {shape} to call tools{reply}."
+    converted = [_generic_message(m) for m in messages]
+    if converted and converted[0]["role"] == "system":
+        return [{"role": "system", "content": converted[0]["content"] + "\n\n" + system}, *converted[1:]]
+    return [{"role": "system", "content": system}, *converted]
+
+
+def _generic_message(message: dict) -> dict:
+    if message.get("tool_calls"):
+        calls = [
+            {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))} for c in message["tool_calls"]
+        ]
+        return {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"Result of tool call {message.get('tool_call_id', '')}: {message['content']}"}
+    return message
+
+
+def _arguments(value):
+    """A call's arguments as the templates expect them, a dict, whether given as JSON text or not."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def parse_calls(text: str, format: ToolFormat) -> tuple[str, list[ToolCall]]:
+    """(the reply's text, the calls) of an output; text that does not parse as calls stays text."""
+    if format.name == GENERIC:
+        return _parse_generic(text)
+    marker = format.opening.strip()
+    at = text.find(marker) if marker else _first_json(text)
+    if at is None or at < 0:
+        return text, []
+    calls, decoder, position = [], json.JSONDecoder(), at + len(marker)
+    while True:
+        start = _next_json(text, position)
+        if start is None:
+            break
+        try:
+            value, position = decoder.raw_decode(text, start)
+        except ValueError:
+            break
+        for item in value if isinstance(value, list) else [value]:
+            call = _as_call(item, format.arguments_key)
+            if call is None:
+                return text, []
+            calls.append(call)
+    return (text[:at].strip(), calls) if calls else (text, [])
+
+
+def _parse_generic(text: str) -> tuple[str, list[ToolCall]]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text, []
+    if isinstance(value, dict) and isinstance(value.get("response"), str):
+        return value["response"], []
+    items = value.get("tool_calls") if isinstance(value, dict) else None
+    calls = [_as_call(item, "arguments") for item in items] if isinstance(items, list) else []
+    return ("", calls) if calls and None not in calls else (text, [])
+
+
+def _as_call(item, key: str) -> ToolCall | None:
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or key not in item:
+        return None
+    arguments = item[key] if isinstance(item[key], str) else json.dumps(item[key], ensure_ascii=False)
+    return ToolCall(f"call_{os.urandom(12).hex()}", item["name"], arguments)
+
+
+def _next_json(text: str, position: int) -> int | None:
+    starts = [i for i in (text.find("{", position), text.find("[", position)) if i >= 0]
+    return min(starts) if starts else None
+
+
+def _first_json(text: str) -> int | None:
+    stripped = len(text) - len(text.lstrip())
+    return stripped if text[stripped : stripped + 1] in ("{", "[") else None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat call with tools renders and constrains: the `messages` and `tools` for the
+    template, the `response_format` that constrains the output (None: free), the `format`."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    response_format: dict | None
+    format: ToolFormat
+
+
+def plan(tokenizer, messages: list[dict], request: ToolRequest) -> ToolPlan:
+    format = tool_format(tokenizer)
+    if format.name == GENERIC:
+        if request.choice == "none":
+            return ToolPlan([_generic_message(m) for m in messages], None, None, format)
+        schema = {"type": "json_schema", "json_schema": {"schema": generic_schema(request)}}
+        return ToolPlan(generic_messages(messages, request), None, schema, format)
+    if request.choice == "none":
+        return ToolPlan(messages, None, None, format)
+    grammar = call_grammar(request, format, tokenizer.special_tokens) if request.forced else None
+    return ToolPlan(messages, list(request.tools), grammar and {"type": "grammar", "lark": grammar}, format)
+
+
+def with_calls(result, plan: ToolPlan, tokenizer):
+    """`result` (a GenerationResult) with the calls parsed out of its output: `tool_calls` (empty
+    where there are none), its text the reply alone, and finish reason "tool_calls" where it called."""
+    from dataclasses import replace
+
+    if plan.format.name == GENERIC and plan.response_format is None:  # tool_choice none: a plain reply
+        return replace(result, tool_calls=[], tool_format=plan.format.name)
+    text = result.text if plan.format.name == GENERIC else tokenizer.decode_all(result.token_ids)
+    content, calls = parse_calls(text, plan.format)
+    if not calls:
+        return replace(
+            result, text=content if plan.format.name == GENERIC else result.text, tool_calls=[], tool_format=plan.format.name
+        )
+    return replace(result, text=content, tool_calls=calls, finish_reason="tool_calls", tool_format=plan.format.name)
