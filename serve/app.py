@@ -20,8 +20,10 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
-from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.errors import EdgeInferError, SettingsError
 from edgeinfer.sdk.sequence import GenerationResult
+from edgeinfer.sdk.tools import plan as tool_plan
+from edgeinfer.sdk.tools import with_calls
 
 from . import backend as backends
 from .backend import Backend
@@ -150,19 +152,25 @@ class _Routes:
                 status=404,
                 code="model_not_found",
             )
-        choices = body.choice_settings()
+        choices, plan = body.choice_settings(), None
         try:
-            requests = await backends.submit_all(backend, lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat), choices)
+            if chat:
+                prompts, choices, plan = _with_tools(backend, body, prompts, choices)
+            tools = plan and plan.tools
+            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, tools)  # noqa: E731
+            requests = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
         reply = Reply(chat, self.model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = requests[0].response_headers or None
+        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
         if body.stream:
-            return StreamingResponse(self.events(requests, reply, body.include_usage), media_type="text/event-stream", headers=headers)
-        return await self.whole(requests, reply, http, headers)
+            events = self.events(requests, reply, body.include_usage, ended, plan is not None)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return await self.whole(requests, reply, http, headers, ended)
 
-    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None):
+    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None, ended: Callable):
         try:
             results = await _whole(requests, http)
         except EdgeInferError as e:
@@ -171,23 +179,28 @@ class _Routes:
         if results is None:  # the client went away: nobody reads this
             self.cancelled(requests, reply.id, 0)
             return Response(status_code=499)
+        results = [ended(result) for result in results]
         for result in results:
             self.finished(reply.id, result)
         return JSONResponse(reply.whole(results), headers=headers)
 
-    async def events(self, requests: list, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, requests: list, reply: Reply, include_usage: bool, ended: Callable, held: bool) -> AsyncIterator[str]:
+        """The stream's chunks; `held`: a turn with tools, whose text and calls are sent once it ends."""
         pieces, is_done = [[] for _ in requests], [False] * len(requests)
         try:
             for chunk in reply.first_chunks():
                 yield _sse(chunk)
             async for index, piece in backends.pieces(requests):
                 pieces[index].append(piece)
-                if piece.text:
+                if piece.text and not held:
                     yield _sse(reply.piece_chunk(index, piece))
                 if piece.finish_reason is not None:
                     is_done[index] = True
-                    yield _sse(reply.last_chunk(index, piece.finish_reason))
-                    self.finished(reply.id, GenerationResult.from_pieces(pieces[index]))
+                    result = ended(GenerationResult.from_pieces(pieces[index]))
+                    for chunk in reply.call_chunks(index, result) if held else []:
+                        yield _sse(chunk)
+                    yield _sse(reply.last_chunk(index, result.finish_reason))
+                    self.finished(reply.id, result)
             if include_usage:
                 yield _sse(reply.usage_chunk([GenerationResult.from_pieces(p) for p in pieces]))
             yield "data: [DONE]\n\n"
@@ -325,11 +338,26 @@ def _validation_message(first: dict) -> tuple[str, str, str | None]:
     return f"{field}: {text}", "invalid_request_error", field
 
 
-def _prompt_ids(backend: Backend, prompts: list, asked: int | None, chat: bool) -> list[list[int]]:
+def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):
+    """(prompts, choices, ToolPlan or None) of a chat request: with tools, the conversation as the
+    plan renders it and each choice constrained as it constrains (sdk/tools.py)."""
+    request = body.tool_request()
+    if request is None:
+        return prompts, choices, None
+    plan = tool_plan(backend.tokenizer, prompts[0], request)
+    if plan.response_format is None:
+        return [plan.messages], choices, plan
+    if any("response_format" in c or "choice" in c for c in choices):
+        raise SettingsError("response_format and choice cannot constrain a turn that must call a tool", "response_format")
+    return [plan.messages], [{**c, "response_format": plan.response_format} for c in choices], plan
+
+
+def _prompt_ids(backend: Backend, prompts: list, asked: int | None, chat: bool, tools: list | None = None) -> list[list[int]]:
     """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
     the chat template and the tokenizer take time on long prompts)."""
     tokenizer, context = backend.tokenizer, backend.max_context
-    ids = [tokenizer.chat_ids(p, context) if chat else tokenizer.prompt_ids(p, backend.manifest.vocab_size, context) for p in prompts]
+    vocab_size = backend.manifest.vocab_size
+    ids = [tokenizer.chat_ids(p, context, tools) if chat else tokenizer.prompt_ids(p, vocab_size, context) for p in prompts]
     for prompt in ids:
         check_room(len(prompt), asked, context)
     return ids

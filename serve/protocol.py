@@ -28,10 +28,11 @@ from edgeinfer.sdk.errors import (
 )
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
+from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
-NOT_YET = ("tools", "tool_choice", "functions", "function_call", "suffix", "echo", "best_of")
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+NOT_YET = ("functions", "function_call", "suffix", "echo", "best_of")
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_DEPTH = 512  # levels of nesting in a request body (a JSON schema's included; Python's own limit is 1000)
@@ -142,12 +143,14 @@ class ToolCall(_Strict):
 class Message(_Strict):
     """A message of the conversation. "developer" is OpenAI's current name for "system" and is
     given to the template as "system"; an assistant message may carry `tool_calls` (with
-    `content` null), as agents' histories do."""
+    `content` null), as agents' histories do, and a "tool" message the result of one
+    (`tool_call_id`)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     @model_validator(mode="after")
     def _has_content(self):
@@ -155,6 +158,8 @@ class Message(_Strict):
             raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message has one")
         return self
 
     def as_dict(self) -> dict:
@@ -162,6 +167,8 @@ class Message(_Strict):
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -194,8 +201,6 @@ class _Request(_Strict):
     speculative: Literal["prompt_lookup", "draft"] | None = None  # draft where the server has a --draft model
     num_speculative_tokens: StrictInt | None = _ranged(1, 32)
     # defined by OpenAI, not served yet (NOT_YET): present only so that the 400 can name them
-    tools: Any = _described(NOT_SERVED)
-    tool_choice: Any = _described(NOT_SERVED)
     functions: Any = _described(NOT_SERVED)
     function_call: Any = _described(NOT_SERVED)
 
@@ -259,6 +264,18 @@ class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = _ranged(0, 20)
+    # OpenAI's function tools, checked by the SDK (sdk/tools.py) with its own messages
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    def tool_request(self) -> ToolRequest | None:
+        """The tools asked for, checked; None without tools."""
+        if self.tools is None:
+            if self.tool_choice is not None:
+                raise RequestError("tool_choice needs tools: send the tools it chooses from", "tool_choice")
+            return None
+        return tool_request(self.tools, self.tool_choice, True if self.parallel_tool_calls is None else self.parallel_tool_calls)
 
     def logprob_settings(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
@@ -381,6 +398,13 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
     return 400, error_body(str(error), param=param), {}
 
 
+def _message(result: GenerationResult) -> dict:
+    """A chat choice's message: its text, and the calls it made (content null where it only called)."""
+    if not result.tool_calls:
+        return {"role": "assistant", "content": result.text}
+    return {"role": "assistant", "content": result.text or None, "tool_calls": [call.as_openai() for call in result.tool_calls]}
+
+
 def api_name(setting: str) -> str:
     """The request field of an SDK setting's name ("max_new_tokens" is max_tokens; "logit_bias[5]" is logit_bias)."""
     root = setting.split("[")[0]
@@ -422,7 +446,7 @@ class Reply:
                 "finish_reason": FINISH[result.finish_reason],
                 "logprobs": self._logprobs(result.logprobs, index),
             }
-            choice |= {"message": {"role": "assistant", "content": result.text}} if self.chat else {"text": result.text}
+            choice |= {"message": _message(result)} if self.chat else {"text": result.text}
             choices.append(choice)
         return {**self._head(), "choices": choices, "usage": self.usage(results)}
 
@@ -434,6 +458,16 @@ class Reply:
         logprobs = self._logprobs(piece.logprobs, index)
         self.offsets[index] += len(piece.text)
         return self._chunk(index, {"content": piece.text} if self.chat else piece.text, None, logprobs)
+
+    def call_chunks(self, index: int, result: GenerationResult) -> list[dict]:
+        """A turn with tools, streamed once it has ended: its text, then each call as the openai
+        client's stream helpers accumulate them (the id, type and name first, then the arguments)."""
+        chunks = [self._chunk(index, {"content": result.text}, None)] if result.text else []
+        for position, call in enumerate(result.tool_calls or []):
+            opened = {"index": position, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            chunks.append(self._chunk(index, {"tool_calls": [opened]}, None))
+            chunks.append(self._chunk(index, {"tool_calls": [{"index": position, "function": {"arguments": call.arguments}}]}, None))
+        return chunks
 
     def last_chunk(self, index: int, finish_reason: str) -> dict:
         return self._chunk(index, {} if self.chat else "", FINISH[finish_reason])

@@ -175,7 +175,9 @@ def test_the_stream_is_what_openai_clients_parse(server, engine):
 @pytest.mark.parametrize(
     "asked, status, message",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported by edgeinfer yet"),
+        ({"functions": [{"name": "f"}]}, 400, "'functions' is not supported by edgeinfer yet"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, 400, r"tools\[0\]\.function\.name must be"),
+        ({"tool_choice": "required"}, 400, "tool_choice needs tools"),
         ({"presence_penalty": 5}, 400, r"presence_penalty must be a number in \[-2, 2\]"),
         ({"top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
         ({"logit_bias": {"99999": 1}}, 400, r"logit_bias \[99999\] are outside the vocabulary"),

@@ -1,0 +1,108 @@
+"""Tool calls through `edgeinfer serve` and the real openai client: a tiny llama exported with a
+Hermes-format chat template, and one with ChatML (no tools: the generic format). Forced calls come
+back in OpenAI's shape and validate against their tool's schema, whole and streamed (the client's
+stream helper accumulates the same calls), and a tool result turn is accepted."""
+
+import json
+import signal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from test_serve import start
+from test_tools import HERMES, SCHEMAS, TOOLS
+
+from conftest import EOS_ID, build_llama
+
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def tool_export(root, template: str | None):
+    from transformers import AutoTokenizer
+
+    from edgeinfer.export import export_model
+
+    build_llama(root / "hf", eos_token_id=EOS_ID, seed=5, context=2048)
+    if template is not None:
+        tokenizer = AutoTokenizer.from_pretrained(root / "hf")
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(root / "hf")
+    export_model(str(root / "hf"), root / "export")
+    return root / "export"
+
+
+@pytest.fixture(scope="module", params=["hermes", "generic"])
+def served(request, tmp_path_factory):
+    export = tool_export(tmp_path_factory.mktemp(f"serve-tools-{request.param}"), HERMES if request.param == "hermes" else None)
+    process, url = start(export, "--provider", "cpu", "--max-batch", "2")
+    yield request.param, url, export.name, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def validate(call):
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_required_call_comes_back_in_openais_shape(served):
+    _, _, model, client = served
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) >= 1
+        for call in choice.message.tool_calls:
+            validate(call)
+
+
+def test_the_stream_helper_accumulates_the_same_calls(served):
+    _, _, model, client = served
+    asked = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=7, max_tokens=200)
+    asked["tool_choice"] = {"type": "function", "function": {"name": "add"}}
+    whole = client.chat.completions.create(**asked).choices[0].message.tool_calls
+    with client.chat.completions.stream(**asked) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    streamed = [(c.function.name, json.loads(c.function.arguments)) for c in final.message.tool_calls]
+    assert streamed == [(c.function.name, json.loads(c.function.arguments)) for c in whole] and streamed[0][0] == "add"
+    for call in final.message.tool_calls:
+        validate(call)
+
+
+def test_a_tool_result_turn_is_answered(served):
+    _, _, model, client = served
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+    ]
+    reply = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    "asked, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),
+        ({"messages": [{"role": "tool", "content": "21"}]}, "messages[0]"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(served, asked, param):
+    _, url, model, _ = served
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 4, **asked})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
