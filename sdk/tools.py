@@ -234,6 +234,22 @@ def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, in
     return "\n".join(rules)
 
 
+def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str | None:
+    """The grammar of a turn that may call (tool_choice "auto"): free text, or text up to the
+    format's opening and then only valid calls, so that a call the model opens ends valid. None
+    where the opening is a special token (llguidance's stop strings are text): the turn is free."""
+    forced = call_grammar(request, format, special).split("\n", 1)
+    start, rules = forced[0].removeprefix("start: "), forced[1:]
+    opening = _literal(format.opening, special)
+    body = start.removeprefix(opening).strip() if opening else start
+    if not format.opening.strip():  # a bare JSON call: text is anything that does not start as one
+        return "\n".join(["start: TEXT | " + body, r"TEXT: /[^{\[](.|\n)*/", *rules])
+    if any(token in format.opening for token in special):
+        return None
+    stop = json.dumps(format.opening)
+    return "\n".join(["start: plain | text " + body, 'plain[stop=""]: /(.|\n)*/', f"text[stop={stop}]: /(.|\n)*/", *rules])
+
+
 def _literal(text: str, special: dict[str, int]) -> str:
     """`text` as a sequence of Lark string literals, its special tokens as `<[id]>`."""
     parts, rest = [], text
@@ -358,7 +374,7 @@ def plan(tokenizer, messages: list[dict], request: ToolRequest) -> ToolPlan:
         return ToolPlan(generic_messages(messages, request), None, schema, format)
     if request.choice == "none":
         return ToolPlan(messages, None, None, format)
-    grammar = call_grammar(request, format, tokenizer.special_tokens) if request.forced else None
+    grammar = (call_grammar if request.forced else auto_grammar)(request, format, tokenizer.special_tokens)
     return ToolPlan(messages, list(request.tools), grammar and {"type": "grammar", "lark": grammar}, format)
 
 

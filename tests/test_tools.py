@@ -294,3 +294,44 @@ def test_the_cli_runs_a_chat_turn_with_tools(engine, tmp_path):
     assert result["finish_reason"] == "tool_calls" and result["tool_calls"][0]["name"] == "add"
     done = subprocess.run([*base[:-1], "--tools", str(tools), "hi"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "--tools and --tool-choice apply to --chat" in done.stderr
+
+
+def sample_under(engine, grammar: str, start: str, seed: int, steps: int = 300) -> str:
+    """Text that begins with `start` and goes on with tokens drawn uniformly from those the grammar
+    allows, until it may only end: what any model would be held to."""
+    import numpy as np
+
+    from edgeinfer.sdk.settings import Constraint
+
+    matcher, rng = engine.constraints.start(Constraint("lark", grammar)), np.random.default_rng(seed)
+    ids = engine.tokenizer.encode(start, False)
+    for token in ids:
+        matcher.consume(token)
+    eos = set(engine.manifest.eos_token_ids)
+    for _ in range(steps):
+        allowed = [t for t in matcher.allowed().nonzero()[0] if t not in eos]
+        if matcher.is_finished or not allowed:
+            break
+        token = int(rng.choice(allowed))
+        matcher.consume(token)
+        ids.append(token)
+    assert matcher.is_complete, engine.tokenizer.decode_all(ids)
+    return engine.tokenizer.decode_all(ids)
+
+
+@pytest.mark.parametrize("template, opened", [(HERMES, "Let me check.\n<tool_call>\n"), (MISTRAL, "[TOOL_CALLS]"), (LLAMA3, "{")])
+def test_with_auto_a_call_the_model_opens_always_ends_valid(with_template, template, opened):
+    """tool_choice auto: the text is free, but once the output opens a call, only a valid call
+    (and then the format's end) may follow, whatever tokens are drawn."""
+    from edgeinfer.sdk.tools import plan, tool_request
+
+    engine = with_template(template)
+    chosen = plan(engine.tokenizer, ASK, tool_request(TOOLS, "auto", parallel_tool_calls=False))
+    grammar, format = chosen.response_format["lark"], chosen.format
+    for seed in range(15):
+        text = sample_under(engine, grammar, opened, seed)
+        content, calls = parse_calls(text, format)
+        assert len(calls) == 1, text
+        validate(calls[0])
+    free = sample_under(engine, grammar, "It is sunny in Paris.", 0, steps=0)  # plain text may end there
+    assert parse_calls(free, format) == ("It is sunny in Paris.", [])
