@@ -18,6 +18,7 @@ from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 from .tokenizer import Tokenizer
+from .reasoning import reasoning_format, with_reasoning
 from .tools import plan, tool_request, with_calls
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a prefill pass takes: the same logits, a smaller peak
@@ -194,23 +195,29 @@ class Engine:
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict | None = None,
         **settings,
     ) -> GenerationResult:
         """The model's reply to a conversation (a list of {"role", "content"} messages). With
         `tools` (OpenAI's function tools), the calls it makes are in `result.tool_calls`;
-        `tool_choice` "required" or a named tool constrains the output to valid calls (tools.py)."""
+        `tool_choice` "required" or a named tool constrains the output to valid calls (tools.py).
+        A reasoning model's thinking is in `result.reasoning` (reasoning.py); `chat_template_kwargs`
+        are the template's own variables (`{"enable_thinking": False}`)."""
+        kwargs = _template_kwargs(chat_template_kwargs)
         if tools is None:
             if tool_choice is not None:
                 raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
-            return self.generate(self.chat_prompt(messages), config, **settings)
+            text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, **kwargs)
+            return with_reasoning(self.generate(prompt, config, **settings), reasoning_format(self.tokenizer, text))
         chosen = plan(self.tokenizer, messages, tool_request(tools, tool_choice, parallel_tool_calls))
         if chosen.response_format is not None:
             asked = (settings.get("response_format"), settings.get("choice"), config and config.constraint)
             if any(value is not None for value in asked):
                 raise SettingsError("a response_format or choice cannot constrain an output that calls tools", "response_format")
             settings = {**settings, "response_format": chosen.response_format}
-        prompt = self.tokenizer.chat_ids(chosen.messages, self.max_context, tools=chosen.tools)
-        return with_calls(self.generate(prompt, config, **settings), chosen, self.tokenizer)
+        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, **kwargs)
+        called = with_calls(self.generate(prompt, config, **settings), chosen, self.tokenizer)
+        return with_reasoning(called, reasoning_format(self.tokenizer, text))
 
     def stream_chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
         """The model's reply to a conversation, piece by piece."""
@@ -245,6 +252,14 @@ class Engine:
     def _start(self, prompts: list[Prompt], config, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
         return self.run(prepare(self, prompts, config, settings))
+
+
+def _template_kwargs(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise SettingsError(f"chat_template_kwargs must be a dict of the template's variables, got {value!r}", "chat_template_kwargs")
+    return value
 
 
 def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, memory_limit: int | None) -> int:

@@ -59,6 +59,7 @@ class GenerationResult:
     cached_tokens: int = 0
     tool_calls: list | None = None  # chat with tools: the ToolCalls made (tools.py); None without tools
     tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
+    reasoning: str | None = None  # a reasoning model's thinking (reasoning.py), split from `text`
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:

@@ -96,9 +96,18 @@ class Tokenizer:
         """The id of a token given by its text (a special token's), or None."""
         return None if text is None else self._tokenizer.token_to_id(text)
 
-    def chat_ids(self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, ready for a reply (refused
-        at once where they cannot leave room in a context of `context` tokens). An assistant
+    def chat_ids(
+        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, **template_kwargs
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template (`chat_prompt`)."""
+        return self.chat_prompt(messages, context, tools, **template_kwargs)[1]
+
+    def chat_prompt(
+        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, **template_kwargs
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of a conversation rendered by the chat template, ready for a reply
+        (refused at once where they cannot leave room in a context of `context` tokens), with
+        `template_kwargs` as the template's own variables (enable_thinking, say). An assistant
         message may have `content` None where it has `tool_calls`, as OpenAI's do."""
         if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
             raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
@@ -107,10 +116,12 @@ class Tokenizer:
                 "this model's chat template does not render tool calls, so an assistant message with "
                 "tool_calls cannot be shown to it: send the calls' text as the message's content"
             )
-        text = self.render_chat(messages, tools=tools)
-        return self.encode(text, False) if context is None else self.encode_within(text, context, False)
+        text = self.render_chat(messages, tools=tools, **template_kwargs)
+        return text, (self.encode(text, False) if context is None else self.encode_within(text, context, False))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **template_kwargs
+    ) -> str:
         """The conversation as the model's chat template writes it, with `tools` (OpenAI's function
         tools) given to the template as transformers gives them; a call's arguments sent as JSON
         text are given to it as the object they spell, as templates expect."""
@@ -127,6 +138,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.spec.bos_token or "",
                 eos_token=self.spec.eos_token or "",
+                **{k: v for k, v in template_kwargs.items() if k not in _RESERVED},
             )
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
@@ -159,6 +171,7 @@ def _with_argument_objects(message: dict) -> dict:
     return {**message, "tool_calls": converted}
 
 
+_RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # not a chat_template_kwarg
 _LONG_TEXT = 4096  # characters: shorter texts are encoded holding the GIL (the batch call costs more)
 
 

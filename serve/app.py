@@ -21,10 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError, SettingsError
+from edgeinfer.sdk.reasoning import ReasoningSplitter, reasoning_format, with_reasoning
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tools import plan as tool_plan
 from edgeinfer.sdk.tools import with_calls
 
+from . import anthropic, responses
 from . import backend as backends
 from .backend import Backend
 from .guard import Guard, refusal
@@ -136,37 +138,183 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, CompletionRequest)
         return await routes.generate(body, http, body.prompts(), chat=False)
 
+    @app.post("/v1/responses", openapi_extra=_body_of(responses.ResponsesRequest))
+    async def create_response(http: HTTPRequest):
+        return await routes.responses(await _read(http, responses.ResponsesRequest), http)
+
+    @app.post("/v1/messages", openapi_extra=_body_of(anthropic.MessagesRequest))
+    async def messages(http: HTTPRequest):
+        return await routes.messages(await _read(http, anthropic.MessagesRequest), http)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body_of(anthropic.CountTokensRequest))
+    async def count_tokens(http: HTTPRequest):
+        body, backend = await _read(http, anthropic.CountTokensRequest), loaded.ready()
+        routes.check_model(body.model)
+        try:
+            prompts, _, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, _prompt_ids, backend, prompts, None, True, plan and plan.tools
+            )
+        except EdgeInferError as e:
+            return _anthropic_error(e)
+        return {"input_tokens": len(ids[0])}
+
 
 class _Routes:
     """What the generation routes share: the backend once loaded, the metrics, the model's name."""
 
     def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str):
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
+        self.stored = responses.Store()  # the Responses API's recent responses, for previous_response_id
 
-    async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
+    async def responses(self, body, http: HTTPRequest):
+        """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
         backend = self.loaded.ready()
-        if body.model != self.model_name:
+        self.check_model(body.model)
+        items = [*self.stored.history(body.previous_response_id), *body.items()]
+        try:
+            conversation = [responses.conversation(body.instructions, items)]
+            prompts, choices, plan = _with_tools(backend, body, conversation, body.choice_settings())
+            tools = plan and plan.tools
+            (request,) = await backends.submit_all(
+                backend, lambda: _prompt_ids(backend, prompts, body.asked_tokens, True, tools), choices
+            )
+        except EdgeInferError as e:
+            status, error, headers = from_edgeinfer(e, "input")
+            return JSONResponse(error, status_code=status, headers=headers)
+        reply = responses.ResponsesReply(self.model_name, body)
+        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+
+        def keep(whole: dict) -> None:
+            if body.store:
+                self.stored.keep(reply.id, [*items, *responses.output_items(whole)])
+
+        if body.stream:
+            return StreamingResponse(
+                self.response_events(request, reply, ended, keep, plan is not None), media_type="text/event-stream"
+            )
+        try:
+            results = await _whole([request], http)
+        except EdgeInferError as e:
+            status, error, more = from_edgeinfer(e)
+            return JSONResponse(error, status_code=status, headers=more)
+        if results is None:
+            self.cancelled([request], reply.id, 0)
+            return Response(status_code=499)
+        result = ended(results[0])
+        self.finished(reply.id, result)
+        whole = reply.whole(result)
+        keep(whole)
+        return JSONResponse(whole)
+
+    async def response_events(self, request, reply, ended: Callable, keep: Callable, held: bool) -> AsyncIterator[str]:
+        """The Responses stream: its typed events, the text as it comes (a turn with tools: every item once it ends)."""
+        pieces, done = [], False
+        try:
+            for event in [*reply.opening(), *([] if held else reply.text_opening())]:
+                yield _event(*event)
+            async for _, piece in backends.pieces([request]):
+                pieces.append(piece)
+                if piece.text and not held:
+                    yield _event(*reply.text_delta(piece.text))
+                if piece.finish_reason is not None:
+                    done, result = True, ended(GenerationResult.from_pieces(pieces))
+                    closing = reply.closing(result, text_open=not held)
+                    for event in closing:
+                        yield _event(*event)
+                    keep(closing[-1][1]["response"])
+                    self.finished(reply.id, result)
+        except EdgeInferError as e:  # the status is sent already: the error is the stream's last event
+            done = True
+            request.cancel()
+            status, error, _ = from_edgeinfer(e)
+            yield _event(
+                *reply.event("error", message=error["error"]["message"], code=error["error"]["code"], param=error["error"]["param"])
+            )
+        finally:
+            if not done:
+                self.cancelled([request], reply.id, sum(len(p.token_ids) for p in pieces))
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
             raise RequestError(
-                f"the model '{body.model}' is not served here: this server serves '{self.model_name}'",
+                f"the model '{model}' is not served here: this server serves '{self.model_name}'",
                 param="model",
                 status=404,
                 code="model_not_found",
             )
-        choices, plan = body.choice_settings(), None
+
+    async def messages(self, body, http: HTTPRequest):
+        """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
+        backend = self.loaded.ready()
+        self.check_model(body.model)
+        counted = []
+        try:
+            prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
+            tools = plan and plan.tools
+            ids = lambda: counted.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools)) or counted  # noqa: E731
+            (request,) = await backends.submit_all(backend, ids, choices)
+        except EdgeInferError as e:
+            return _anthropic_error(e)
+        reply = anthropic.MessagesReply(self.model_name, body.stop_sequences or [], backend.tokenizer.decode)
+        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+        if body.stream:
+            events = self.message_events(request, reply, ended, len(counted[0]), plan is not None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            results = await _whole([request], http)
+        except EdgeInferError as e:
+            return _anthropic_error(e)
+        if results is None:
+            self.cancelled([request], reply.id, 0)
+            return Response(status_code=499)
+        result = ended(results[0])
+        self.finished(reply.id, result)
+        return JSONResponse(reply.whole(result))
+
+    async def message_events(self, request, reply, ended: Callable, prompt_tokens: int, held: bool) -> AsyncIterator[str]:
+        """The Messages stream: the text as it comes (a turn with tools: every block once it ends)."""
+        pieces, done = [], False
+        try:
+            for event in [*reply.opening(prompt_tokens), *([] if held else [reply.text_start()])]:
+                yield _event(*event)
+            async for _, piece in backends.pieces([request]):
+                pieces.append(piece)
+                if piece.text and not held:
+                    yield _event(*reply.text_delta(piece.text))
+                if piece.finish_reason is not None:
+                    done, result = True, ended(GenerationResult.from_pieces(pieces))
+                    for event in reply.closing(result, streamed=not held):
+                        yield _event(*event)
+                    self.finished(reply.id, result)
+        except EdgeInferError as e:  # the status is sent already: the error is the stream's last event
+            done = True
+            request.cancel()
+            yield _event("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))
+        finally:
+            if not done:
+                self.cancelled([request], reply.id, sum(len(p.token_ids) for p in pieces))
+
+    async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
+        backend = self.loaded.ready()
+        self.check_model(body.model)
+        choices, plan, texts = body.choice_settings(), None, []
         try:
             if chat:
                 prompts, choices, plan = _with_tools(backend, body, prompts, choices)
-            tools = plan and plan.tools
-            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, tools)  # noqa: E731
+            tools, kwargs = plan and plan.tools, body.template_kwargs() if chat else {}
+            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, tools, kwargs, texts)  # noqa: E731
             requests = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
         reply = Reply(chat, self.model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = requests[0].response_headers or None
-        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+        thinking = reasoning_format(backend.tokenizer, texts[0]) if chat else None
+        called = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+        ended = lambda r: with_reasoning(called(r), thinking)  # noqa: E731
         if body.stream:
-            events = self.events(requests, reply, body.include_usage, ended, plan is not None)
+            events = self.events(requests, reply, body.include_usage, ended, plan is not None, thinking)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await self.whole(requests, reply, http, headers, ended)
 
@@ -184,15 +332,23 @@ class _Routes:
             self.finished(reply.id, result)
         return JSONResponse(reply.whole(results), headers=headers)
 
-    async def events(self, requests: list, reply: Reply, include_usage: bool, ended: Callable, held: bool) -> AsyncIterator[str]:
-        """The stream's chunks; `held`: a turn with tools, whose text and calls are sent once it ends."""
+    async def events(
+        self, requests: list, reply: Reply, include_usage: bool, ended: Callable, held: bool, thinking=None
+    ) -> AsyncIterator[str]:
+        """The stream's chunks; `held`: a turn with tools, whose text and calls are sent once it ends;
+        `thinking`: a reasoning model's markers, its thought sent as reasoning_content."""
         pieces, is_done = [[] for _ in requests], [False] * len(requests)
+        splitters = [ReasoningSplitter(thinking) if thinking is not None and not held else None for _ in requests]
         try:
             for chunk in reply.first_chunks():
                 yield _sse(chunk)
             async for index, piece in backends.pieces(requests):
                 pieces[index].append(piece)
-                if piece.text and not held:
+                if splitters[index] is not None:
+                    parts = splitters[index].feed(piece.text) + (splitters[index].flush() if piece.finish_reason else [])
+                    for chunk in reply.split_chunks(index, piece, parts):
+                        yield _sse(chunk)
+                elif piece.text and not held:
                     yield _sse(reply.piece_chunk(index, piece))
                 if piece.finish_reason is not None:
                     is_done[index] = True
@@ -269,10 +425,11 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         _, models = models_json_schema(
-            [(ChatRequest, "validation"), (CompletionRequest, "validation")], ref_template="#/components/schemas/{model}"
+            [(m, "validation") for m in (ChatRequest, CompletionRequest, responses.ResponsesRequest, *anthropic.REQUESTS)],
+            ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
-        for name in ("ChatRequest", "CompletionRequest"):
+        for name in ("ChatRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
             schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
     return app.openapi_schema
 
@@ -282,11 +439,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, error: RequestValidationError):
-        return JSONResponse(error_body(*_validation_message(error.errors()[0])), status_code=400)
+        return _answer(request, error_body(*_validation_message(error.errors()[0])), 400)
 
     @app.exception_handler(RequestError)
     async def refused(request: HTTPRequest, error: RequestError):
-        return refusal(error)
+        return refusal(error, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def not_here(request: HTTPRequest, error: StarletteHTTPException):
@@ -297,23 +454,25 @@ def _add_error_handlers(app: FastAPI) -> None:
             message, code = f"{where}: the method is not allowed here", "method_not_allowed"
         else:  # the body could not be read as JSON (nested too deep for the parser, say)
             message, code = f"{where}: {error.detail}: send a JSON object", None
-        return JSONResponse(error_body(message, code=code), status_code=error.status_code, headers=error.headers)
+        return _answer(request, error_body(message, code=code), error.status_code, error.headers)
 
     @app.exception_handler(EdgeInferError)
     async def engine_error(request: HTTPRequest, error: EdgeInferError):
         status, body, headers = from_edgeinfer(error)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return _answer(request, body, status, headers)
 
     @app.exception_handler(Exception)
     async def bug(request: HTTPRequest, error: Exception):  # a bug: still OpenAI's shape, and the log has the traceback
         log.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        return JSONResponse(
-            error_body(
-                f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please report it with the server's log",
-                "server_error",
-            ),
-            status_code=500,
-        )
+        message = f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please report it with the server's log"
+        return _answer(request, error_body(message, "server_error"), 500)
+
+
+def _answer(request: HTTPRequest, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
+    """An error in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
+    if request.url.path.startswith("/v1/messages"):
+        body = anthropic.error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|[A-Z]\w*|literal\[.*\])$")
@@ -352,12 +511,20 @@ def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):
     return [plan.messages], [{**c, "response_format": plan.response_format} for c in choices], plan
 
 
-def _prompt_ids(backend: Backend, prompts: list, asked: int | None, chat: bool, tools: list | None = None) -> list[list[int]]:
+def _prompt_ids(
+    backend: Backend, prompts: list, asked: int | None, chat: bool, tools: list | None = None, kwargs: dict | None = None, texts=None
+) -> list[list[int]]:
     """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
-    the chat template and the tokenizer take time on long prompts)."""
+    the chat template and the tokenizer take time on long prompts); a conversation's rendered
+    text goes in `texts` where given. `kwargs`: the chat template's own variables."""
     tokenizer, context = backend.tokenizer, backend.max_context
-    vocab_size = backend.manifest.vocab_size
-    ids = [tokenizer.chat_ids(p, context, tools) if chat else tokenizer.prompt_ids(p, vocab_size, context) for p in prompts]
+    if chat:
+        rendered = [tokenizer.chat_prompt(p, context, tools, **(kwargs or {})) for p in prompts]
+        ids = [r[1] for r in rendered]
+        if texts is not None:
+            texts.extend(r[0] for r in rendered)
+    else:
+        ids = [tokenizer.prompt_ids(p, backend.manifest.vocab_size, context) for p in prompts]
     for prompt in ids:
         check_room(len(prompt), asked, context)
     return ids
@@ -390,6 +557,15 @@ async def _disconnected(http: HTTPRequest) -> None:
     """Returns when the client has closed its connection (the body has been read by then)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _anthropic_error(error: EdgeInferError) -> JSONResponse:
+    status, body, headers = from_edgeinfer(error)
+    return JSONResponse(anthropic.error_body(status, body["error"]["message"]), status_code=status, headers=headers)
 
 
 def _sse(data: dict) -> str:

@@ -70,16 +70,16 @@ class Guard:
             return await self._preflight(headers, origin)(scope, receive, send)
         refused = self._refusal(scope["path"], headers)
         if refused is not None:
-            return await refusal(refused)(scope, receive, send)
+            return await refusal(refused, path=scope["path"])(scope, receive, send)
         try:
             body = await asyncio.wait_for(_read_body(receive), self.body_timeout)
         except RequestError as error:
-            return await refusal(error, CLOSE)(scope, receive, send)
+            return await refusal(error, CLOSE, scope["path"])(scope, receive, send)
         except asyncio.TimeoutError:
             error = RequestError(
                 f"the request body did not arrive within {self.body_timeout:g} s: send it at once", status=408, code="request_timeout"
             )
-            return await refusal(error, CLOSE)(scope, receive, send)
+            return await refusal(error, CLOSE, scope["path"])(scope, receive, send)
         if body is None:  # the client went away while sending it
             return None
         await self.app(scope, _replay(body, receive), send)
@@ -90,9 +90,11 @@ class Guard:
                 expected is not None
                 and path.startswith(prefix)
                 and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
+                and not (prefix == "/v1/" and hmac.compare_digest(b"Bearer " + headers.get(b"x-api-key", b""), expected))
             ):
                 which = "API key" if prefix == "/v1/" else "metrics key"
-                return RequestError(f"a valid {which} is needed: send 'Authorization: Bearer KEY'", status=401, code="invalid_api_key")
+                way = "'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if prefix == "/v1/" else "'Authorization: Bearer KEY'"
+                return RequestError(f"a valid {which} is needed: send {way}", status=401, code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():
             return RequestError(f"Content-Length {length.decode(errors='replace')!r} is not a number of bytes")
@@ -180,6 +182,11 @@ def _too_large() -> RequestError:
     return RequestError(f"the request body is over {MAX_BODY} bytes: send less", status=413, code="request_too_large")
 
 
-def refusal(error: RequestError, headers: dict | None = None) -> JSONResponse:
+def refusal(error: RequestError, headers: dict | None = None, path: str = "") -> JSONResponse:
+    """The refusal in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        from .anthropic import error_body as anthropic_error
+
+        return JSONResponse(anthropic_error(error.status, str(error)), status_code=error.status, headers=headers)
     kind = "invalid_request_error" if error.status < 500 else "server_error"
     return JSONResponse(error_body(str(error), kind, error.param, error.code), status_code=error.status, headers=headers)

@@ -268,6 +268,11 @@ class ChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # the chat template's own variables ({"enable_thinking": false}), as vLLM and llama.cpp's server take them
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict:
+        return self.chat_template_kwargs or {}
 
     def tool_request(self) -> ToolRequest | None:
         """The tools asked for, checked; None without tools."""
@@ -399,10 +404,12 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
 
 
 def _message(result: GenerationResult) -> dict:
-    """A chat choice's message: its text, and the calls it made (content null where it only called)."""
-    if not result.tool_calls:
-        return {"role": "assistant", "content": result.text}
-    return {"role": "assistant", "content": result.text or None, "tool_calls": [call.as_openai() for call in result.tool_calls]}
+    """A chat choice's message: its text, the calls it made (content null where it only called),
+    and a reasoning model's thought in reasoning_content."""
+    message = {"role": "assistant", "content": result.text}
+    if result.tool_calls:
+        message = {"role": "assistant", "content": result.text or None, "tool_calls": [c.as_openai() for c in result.tool_calls]}
+    return message if result.reasoning is None else {**message, "reasoning_content": result.reasoning}
 
 
 def api_name(setting: str) -> str:
@@ -467,6 +474,16 @@ class Reply:
             opened = {"index": position, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             chunks.append(self._chunk(index, {"tool_calls": [opened]}, None))
             chunks.append(self._chunk(index, {"tool_calls": [{"index": position, "function": {"arguments": call.arguments}}]}, None))
+        return chunks
+
+    def split_chunks(self, index: int, piece: Piece, parts: list[tuple[str, str]]) -> list[dict]:
+        """A reasoning model's piece as its parts, ("reasoning", text) in reasoning_content and
+        ("content", text) in content; the piece's logprobs ride on its first chunk."""
+        logprobs = self._logprobs(piece.logprobs, index)
+        chunks = []
+        for kind, text in parts:
+            chunks.append(self._chunk(index, {"reasoning_content" if kind == "reasoning" else "content": text}, None, logprobs))
+            logprobs = None
         return chunks
 
     def last_chunk(self, index: int, finish_reason: str) -> dict:

@@ -235,3 +235,38 @@ def chain_llama(tmp_path_factory):
     ids = build_chain_llama(root / "hf")
     export_model(str(root / "hf"), root / "export")
     return root / "export", ids
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def assert_answers_a_weather_question_with_a_valid_call(engine):
+    """Forced (greedy and 5 seeds at temperature 1.0): a call valid for the tool's schema; a plain
+    question with tool_choice auto: whatever the model picks, a reply or valid calls."""
+    import json
+
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    for seed in [None, *range(5)]:
+        sampled = {} if seed is None else {"temperature": 1.0, "seed": seed}
+        result = engine.chat(
+            ask, tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False, max_new_tokens=120, **sampled
+        )
+        assert result.finish_reason == "tool_calls" and [c.name for c in result.tool_calls] == ["get_weather"], result.text
+        jsonschema.validate(json.loads(result.tool_calls[0].arguments), WEATHER_TOOL["function"]["parameters"])
+    plain = engine.chat([{"role": "user", "content": "Write one sentence about cats."}], tools=[WEATHER_TOOL], max_new_tokens=80)
+    for call in plain.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])
+    assert plain.tool_calls or plain.text

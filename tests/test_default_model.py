@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import linked_copy, offline_env
+from conftest import WEATHER_TOOL, assert_answers_a_weather_question_with_a_valid_call, linked_copy, offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
@@ -233,3 +233,8 @@ def test_the_split_layout_of_the_real_model_equals_transformers(first_run, refer
     result = check_export(split, reference[0], PROMPT, new_tokens=24)
     assert result.tokens == result.expected_tokens and len(result.tokens) == 24
     assert result.worst <= result.tolerance and result.batch_rows_equal_single
+
+
+def test_the_default_model_calls_a_tool_in_the_generic_format(engine):
+    assert engine.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER_TOOL], max_new_tokens=40).tool_format == "generic"
+    assert_answers_a_weather_question_with_a_valid_call(engine)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import linked_copy, offline_env
+from conftest import assert_answers_a_weather_question_with_a_valid_call, linked_copy, offline_env
 
 pytestmark = pytest.mark.slow
 NAME = "gemma-3-270m"
@@ -85,3 +85,9 @@ def test_the_split_layout_equals_transformers(exported, reference, tmp_path, pre
     result = check_export(split, reference[0], PROMPT, new_tokens=24)
     assert result.tokens == result.expected_tokens and len(result.tokens) == 24
     assert result.worst <= result.tolerance and result.batch_rows_equal_single
+
+
+def test_gemma3_answers_a_weather_question_with_a_valid_call(exported):
+    from edgeinfer import Engine
+
+    assert_answers_a_weather_question_with_a_valid_call(Engine.load(exported[1], provider="cpu"))

@@ -106,3 +106,24 @@ def test_bad_tool_requests_are_400s_naming_the_field(served, asked, param):
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 4, **asked})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_a_reasoning_models_thought_is_reasoning_content_whole_and_streamed(tmp_path_factory):
+    from test_reasoning import OUTPUT, THINKING
+
+    export = tool_export(tmp_path_factory.mktemp("serve-thinking"), THINKING)
+    process, url = start(export, "--provider", "cpu")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        asked = dict(model=export.name, messages=ASK, max_tokens=60, extra_body={"choice": [OUTPUT]})
+        message = client.chat.completions.create(**asked).choices[0].message
+        assert (message.model_extra["reasoning_content"], message.content) == ("The user asks about Paris.\n", "It is sunny.")
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**asked, stream=True) if c.choices]
+        thought = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+        assert (thought, "".join(d.content or "" for d in deltas)) == ("The user asks about Paris.\n", "It is sunny.")
+        off = dict(asked, extra_body={"choice": ["It is sunny."], "chat_template_kwargs": {"enable_thinking": False}})
+        plain = client.chat.completions.create(**off).choices[0].message
+        assert plain.content == "It is sunny." and "reasoning_content" not in (plain.model_extra or {})
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

@@ -1,0 +1,341 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a translation onto the same conversation,
+settings and tool machinery as chat completions: input items become the SDK's messages, the result
+becomes output items and the stream's typed events. `previous_response_id` continues a stored
+response (a bounded in-memory store of recent ones; `store: false` keeps nothing). Nothing here
+knows of HTTP or of the scheduler."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from edgeinfer.sdk.sequence import GenerationResult
+from edgeinfer.sdk.tools import ToolRequest, tool_request
+
+from .protocol import Real, RequestError, check_json
+
+STORED = 256  # responses kept for previous_response_id, least recently used out first
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+    annotations: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[ContentPart]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+    def as_dict(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+Item = MessageItem | FunctionCallItem | FunctionOutputItem
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: StrictBool | None = None
+
+    def as_chat(self) -> dict:
+        function = {"name": self.name, "parameters": self.parameters}
+        return {"type": "function", "function": function | ({"description": self.description} if self.description else {})}
+
+
+class TextFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: StrictStr
+    input: StrictStr | list[Item] = Field(min_length=1)
+    instructions: StrictStr | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextOptions | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Real | None = Field(default=None, ge=0)
+    top_p: Real | None = Field(default=None, gt=0, le=1)
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: StrictStr | None = None  # accepted and ignored, as the API allows
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, body):
+        check_json(body)
+        return body
+
+    def items(self) -> list[dict]:
+        """This request's input as item dicts, as a stored response keeps them."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
+
+    def settings(self) -> dict:
+        chosen = {"max_new_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        format = self.text.format if self.text is not None else None
+        if format is not None and format.type == "json_object":
+            chosen["response_format"] = {"type": "json_object"}
+        elif format is not None and format.type == "json_schema":
+            if format.schema_ is None:
+                raise RequestError("text.format of type json_schema needs its schema", "text")
+            chosen["response_format"] = {"type": "json_schema", "json_schema": {"schema": format.schema_}}
+        return {name: value for name, value in chosen.items() if value is not None}
+
+    def choice_settings(self) -> list[dict]:
+        return [self.settings()]
+
+    @property
+    def asked_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def tool_request(self) -> ToolRequest | None:
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise RequestError("tool_choice needs tools: send the tools it chooses from", "tool_choice")
+            return None
+        choice = self.tool_choice
+        if isinstance(choice, dict):  # the Responses API names a function flat: {"type": "function", "name": ...}
+            choice = {"type": choice.get("type"), "function": {"name": choice.get("name")}}
+        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
+        return tool_request([t.as_chat() for t in self.tools], choice, parallel)
+
+
+def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
+    """The SDK's messages of input items: function calls become an assistant's tool_calls (those in
+    a row, one message), their outputs tool messages."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        if item["type"] == "message":
+            messages.append(MessageItem(**item).as_dict())
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages
+
+
+class Store:
+    """Recent responses' conversations (input and output items), for previous_response_id."""
+
+    def __init__(self, size: int = STORED):
+        self.size, self._kept, self._lock = size, OrderedDict(), threading.Lock()
+
+    def history(self, response_id: str | None) -> list[dict]:
+        """The items of a stored response and everything before it (its instructions are not
+        carried over, as OpenAI's are not); RequestError (404) where it is gone."""
+        if response_id is None:
+            return []
+        with self._lock:
+            kept = self._kept.get(response_id)
+            if kept is not None:
+                self._kept.move_to_end(response_id)
+        if kept is None:
+            raise RequestError(
+                f"no stored response {response_id!r}: this server keeps the last {self.size} responses made with store "
+                "true, in memory: send the whole conversation as input instead",
+                "previous_response_id",
+                status=404,
+                code="not_found",
+            )
+        return kept
+
+    def keep(self, response_id: str, items: list[dict]) -> None:
+        with self._lock:
+            self._kept[response_id] = items
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+
+class ResponsesReply:
+    """One response object: whole, or as the stream's typed events."""
+
+    def __init__(self, model: str, request: ResponsesRequest):
+        self.id, self.model, self.request = f"resp_{uuid.uuid4().hex[:24]}", model, request
+        self.created, self.sequence = int(time.time()), 0
+        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+
+    def output(self, result: GenerationResult) -> list[dict]:
+        items = []
+        if result.text or not result.tool_calls:
+            part = {"type": "output_text", "text": result.text, "annotations": []}
+            items.append({"type": "message", "id": self.message_id, "status": "completed", "role": "assistant", "content": [part]})
+        for call in result.tool_calls or []:
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": "fc_" + call.id.removeprefix("call_"),
+                    "call_id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments,
+                    "status": "completed",
+                }
+            )
+        return items
+
+    def whole(self, result: GenerationResult | None, status: str = "completed") -> dict:
+        """The response object; `result` None: one in progress (the stream's first events)."""
+        cut = result is not None and result.finish_reason == "length"
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": "incomplete" if cut else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "error": None,
+            "model": self.model,
+            "instructions": self.request.instructions,
+            "output": [] if result is None else self.output(result),
+            "parallel_tool_calls": self.request.parallel_tool_calls is not False,
+            "tool_choice": self.request.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in self.request.tools or []],
+            "temperature": self.request.temperature,
+            "top_p": self.request.top_p,
+            "max_output_tokens": self.request.max_output_tokens,
+            "previous_response_id": self.request.previous_response_id,
+            "store": self.request.store,
+            "metadata": self.request.metadata or {},
+            "text": {"format": {"type": "text"}}
+            if self.request.text is None
+            else self.request.text.model_dump(by_alias=True, exclude_none=True),
+            "usage": None if result is None else _usage(result),
+        }
+        return body
+
+    def event(self, kind: str, **fields) -> tuple[str, dict]:
+        self.sequence += 1
+        return kind, {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    def opening(self) -> list[tuple[str, dict]]:
+        return [
+            self.event("response.created", response=self.whole(None, "in_progress")),
+            self.event("response.in_progress", response=self.whole(None, "in_progress")),
+        ]
+
+    def text_opening(self) -> list[tuple[str, dict]]:
+        item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [
+            self.event("response.output_item.added", output_index=0, item=item),
+            self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0, part=part),
+        ]
+
+    def text_delta(self, text: str) -> tuple[str, dict]:
+        return self.event(
+            "response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0, delta=text, logprobs=[]
+        )
+
+    def closing(self, result: GenerationResult, text_open: bool) -> list[tuple[str, dict]]:
+        """The events after the turn has ended: the text item closed (or sent whole), each function
+        call's item with its arguments, then response.completed (or .incomplete)."""
+        out = []
+        for index, item in enumerate(self.output(result)):
+            if item["type"] == "message":
+                if not (text_open and index == 0):
+                    out += self.text_opening()
+                    out.append(self.text_delta(result.text))
+                part = item["content"][0]
+                out.append(
+                    self.event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=result.text,
+                        logprobs=[],
+                    )
+                )
+                out.append(
+                    self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+                )
+            else:
+                out.append(
+                    self.event(
+                        "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
+                    )
+                )
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]
+                    )
+                )
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"]
+                    )
+                )
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+        whole = self.whole(result)
+        return [*out, self.event("response.completed" if whole["status"] == "completed" else "response.incomplete", response=whole)]
+
+
+def _usage(result: GenerationResult) -> dict:
+    return {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "output_tokens": len(result.token_ids),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.prompt_tokens + len(result.token_ids),
+    }
+
+
+def output_items(reply: dict) -> list[dict]:
+    """A response's output as input items for the next turn (previous_response_id)."""
+    items = []
+    for item in reply["output"]:
+        if item["type"] == "message":
+            items.append({"type": "message", "role": "assistant", "content": item["content"][0]["text"]})
+        else:
+            items.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
+    return items
