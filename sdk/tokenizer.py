@@ -214,9 +214,10 @@ class Vocabulary:
     def of(cls, tokenizer: _Tokenizer) -> Vocabulary:
         spec = json.loads(tokenizer.to_str())
         byte_level = _declares(spec.get("decoder"), "ByteLevel") or _declares(spec.get("pre_tokenizer"), "ByteLevel")
-        added = tokenizer.get_added_tokens_decoder()
-        tokens = [b""] * tokenizer.get_vocab_size(with_added_tokens=True)
-        for text, index in tokenizer.get_vocab(with_added_tokens=True).items():
+        added, vocab = tokenizer.get_added_tokens_decoder(), tokenizer.get_vocab(with_added_tokens=True)
+        # ids may run past the counted size (Gemma 3's GGUF vocabulary has holes): the list spans them all
+        tokens = [b""] * max(tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+        for text, index in vocab.items():
             tokens[index] = added[index].content.encode() if index in added else _token_bytes(text, byte_level)
         return cls(tokens, frozenset(i for i, token in added.items() if token.special))
 

@@ -187,17 +187,28 @@ def _between(tokenizer, user: dict, prompt: str, is_list: bool) -> str | None:
 
 
 def call_schema(request: ToolRequest, format: ToolFormat) -> dict:
-    """The JSON schema of one call of the offered tools: its name and its arguments."""
+    """The JSON schema of one call of the offered tools: its name and its arguments. The arguments
+    hold the declared properties only, unless the schema allows others (`additionalProperties`):
+    a model left free to add keys may never end its call."""
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool["function"]["name"]}, format.arguments_key: tool["function"]["parameters"]},
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                format.arguments_key: _declared(tool["function"]["parameters"]),
+            },
             "required": ["name", format.arguments_key],
             "additionalProperties": False,
         }
         for tool in request.offered()
     ]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def _declared(parameters: dict) -> dict:
+    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 def generic_schema(request: ToolRequest) -> dict:

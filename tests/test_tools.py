@@ -335,3 +335,20 @@ def test_with_auto_a_call_the_model_opens_always_ends_valid(with_template, templ
         validate(calls[0])
     free = sample_under(engine, grammar, "It is sunny in Paris.", 0, steps=0)  # plain text may end there
     assert parse_calls(free, format) == ("It is sunny in Paris.", [])
+
+
+def test_a_calls_arguments_hold_the_declared_properties_unless_the_schema_allows_more():
+    from edgeinfer.sdk.tools import call_schema, tool_request
+
+    open_tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
+    schema = call_schema(tool_request([open_tool], "required"), ToolFormat(GENERIC))
+    assert schema["properties"]["arguments"]["additionalProperties"] is False
+    allowing = json.loads(json.dumps(open_tool))
+    allowing["function"]["parameters"]["additionalProperties"] = True
+    assert (
+        call_schema(tool_request([allowing], "required"), ToolFormat(GENERIC))["properties"]["arguments"]["additionalProperties"]
+        is True
+    )
