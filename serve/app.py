@@ -190,9 +190,21 @@ class _Routes:
                 self.stored.keep(reply.id, [*items, *responses.output_items(whole)])
 
         if body.stream:
-            return StreamingResponse(
-                self.response_events(request, reply, ended, keep, plan is not None), media_type="text/event-stream"
-            )
+            held = plan is not None
+
+            def finish(raw):
+                result = ended(raw)
+                closing = reply.closing(result, text_open=not held)
+                keep(closing[-1][1]["response"])
+                return closing, result
+
+            def error_event(e):
+                error = from_edgeinfer(e)[1]["error"]
+                return reply.event("error", message=error["message"], code=error["code"], param=error["param"])
+
+            opening = [*reply.opening(), *([] if held else reply.text_opening())]
+            events = self.typed_events(request, reply.id, opening, None if held else reply.text_delta, finish, error_event)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             results = await _whole([request], http)
         except EdgeInferError as e:
@@ -207,33 +219,31 @@ class _Routes:
         keep(whole)
         return JSONResponse(whole)
 
-    async def response_events(self, request, reply, ended: Callable, keep: Callable, held: bool) -> AsyncIterator[str]:
-        """The Responses stream: its typed events, the text as it comes (a turn with tools: every item once it ends)."""
+    async def typed_events(self, request, reply_id: str, opening: list, text_delta, finish, error_event) -> AsyncIterator[str]:
+        """A stream of named events (the Responses and Messages APIs): `opening`, then `text_delta(text)`
+        per piece (None: a turn with tools, sent whole at its end), then `finish(result)` -> (events,
+        result); an error once the stream has begun is `error_event(error)`, its last event."""
         pieces, done = [], False
         try:
-            for event in [*reply.opening(), *([] if held else reply.text_opening())]:
+            for event in opening:
                 yield _event(*event)
             async for _, piece in backends.pieces([request]):
                 pieces.append(piece)
-                if piece.text and not held:
-                    yield _event(*reply.text_delta(piece.text))
+                if piece.text and text_delta is not None:
+                    yield _event(*text_delta(piece.text))
                 if piece.finish_reason is not None:
-                    done, result = True, ended(GenerationResult.from_pieces(pieces))
-                    closing = reply.closing(result, text_open=not held)
-                    for event in closing:
+                    done = True
+                    events, result = finish(GenerationResult.from_pieces(pieces))
+                    for event in events:
                         yield _event(*event)
-                    keep(closing[-1][1]["response"])
-                    self.finished(reply.id, result)
-        except EdgeInferError as e:  # the status is sent already: the error is the stream's last event
+                    self.finished(reply_id, result)
+        except EdgeInferError as e:  # the status is sent already
             done = True
             request.cancel()
-            status, error, _ = from_edgeinfer(e)
-            yield _event(
-                *reply.event("error", message=error["error"]["message"], code=error["error"]["code"], param=error["error"]["param"])
-            )
+            yield _event(*error_event(e))
         finally:
             if not done:
-                self.cancelled([request], reply.id, sum(len(p.token_ids) for p in pieces))
+                self.cancelled([request], reply_id, sum(len(p.token_ids) for p in pieces))
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -259,7 +269,15 @@ class _Routes:
         reply = anthropic.MessagesReply(self.model_name, body.stop_sequences or [], backend.tokenizer.decode)
         ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
         if body.stream:
-            events = self.message_events(request, reply, ended, len(counted[0]), plan is not None)
+            held = plan is not None
+            opening = [*reply.opening(len(counted[0])), *([] if held else [reply.text_start()])]
+
+            def finish(raw):
+                result = ended(raw)
+                return reply.closing(result, streamed=not held), result
+
+            error_event = lambda e: ("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))  # noqa: E731
+            events = self.typed_events(request, reply.id, opening, None if held else reply.text_delta, finish, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             results = await _whole([request], http)
@@ -271,29 +289,6 @@ class _Routes:
         result = ended(results[0])
         self.finished(reply.id, result)
         return JSONResponse(reply.whole(result))
-
-    async def message_events(self, request, reply, ended: Callable, prompt_tokens: int, held: bool) -> AsyncIterator[str]:
-        """The Messages stream: the text as it comes (a turn with tools: every block once it ends)."""
-        pieces, done = [], False
-        try:
-            for event in [*reply.opening(prompt_tokens), *([] if held else [reply.text_start()])]:
-                yield _event(*event)
-            async for _, piece in backends.pieces([request]):
-                pieces.append(piece)
-                if piece.text and not held:
-                    yield _event(*reply.text_delta(piece.text))
-                if piece.finish_reason is not None:
-                    done, result = True, ended(GenerationResult.from_pieces(pieces))
-                    for event in reply.closing(result, streamed=not held):
-                        yield _event(*event)
-                    self.finished(reply.id, result)
-        except EdgeInferError as e:  # the status is sent already: the error is the stream's last event
-            done = True
-            request.cancel()
-            yield _event("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))
-        finally:
-            if not done:
-                self.cancelled([request], reply.id, sum(len(p.token_ids) for p in pieces))
 
     async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
         backend = self.loaded.ready()
