@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass
 
 from .constraints import JSON_DEFAULTS
@@ -117,9 +118,20 @@ def _checked_tool(tool, index: int) -> dict:
     return {"type": "function", "function": {**function, "parameters": parameters}}
 
 
+_FORMATS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {template: ToolFormat}
+
+
 def tool_format(tokenizer) -> ToolFormat:
-    """The format the model's chat template writes calls in, found by rendering a known call."""
+    """The format the model's chat template writes calls in, found once per template by rendering
+    a known call."""
+    known = _FORMATS.setdefault(tokenizer, {})
     template = tokenizer.chat_template or ""
+    if template not in known:
+        known[template] = _read_format(tokenizer, template)
+    return known[template]
+
+
+def _read_format(tokenizer, template: str) -> ToolFormat:
     if "tool" not in template:
         return ToolFormat(GENERIC)
     user = {"role": "user", "content": "Hello"}

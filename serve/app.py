@@ -258,11 +258,15 @@ class _Routes:
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
         backend = self.loaded.ready()
         self.check_model(body.model)
-        counted = []
+        rendered = []  # the prompt's ids, for the stream's opening usage
         try:
             prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
             tools = plan and plan.tools
-            ids = lambda: counted.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools)) or counted  # noqa: E731
+
+            def ids():
+                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools))
+                return rendered
+
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             return _anthropic_error(e)
@@ -270,7 +274,7 @@ class _Routes:
         ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
         if body.stream:
             held = plan is not None
-            opening = [*reply.opening(len(counted[0])), *([] if held else [reply.text_start()])]
+            opening = [*reply.opening(len(rendered[0])), *([] if held else [reply.text_start()])]
 
             def finish(raw):
                 result = ended(raw)

@@ -19,10 +19,6 @@ FORMAT = ReasoningFormat("<think>", "</think>")
 OUTPUT = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
 
 
-def test_the_template_switch_is_in_the_test_template():
-    assert THINKING != CHATML and "enable_thinking" in THINKING
-
-
 @pytest.mark.parametrize(
     "text, reasoning, content",
     [
