@@ -26,6 +26,14 @@ def cli(debug):
     # --debug is read by main(), which turns errors into one line unless it is given.
 
 
+def _parsed(arguments: str):
+    """A call's arguments as JSON, or as their text where max_new_tokens cut them short."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Folder to write the export to.")
@@ -143,7 +151,7 @@ def _run_with_tools(engine, prompt: str, tools_file: str, tool_choice: str | Non
     if result.text:
         click.echo(result.text)
     for call in result.tool_calls:
-        click.echo(json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False))
+        click.echo(json.dumps({"name": call.name, "arguments": _parsed(call.arguments)}, ensure_ascii=False))
     say(f"finish: {result.finish_reason}, tool format: {result.tool_format}")
 
 

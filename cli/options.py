@@ -81,6 +81,12 @@ GENERATION_OPTIONS = [
         "the same output, usually faster [default: off; draft where --draft is given].",
     ),
     click.option("--num-speculative-tokens", type=int, default=None, help="Most tokens proposed at a time [default: 5]."),
+    click.option(
+        "--reasoning-budget",
+        type=int,
+        default=None,
+        help="End a reasoning model's thought after N tokens (0: at once) [default: no limit].",
+    ),
 ]
 
 

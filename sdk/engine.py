@@ -18,8 +18,9 @@ from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 from .tokenizer import Tokenizer
-from .reasoning import reasoning_format, with_reasoning
-from .tools import plan, tool_request, with_calls
+from .chat_stream import ChatDelta, ChatStream, chat_deltas
+from .reasoning import reasoning_format
+from .tools import plan, thought_first, tool_request
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a prefill pass takes: the same logits, a smaller peak
 DEFAULT_PREFIX_CACHE_MIB = 64  # prompts' keys and values kept for prompts that start the same way
@@ -203,25 +204,46 @@ class Engine:
         `tool_choice` "required" or a named tool constrains the output to valid calls (tools.py).
         A reasoning model's thinking is in `result.reasoning` (reasoning.py); `chat_template_kwargs`
         are the template's own variables (`{"enable_thinking": False}`)."""
-        kwargs = _template_kwargs(chat_template_kwargs)
-        if tools is None:
-            if tool_choice is not None:
+        turn = ChatTurn(tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
+        prompt, settings, stream = self._turn(messages, config, turn, settings)
+        return stream.replay(list(self.stream(prompt, config, **settings)))
+
+    def stream_chat(
+        self,
+        messages: list[dict],
+        config: GenerationConfig | None = None,
+        *,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict | None = None,
+        **settings,
+    ) -> Iterator[ChatDelta]:
+        """The model's reply to a conversation as it is generated, one ChatDelta per piece: its
+        `text`, its `reasoning`, and its `parts` with the tool calls (a call's id and name, then its
+        arguments as they come); the last delta has the whole turn as `result`, as `chat` returns it."""
+        turn = ChatTurn(tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
+        prompt, settings, stream = self._turn(messages, config, turn, settings)
+        return chat_deltas(stream, self.stream(prompt, config, **settings))
+
+    def _turn(self, messages: list[dict], config, turn: ChatTurn, settings: dict) -> tuple[list[int], dict, ChatStream]:
+        """(prompt ids, settings, the ChatStream that splits the output) of a chat turn."""
+        kwargs = _template_kwargs(turn.chat_template_kwargs)
+        if turn.tools is None:
+            if turn.tool_choice is not None:
                 raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
             text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, **kwargs)
-            return with_reasoning(self.generate(prompt, config, **settings), reasoning_format(self.tokenizer, text))
-        chosen = plan(self.tokenizer, messages, tool_request(tools, tool_choice, parallel_tool_calls))
+            return prompt, settings, ChatStream(self.tokenizer, None, reasoning_format(self.tokenizer, text))
+        chosen = plan(self.tokenizer, messages, tool_request(turn.tools, turn.tool_choice, turn.parallel_tool_calls))
+        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, **kwargs)
+        thinking = reasoning_format(self.tokenizer, text)
         if chosen.response_format is not None:
             asked = (settings.get("response_format"), settings.get("choice"), config and config.constraint)
             if any(value is not None for value in asked):
                 raise SettingsError("a response_format or choice cannot constrain an output that calls tools", "response_format")
-            settings = {**settings, "response_format": chosen.response_format}
-        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, **kwargs)
-        called = with_calls(self.generate(prompt, config, **settings), chosen, self.tokenizer)
-        return with_reasoning(called, reasoning_format(self.tokenizer, text))
-
-    def stream_chat(self, messages: list[dict], config: GenerationConfig | None = None, **settings) -> Iterator[Piece]:
-        """The model's reply to a conversation, piece by piece."""
-        return self.stream(self.chat_prompt(messages), config, **settings)
+            constraint = chosen.response_format if thinking is None else thought_first(chosen.response_format, thinking)
+            settings = {**settings, "response_format": constraint}
+        return prompt, settings, ChatStream(self.tokenizer, chosen, thinking)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
@@ -252,6 +274,16 @@ class Engine:
     def _start(self, prompts: list[Prompt], config, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
         return self.run(prepare(self, prompts, config, settings))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """A chat call's tools and template variables, as chat and stream_chat take them."""
+
+    tools: list[dict] | None
+    tool_choice: str | dict | None
+    parallel_tool_calls: bool
+    chat_template_kwargs: dict | None
 
 
 def _template_kwargs(value) -> dict:

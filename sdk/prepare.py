@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from .errors import ContextLengthError, SettingsError
+from .reasoning import ReasoningBudget, reasoning_format
 from .sequence import Sequence
 from .settings import GenerationConfig, resolve_settings
 from .speculative import DraftModel, PromptLookup, Speculation
@@ -38,12 +39,29 @@ def prepare(engine, prompts: list, config: GenerationConfig | list[GenerationCon
             start,
             len(full) - len(row),
             engine.constraints.start(c.constraint),
+            budget(engine.tokenizer, row, c.reasoning_budget),
         )
         for row, full, c in zip(ids, given, configs)
     ]
     for sequence, c in zip(sequences, configs):
         sequence.speculation = speculation(engine, c, len(sequences), len(sequence.prompt_ids) + sequence.max_new_tokens)
     return sequences
+
+
+def budget(tokenizer, prompt_ids: list[int], tokens: int | None) -> ReasoningBudget | None:
+    """The thought's budget of a reasoning model's output, or None without one; the prompt's end
+    says whether the output starts inside the thought."""
+    if tokens is None:
+        return None
+    tail = tokenizer.decode_all(prompt_ids[-16:])
+    format = reasoning_format(tokenizer, tail)
+    if format is None:
+        raise SettingsError(
+            "reasoning_budget needs a model that thinks between <think> and </think>, and this model's chat "
+            "template and vocabulary name no such markers: leave reasoning_budget out",
+            "reasoning_budget",
+        )
+    return ReasoningBudget(format, tokens, tokenizer.encode(format.closing, False))
 
 
 def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) -> Speculation | None:

@@ -37,6 +37,7 @@ class ReasoningSplitter:
         self.format = format
         self.state = "reasoning" if format.opened_by_prompt else "start"
         self.held, self.trim = "", True  # trim: the next part starts a section (its leading newlines go)
+        self.entered = False
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.held += text
@@ -46,9 +47,10 @@ class ReasoningSplitter:
                 stripped = self.held.lstrip()
                 if stripped.startswith(self.format.opening):
                     self.held, self.state, self.trim = stripped[len(self.format.opening) :], "reasoning", True
+                    self.entered = True
                     continue
                 if stripped and not self.format.opening.startswith(stripped):
-                    self.state = "content"
+                    self.state, self.trim = "content", False  # no thought: the text stays as it is
                     continue
                 return parts  # nothing yet, or what may still become the opening
             if self.state == "reasoning":
@@ -65,6 +67,11 @@ class ReasoningSplitter:
             self.held = ""
             return parts
 
+    @property
+    def thought(self) -> bool:
+        """Whether the output thought (it opened a thought, or started inside one)."""
+        return self.format.opened_by_prompt or self.entered
+
     def flush(self) -> list[tuple[str, str]]:
         parts = []
         self._emit(parts, "content" if self.state != "reasoning" else "reasoning", self.held)
@@ -79,6 +86,37 @@ class ReasoningSplitter:
             self.trim = False
         if text:
             parts.append((kind, text))
+
+
+class ReasoningBudget:
+    """Ends a thought after `tokens` tokens: the tokens of its closing marker (`closing_ids`) are
+    then forced, one a step, and the answer follows."""
+
+    def __init__(self, format: ReasoningFormat, tokens: int, closing_ids: list[int]):
+        self.splitter, self.left, self.closing_ids = ReasoningSplitter(format), tokens, list(closing_ids)
+        self.forced: list[int] = []
+        self.spent = False  # the closing was forced once: the budget is done
+        self._check()
+
+    def next_token(self) -> int | None:
+        """The token that must come next, or None where the model chooses."""
+        return self.forced[0] if self.forced else None
+
+    def add(self, token: int, text: str) -> None:
+        """Take the token chosen and the text it added."""
+        if self.forced and self.forced[0] == token:
+            self.forced.pop(0)
+        inside = self.splitter.state == "reasoning"
+        self.splitter.feed(text)
+        if inside:
+            self.left -= 1
+        self._check(whole=bool(text))
+
+    def _check(self, whole: bool = True) -> None:
+        """Force the closing once the budget is spent, at a character's end (`whole`: the last token
+        ended one; the marker cannot follow part of a character)."""
+        if self.splitter.state == "reasoning" and self.left <= 0 and not self.spent and whole:
+            self.forced, self.spent = list(self.closing_ids), True
 
 
 def split_reasoning(text: str, format: ReasoningFormat) -> tuple[str | None, str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .constraints import Matcher
+from .reasoning import ReasoningBudget
 from .sampling import Sampler, TokenLogprob
 from .settings import GenerationConfig
 from .stopping import StopStrings
@@ -60,6 +61,7 @@ class GenerationResult:
     tool_calls: list | None = None  # chat with tools: the ToolCalls made (tools.py); None without tools
     tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
     reasoning: str | None = None  # a reasoning model's thinking (reasoning.py), split from `text`
+    reasoning_tokens: int = 0  # chat: the tokens generated while the thought was open
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
@@ -92,6 +94,7 @@ class Sequence:
         start: float,
         num_truncated: int = 0,
         constraint: Matcher | None = None,
+        budget: ReasoningBudget | None = None,
     ):
         self.prompt_ids = prompt_ids
         self.num_truncated = num_truncated
@@ -103,6 +106,7 @@ class Sequence:
         self.chooses_by_argmax = config.chooses_by_argmax  # the device's argmax is the choice
         self.speculation = None  # speculative.Speculation, where its settings ask for it
         self.constraint = constraint
+        self.budget = budget  # a reasoning model's thought, ended after its budget of tokens
         if constraint is not None:  # the constraint's end is the output's end
             self.end_ids |= {t: "eos" for t in constraint.eos_ids if t not in self.end_ids}
         self.want_logprobs, self.top_logprobs = config.logprobs, config.top_logprobs
@@ -123,6 +127,11 @@ class Sequence:
         the constraint's mask, then the sampler (which keeps a speculative `proposal` by the
         rejection rule when it draws)."""
         scores = self.sampler.adjust(logits, self.history, self.generated)
+        forced = self.budget.next_token() if self.budget is not None else None
+        if forced is not None and self.constraint is not None and not self.constraint.allowed()[forced]:
+            forced = None  # the constraint does not take the marker here: the model goes on
+        if forced is not None:  # the thought's budget is spent: its closing marker comes next
+            scores = np.where(np.arange(scores.size) == forced, 0.0, -np.inf).astype(scores.dtype)
         if self.constraint is not None:
             scores = self.constraint.mask(scores)
         token, logprobs = self.sampler.choose(scores, self.want_logprobs, proposal)
@@ -142,7 +151,10 @@ class Sequence:
         if self.constraint is not None:
             self.constraint.consume(token)
         self.num_generated += 1
-        text, stopped = self.stops.add(self.detokenizer.add(token))
+        said = self.detokenizer.add(token)
+        if self.budget is not None:
+            self.budget.add(token, said)
+        text, stopped = self.stops.add(said)
         if stopped:
             return self._end("stop", text, stopped=True)
         if self.constraint is not None and self.constraint.is_finished:  # only the EOS could follow

@@ -50,7 +50,10 @@ class GenerationConfig:
 
     `speculative` ("prompt_lookup", or "draft" with an engine loaded with a draft model) proposes
     up to `num_speculative_tokens` tokens at a time and checks them in one pass (speculative.py):
-    greedy output is the same tokens, sampled output the same distribution, usually sooner."""
+    greedy output is the same tokens, sampled output the same distribution, usually sooner.
+
+    `reasoning_budget` ends a reasoning model's thought after that many tokens: its closing marker
+    (`</think>`) is forced then, and the answer follows (reasoning.py)."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -72,6 +75,7 @@ class GenerationConfig:
     top_logprobs: int = 0
     speculative: str | None = None
     num_speculative_tokens: int = 5
+    reasoning_budget: int | None = None
 
     def __post_init__(self):
         checked = {
@@ -94,6 +98,9 @@ class GenerationConfig:
             "response_format": _response_format(self.response_format),
             "choice": None if self.choice is None else _choices(self.choice),
             "top_logprobs": _integer("top_logprobs", self.top_logprobs, low=0, hint=f" and at most {MAX_TOP_LOGPROBS}"),
+            "reasoning_budget": None
+            if self.reasoning_budget is None
+            else _integer("reasoning_budget", self.reasoning_budget, low=0, hint=" or None (0: the thought ends at once)"),
             "num_speculative_tokens": _integer(
                 "num_speculative_tokens", self.num_speculative_tokens, low=1, hint=f" and at most {MAX_SPECULATIVE_TOKENS}"
             ),
@@ -147,6 +154,7 @@ class GenerationConfig:
             and not self.logit_bias
             and self.constraint is None
             and not self.logprobs
+            and self.reasoning_budget is None
         )
 
 

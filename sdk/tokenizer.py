@@ -241,10 +241,11 @@ def _declares(part, kind: str) -> bool:
 
 class Detokenizer:
     """Turns tokens into text one at a time, holding back bytes until they form whole
-    characters, so every piece is valid text and the pieces join to the full decode."""
+    characters, so every piece is valid text and the pieces join to the full decode. With
+    `keep_special`, special tokens are text too (a tool call's markers may be special tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, keep_special: bool = False):
+        self.decode = tokenizer.decode_all if keep_special else tokenizer.decode
         self.ids: list[int] = []
         self.prefix = 0  # start of the window that is decoded again for context
         self.read = 0  # tokens already turned into text
@@ -254,8 +255,8 @@ class Detokenizer:
         return self._advance()
 
     def _advance(self) -> str:
-        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        done = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
         if len(text) > len(done) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(done) :]
@@ -263,7 +264,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """Whatever is left at the end, incomplete characters included."""
-        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix :])
+        done = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return text[len(done) :]

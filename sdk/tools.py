@@ -1,6 +1,6 @@
 """Tool calls: the tools rendered into the prompt, the call format read off the model's own chat
-template, decoding constrained to a valid call where one is required, and the calls parsed back
-in OpenAI's shape.
+template, and decoding constrained to a valid call where one is required (and, with "auto", once
+the model opens one). The calls are read back out of the output by tool_parser.py.
 
 The format is found by rendering the template with a known call and reading what it writes
 around it (Hermes/Qwen's `<tool_call>...</tool_call>`, Llama 3's bare JSON with "parameters",
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -56,6 +57,13 @@ class ToolFormat:
     between: str | None = None  # None: the template writes one call per turn
     arguments_key: str = "arguments"
     is_list: bool = False
+    pythonic: bool = False  # calls written as `name(key=value, ...)`, values in JSON (Llama 3.2/4's, Gemma's tool_code)
+
+    @property
+    def leading(self) -> bool:
+        """Calls come only at the start of a turn: their opening is empty or a bare `[`, which text
+        may hold anywhere."""
+        return self.opening.strip() in ("", "[")
 
 
 @dataclass(frozen=True)
@@ -140,17 +148,32 @@ def _read_format(tokenizer, template: str) -> ToolFormat:
         one = tokenizer.render_chat([user, _probe_turn(1)], False, tools=[_PROBE_TOOL])
     except Exception:  # noqa: BLE001 - a template may raise anything on a turn it does not expect: then it has no usable format
         return ToolFormat(GENERIC)
+    prompt = _without_thought(prompt)
     turn = one[len(os.path.commonprefix([prompt, one])) :]
     found = _probe_call(turn)
     if found is None:
         return ToolFormat(GENERIC)
     start, end, key = found
-    opening, closing = turn[:start], _turn_end(turn[end:], tokenizer.spec.eos_token)
-    is_list = opening.endswith("[") and closing.startswith("]")
+    ends = [tokenizer.spec.eos_token, *(t for t in tokenizer.special_tokens if t not in turn[:start])]
+    opening, closing = turn[:start], _turn_end(turn[end:], ends)
+    pythonic = key == _PYTHONIC
+    is_list = not pythonic and opening.endswith("[") and closing.startswith("]")
     if is_list:
         opening, closing = opening[:-1], closing[1:]
     between = _between(tokenizer, user, prompt, is_list)
-    return ToolFormat("template", opening.lstrip(" "), closing, between, key, is_list)
+    return ToolFormat("template", opening.lstrip(" "), closing, between, "arguments" if pythonic else key, is_list, pythonic)
+
+
+def _without_thought(prompt: str) -> str:
+    """A generation prompt without the thought it opens (`<think>`), which a turn with calls does
+    not start with: the call's opening is what follows the prompt's own part."""
+    from .reasoning import MARKERS
+
+    stripped = prompt.rstrip()
+    for opening, _ in MARKERS:
+        if stripped.endswith(opening):
+            return stripped[: -len(opening)]
+    return prompt
 
 
 def _probe_turn(count: int) -> dict:
@@ -158,8 +181,20 @@ def _probe_turn(count: int) -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [call] * count}
 
 
+_PYTHONIC = ""  # the "arguments key" of a pythonic call
+_PYTHONIC_PROBE = re.compile(rf'{_PROBE_NAME}\(\s*edgeinfer_argument\s*=\s*"edgeinfer_value"\s*\)')
+
+
 def _probe_call(text: str, after: int = 0) -> tuple[int, int, str] | None:
-    """(start, end, arguments key) of the first JSON object in `text` after `after` that is the probe call."""
+    """(start, end, arguments key) of the probe call in `text` after `after`: the first JSON object
+    that is the call, or else a pythonic call (key _PYTHONIC)."""
+    found = _json_probe(text, after)
+    if found is None and (pythonic := _PYTHONIC_PROBE.search(text, after)) is not None:
+        return pythonic.start(), pythonic.end(), _PYTHONIC
+    return found
+
+
+def _json_probe(text: str, after: int) -> tuple[int, int, str] | None:
     decoder = json.JSONDecoder()
     at = text.find(f'"{_PROBE_NAME}"', after)
     while at >= 0:
@@ -178,11 +213,12 @@ def _probe_call(text: str, after: int = 0) -> tuple[int, int, str] | None:
     return None
 
 
-def _turn_end(text: str, eos: str | None) -> str:
-    """What follows a call up to the end of the assistant's turn (the EOS ends generation)."""
-    if eos and eos in text:
-        return text[: text.index(eos)]
-    return text.rstrip()
+def _turn_end(text: str, ends: list[str]) -> str:
+    """What follows a call up to the end of the assistant's turn: the first of `ends` (the EOS,
+    and the special tokens a template closes a turn with, such as <|im_end|> where the EOS is
+    <|endoftext|>: a model's end ids take them, and generation ends there)."""
+    found = [text.index(end) for end in ends if end and end in text]
+    return text[: min(found)] if found else text.rstrip()
 
 
 def _between(tokenizer, user: dict, prompt: str, is_list: bool) -> str | None:
@@ -252,25 +288,68 @@ def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, in
     rules = [
         "start: " + " ".join(part for part in (_literal(format.opening, special), body, _literal(format.closing, special)) if part)
     ]
-    if not format.is_list:
+    if format.pythonic:
+        rules += pythonic_rules(request)
+    elif not format.is_list:
         rules.append(f"call: %json {schema}")
     return "\n".join(rules)
 
 
-def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str | None:
+def pythonic_rules(request: ToolRequest) -> list[str]:
+    """The rules of a pythonic call, `name(key=value, ...)`: the required arguments in the schema's
+    order, then any of the others in order, each value JSON valid for its property's schema."""
+    tools = request.offered()
+    rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
+    for i, tool in enumerate(tools):
+        name, parameters = tool["function"]["name"], tool["function"]["parameters"]
+        properties = parameters.get("properties") or {}
+        required = [k for k in properties if k in set(parameters.get("required") or [])]
+        optional = [k for k in properties if k not in required]
+        value = lambda key: f"{json.dumps(key + '=')} %json {json.dumps({**properties[key], 'x-guidance': JSON_DEFAULTS})}"  # noqa: E731
+        head = ' ", " '.join(value(k) for k in required)
+        rules.append(f'call_{i}: {json.dumps(name + "(")} {f"{head} " if head else ""}rest_{i}_0 ")"')
+        for at in range(len(optional) + 1):  # rest_i_at: any of the optional arguments from `at` on, in order
+            comma = '", " ' if head or at else ""
+            later = [f"{comma}{value(optional[j])} rest_{i}_{j + 1}" for j in range(at, len(optional))]
+            rules.append(f"rest_{i}_{at}: " + " | ".join(['""', *later]))
+    return rules
+
+
+def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:
     """The grammar of a turn that may call (tool_choice "auto"): free text, or text up to the
-    format's opening and then only valid calls, so that a call the model opens ends valid. None
-    where the opening is a special token (llguidance's stop strings are text): the turn is free."""
+    format's opening and then only valid calls, so that a call the model opens ends valid. An
+    opening that is a special token is matched as that token (free text is then any other token)."""
     forced = call_grammar(request, format, special).split("\n", 1)
     start, rules = forced[0].removeprefix("start: "), forced[1:]
     opening = _literal(format.opening, special)
     body = start.removeprefix(opening).strip() if opening else start
-    if not format.opening.strip():  # a bare JSON call: text is anything that does not start as one
-        return "\n".join(["start: TEXT | " + body, r"TEXT: /[^{\[](.|\n)*/", *rules])
-    if any(token in format.opening for token in special):
-        return None
+    if format.leading:  # a bare call (or a bare list): text is anything that does not start as one
+        first = r"[^\[]" if format.opening.strip() or format.pythonic else r"[^{\[]"
+        return "\n".join([f"start: TEXT | {start}", f"TEXT: /{first}(.|\n)*/", *rules])
+    trigger = min(((format.opening.find(t), t) for t in special if t and t in format.opening), default=None)
+    if trigger is not None:  # the call opens with a special token: text is every other token
+        at, token = trigger
+        rest = _literal(format.opening[at:], special)
+        return "\n".join([f"start: free | free {rest} {body}", f"free: <[^{special[token]}]>*", *rules])
     stop = json.dumps(format.opening)
     return "\n".join(["start: plain | text " + body, 'plain[stop=""]: /(.|\n)*/', f"text[stop={stop}]: /(.|\n)*/", *rules])
+
+
+def thought_first(response_format: dict, thinking) -> dict:
+    """A tool plan's constraint with a reasoning model's thought before it (`thinking`, a
+    ReasoningFormat): where the prompt opened the thought, the output starts inside it; else it
+    may open one. The thought ends at its closing marker (or where its budget forces it); the call
+    is constrained from there."""
+    if response_format["type"] == "grammar":
+        start, _, rules = response_format["lark"].partition("\n")
+        body = start.removeprefix("start: ")
+    else:  # the generic format's JSON schema
+        schema = {**response_format["json_schema"]["schema"], "x-guidance": JSON_DEFAULTS}
+        body, rules = f"%json {json.dumps(schema)}", ""
+    thought = "thought" if thinking.opened_by_prompt else f"({json.dumps(thinking.opening)} thought)?"
+    # the stop string ends the thought and stays in the output, as the auto grammar's opening does
+    lark = "\n".join([f"start: {thought} ({body})", f"thought[stop={json.dumps(thinking.closing)}]: /(.|\\n)*/", rules])
+    return {"type": "grammar", "lark": lark.rstrip("\n")}
 
 
 def _literal(text: str, special: dict[str, int]) -> str:
@@ -323,60 +402,6 @@ def _arguments(value):
     return value
 
 
-def parse_calls(text: str, format: ToolFormat) -> tuple[str, list[ToolCall]]:
-    """(the reply's text, the calls) of an output; text that does not parse as calls stays text."""
-    if format.name == GENERIC:
-        return _parse_generic(text)
-    marker = format.opening.strip()
-    at = text.find(marker) if marker else _first_json(text)
-    if at is None or at < 0:
-        return text, []
-    calls, decoder, position = [], json.JSONDecoder(), at + len(marker)
-    while True:
-        start = _next_json(text, position)
-        if start is None:
-            break
-        try:
-            value, position = decoder.raw_decode(text, start)
-        except ValueError:
-            break
-        for item in value if isinstance(value, list) else [value]:
-            call = _as_call(item, format.arguments_key)
-            if call is None:
-                return text, []
-            calls.append(call)
-    return (text[:at].strip(), calls) if calls else (text, [])
-
-
-def _parse_generic(text: str) -> tuple[str, list[ToolCall]]:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text, []
-    if isinstance(value, dict) and isinstance(value.get("response"), str):
-        return value["response"], []
-    items = value.get("tool_calls") if isinstance(value, dict) else None
-    calls = [_as_call(item, "arguments") for item in items] if isinstance(items, list) else []
-    return ("", calls) if calls and None not in calls else (text, [])
-
-
-def _as_call(item, key: str) -> ToolCall | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or key not in item:
-        return None
-    arguments = item[key] if isinstance(item[key], str) else json.dumps(item[key], ensure_ascii=False)
-    return ToolCall(f"call_{os.urandom(12).hex()}", item["name"], arguments)
-
-
-def _next_json(text: str, position: int) -> int | None:
-    starts = [i for i in (text.find("{", position), text.find("[", position)) if i >= 0]
-    return min(starts) if starts else None
-
-
-def _first_json(text: str) -> int | None:
-    stripped = len(text) - len(text.lstrip())
-    return stripped if text[stripped : stripped + 1] in ("{", "[") else None
-
-
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat call with tools renders and constrains: the `messages` and `tools` for the
@@ -398,20 +423,4 @@ def plan(tokenizer, messages: list[dict], request: ToolRequest) -> ToolPlan:
     if request.choice == "none":
         return ToolPlan(messages, None, None, format)
     grammar = (call_grammar if request.forced else auto_grammar)(request, format, tokenizer.special_tokens)
-    return ToolPlan(messages, list(request.tools), grammar and {"type": "grammar", "lark": grammar}, format)
-
-
-def with_calls(result, plan: ToolPlan, tokenizer):
-    """`result` (a GenerationResult) with the calls parsed out of its output: `tool_calls` (empty
-    where there are none), its text the reply alone, and finish reason "tool_calls" where it called."""
-    from dataclasses import replace
-
-    if plan.format.name == GENERIC and plan.response_format is None:  # tool_choice none: a plain reply
-        return replace(result, tool_calls=[], tool_format=plan.format.name)
-    text = result.text if plan.format.name == GENERIC else tokenizer.decode_all(result.token_ids)
-    content, calls = parse_calls(text, plan.format)
-    if not calls:
-        return replace(
-            result, text=content if plan.format.name == GENERIC else result.text, tool_calls=[], tool_format=plan.format.name
-        )
-    return replace(result, text=content, tool_calls=calls, finish_reason="tool_calls", tool_format=plan.format.name)
+    return ToolPlan(messages, list(request.tools), {"type": "grammar", "lark": grammar}, format)

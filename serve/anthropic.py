@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
@@ -39,6 +40,20 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
+class ThinkingBlock(_Strict):
+    """A thought sent back in an assistant message: accepted, and left out of the next prompt."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: StrictStr | None = None
+    signature: StrictStr | None = None
+    data: StrictStr | None = None
+
+
+class ThinkingConfig(_Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: StrictInt | None = Field(default=None, ge=0)  # the thought ends after this many tokens
+
+
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
@@ -53,14 +68,15 @@ class ToolResultBlock(_Strict):
 
 class Message(_Strict):
     role: Literal["user", "assistant"]
-    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock]
+    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
         if isinstance(self.content, list):
-            wrong = "tool_result" if self.role == "assistant" else "tool_use"
-            if any(block.type == wrong for block in self.content):
-                raise ValueError(f"a {wrong} block cannot be in a {self.role} message")
+            wrong = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
+            found = next((block.type for block in self.content if block.type in wrong), None)
+            if found is not None:
+                raise ValueError(f"a {found} block cannot be in a {self.role} message")
         return self
 
     def as_dicts(self) -> list[dict]:
@@ -120,13 +136,8 @@ class MessagesRequest(_Strict):
     cache_control: dict[str, Any] | None = None
     inference_geo: StrictStr | None = None
     speed: StrictStr | None = None
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"}: reasoning is not served yet
-
-    @model_validator(mode="after")
-    def _no_thinking(self):
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            raise ValueError('extended thinking is not served by edgeinfer yet: leave thinking out, or send {"type": "disabled"}')
-        return self
+    # a reasoning model's thought: "disabled" turns it off where the template can, budget_tokens bounds it
+    thinking: ThinkingConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -145,8 +156,15 @@ class MessagesRequest(_Strict):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "stop": self.stop_sequences,
+            "reasoning_budget": self.thinking.budget_tokens if self.thinking is not None else None,
         }
         return {name: value for name, value in chosen.items() if value is not None}
+
+    def template_kwargs(self) -> dict:
+        """The template's switch (enable_thinking) as `thinking` sets it."""
+        return (
+            {} if self.thinking is None or self.thinking.type == "adaptive" else {"enable_thinking": self.thinking.type == "enabled"}
+        )
 
     def choice_settings(self) -> list[dict]:
         return [self.settings()]
@@ -177,6 +195,7 @@ class MessagesReply:
     def __init__(self, model: str, stops: list[str], decode):
         """`decode` turns token ids into text (to tell which stop sequence ended a turn)."""
         self.id, self.model, self.stops, self.decode = f"msg_{uuid.uuid4().hex[:24]}", model, stops, decode
+        self.open, self.started = None, 0  # the kind of the block being streamed; blocks started so far
 
     def whole(self, result: GenerationResult) -> dict:
         return {**self._head(), "content": blocks(result), **self._ending(result), "usage": usage(result.prompt_tokens, result)}
@@ -185,28 +204,44 @@ class MessagesReply:
         message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens)}
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def text_start(self) -> tuple[str, dict]:
-        return "content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    def delta(self, delta: ChatDelta) -> list[tuple[str, dict]]:
+        """The events of a turn's delta: a block started where the kind of output changes (a
+        thinking block, the text, a tool_use per call), then its delta."""
+        out = []
+        for part in delta.parts:
+            kind = {"reasoning": "thinking", "text": "text"}.get(part[0], "tool_use")
+            if part[0] == "call" or self.open != kind:
+                out += self._start(kind, part)
+            if part[0] == "call":
+                continue
+            said = {"thinking": {"type": "thinking_delta", "thinking": part[1]}, "text": {"type": "text_delta", "text": part[1]}}
+            said = said.get(kind) or {"type": "input_json_delta", "partial_json": part[2]}
+            out.append(("content_block_delta", {"type": "content_block_delta", "index": self.started - 1, "delta": said}))
+        return out
 
-    def text_delta(self, text: str) -> tuple[str, dict]:
-        return "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
-
-    def closing(self, result: GenerationResult, streamed: bool) -> list[tuple[str, dict]]:
-        """The rest of the stream once the turn has ended: with `streamed`, the text block was sent
-        as it came and is closed here; else every block is sent now (a turn with tools)."""
-        out = [("content_block_stop", {"type": "content_block_stop", "index": 0})] if streamed else []
-        for index, block in enumerate(blocks(result)[1:] if streamed else blocks(result), start=int(streamed)):
-            opened = {"type": "text", "text": ""} if block["type"] == "text" else {**block, "input": {}}
-            delta = (
-                {"type": "text_delta", "text": block["text"]}
-                if block["type"] == "text"
-                else {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            )
-            out.append(("content_block_start", {"type": "content_block_start", "index": index, "content_block": opened}))
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}))
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    def closing(self, result: GenerationResult) -> list[tuple[str, dict]]:
+        """The last events: the open block stopped (an empty text block where the turn said
+        nothing), then the stop reason and usage."""
+        out = self._stop()
+        if not result.text and not result.tool_calls:
+            out += self._start("text") + self._stop()
         ending = {"type": "message_delta", "delta": self._ending(result), "usage": {"output_tokens": len(result.token_ids)}}
         return [*out, ("message_delta", ending), ("message_stop", {"type": "message_stop"})]
+
+    def _start(self, kind: str, part: tuple | None = None) -> list[tuple[str, dict]]:
+        out = self._stop()
+        if kind == "tool_use":
+            block = {"type": "tool_use", "id": _tool_use_id(part[2]), "name": part[3], "input": {}}
+        else:
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        self.open, self.started = kind, self.started + 1
+        return [*out, ("content_block_start", {"type": "content_block_start", "index": self.started - 1, "content_block": block})]
+
+    def _stop(self) -> list[tuple[str, dict]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.started - 1})]
 
     def _head(self) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
@@ -228,18 +263,27 @@ def usage(prompt_tokens: int, result: GenerationResult | None = None) -> dict:
 
 
 def blocks(result: GenerationResult) -> list[dict]:
-    """A turn's content blocks: its text (where there is some, or where it made no call), then a tool_use per call."""
-    out = [{"type": "text", "text": result.text}] if result.text or not result.tool_calls else []
+    """A turn's content blocks: its thought, its text (where there is some, or where it made no
+    call), then a tool_use per call."""
+    out = [] if result.reasoning is None else [{"type": "thinking", "thinking": result.reasoning, "signature": ""}]
+    if result.text or not result.tool_calls:
+        out.append({"type": "text", "text": result.text})
     for call in result.tool_calls or []:
-        out.append(
-            {
-                "type": "tool_use",
-                "id": "toolu_" + call.id.removeprefix("call_"),
-                "name": call.name,
-                "input": json.loads(call.arguments),
-            }
-        )
+        out.append({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name, "input": _input(call.arguments)})
     return out
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input(arguments: str) -> dict:
+    """A call's arguments as a tool_use block's input: {} where they were cut short (max_tokens)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def error_body(status: int, message: str) -> dict:

@@ -21,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError, SettingsError
-from edgeinfer.sdk.reasoning import ReasoningSplitter, reasoning_format, with_reasoning
-from edgeinfer.sdk.sequence import GenerationResult
+from edgeinfer.sdk.chat_stream import ChatStream
+from edgeinfer.sdk.reasoning import reasoning_format
+from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tools import plan as tool_plan
-from edgeinfer.sdk.tools import with_calls
+from edgeinfer.sdk.tools import thought_first
 
 from . import anthropic, responses
 from . import backend as backends
@@ -171,79 +172,79 @@ class _Routes:
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
         backend = self.loaded.ready()
         self.check_model(body.model)
-        items = [*self.stored.history(body.previous_response_id), *body.items()]
+        items, texts = [*self.stored.history(body.previous_response_id), *body.items()], []
         try:
             conversation = [responses.conversation(body.instructions, items)]
             prompts, choices, plan = _with_tools(backend, body, conversation, body.choice_settings())
-            tools = plan and plan.tools
-            (request,) = await backends.submit_all(
-                backend, lambda: _prompt_ids(backend, prompts, body.asked_tokens, True, tools), choices
-            )
+            tools, kwargs = plan and plan.tools, body.template_kwargs()
+            ids = lambda: _thought_first(
+                _prompt_ids(backend, prompts, body.asked_tokens, True, tools, kwargs, texts), backend, texts, choices, plan
+            )  # noqa: E731
+            (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input")
             return JSONResponse(error, status_code=status, headers=headers)
         reply = responses.ResponsesReply(self.model_name, body)
-        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+        stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
 
         def keep(whole: dict) -> None:
             if body.store:
                 self.stored.keep(reply.id, [*items, *responses.output_items(whole)])
 
         if body.stream:
-            held = plan is not None
 
-            def finish(raw):
-                result = ended(raw)
-                closing = reply.closing(result, text_open=not held)
-                keep(closing[-1][1]["response"])
-                return closing, result
+            def closing(result):
+                events = reply.closing(result)
+                keep(events[-1][1]["response"])
+                return events
 
             def error_event(e):
                 error = from_edgeinfer(e)[1]["error"]
                 return reply.event("error", message=error["message"], code=error["code"], param=error["param"])
 
-            opening = [*reply.opening(), *([] if held else reply.text_opening())]
-            events = self.typed_events(request, reply.id, opening, None if held else reply.text_delta, finish, error_event)
+            events = self.typed_events(request, reply.id, stream, reply.opening(), reply.delta, closing, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            results = await _whole([request], http)
+            pieces = await _whole([request], http)
         except EdgeInferError as e:
             status, error, more = from_edgeinfer(e)
             return JSONResponse(error, status_code=status, headers=more)
-        if results is None:
+        if pieces is None:
             self.cancelled([request], reply.id, 0)
             return Response(status_code=499)
-        result = ended(results[0])
+        result = stream.replay(pieces[0])
         self.finished(reply.id, result)
         whole = reply.whole(result)
         keep(whole)
         return JSONResponse(whole)
 
-    async def typed_events(self, request, reply_id: str, opening: list, text_delta, finish, error_event) -> AsyncIterator[str]:
-        """A stream of named events (the Responses and Messages APIs): `opening`, then `text_delta(text)`
-        per piece (None: a turn with tools, sent whole at its end), then `finish(result)` -> (events,
-        result); an error once the stream has begun is `error_event(error)`, its last event."""
-        pieces, done = [], False
+    async def typed_events(
+        self, request, reply_id: str, stream: ChatStream, opening: list, delta: Callable, closing: Callable, error_event: Callable
+    ) -> AsyncIterator[str]:
+        """A stream of named events (the Responses and Messages APIs): `opening`, then `delta(d)` for
+        each ChatDelta of the turn as it is generated, then `closing(result)`; an error once the
+        stream has begun is `error_event(error)`, its last event."""
+        generated, done = 0, False
         try:
             for event in opening:
                 yield _event(*event)
             async for _, piece in backends.pieces([request]):
-                pieces.append(piece)
-                if piece.text and text_delta is not None:
-                    yield _event(*text_delta(piece.text))
-                if piece.finish_reason is not None:
+                generated += len(piece.token_ids)
+                said = stream.feed(piece)
+                for event in delta(said):
+                    yield _event(*event)
+                if said.result is not None:
                     done = True
-                    events, result = finish(GenerationResult.from_pieces(pieces))
-                    for event in events:
+                    for event in closing(said.result):
                         yield _event(*event)
-                    self.finished(reply_id, result)
+                    self.finished(reply_id, said.result)
         except EdgeInferError as e:  # the status is sent already
             done = True
             request.cancel()
             yield _event(*error_event(e))
         finally:
             if not done:
-                self.cancelled([request], reply_id, sum(len(p.token_ids) for p in pieces))
+                self.cancelled([request], reply_id, generated)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -258,39 +259,33 @@ class _Routes:
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
         backend = self.loaded.ready()
         self.check_model(body.model)
-        rendered = []  # the prompt's ids, for the stream's opening usage
+        rendered, texts = [], []  # the prompt's ids (for the stream's opening usage) and text
         try:
             prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
-            tools = plan and plan.tools
+            tools, kwargs = plan and plan.tools, body.template_kwargs()
 
             def ids():
-                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools))
-                return rendered
+                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools, kwargs, texts))
+                return _thought_first(rendered, backend, texts, choices, plan)
 
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             return _anthropic_error(e)
         reply = anthropic.MessagesReply(self.model_name, body.stop_sequences or [], backend.tokenizer.decode)
-        ended = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
+        stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
         if body.stream:
-            held = plan is not None
-            opening = [*reply.opening(len(rendered[0])), *([] if held else [reply.text_start()])]
-
-            def finish(raw):
-                result = ended(raw)
-                return reply.closing(result, streamed=not held), result
-
             error_event = lambda e: ("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))  # noqa: E731
-            events = self.typed_events(request, reply.id, opening, None if held else reply.text_delta, finish, error_event)
+            opening = reply.opening(len(rendered[0]))
+            events = self.typed_events(request, reply.id, stream, opening, reply.delta, reply.closing, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            results = await _whole([request], http)
+            pieces = await _whole([request], http)
         except EdgeInferError as e:
             return _anthropic_error(e)
-        if results is None:
+        if pieces is None:
             self.cancelled([request], reply.id, 0)
             return Response(status_code=499)
-        result = ended(results[0])
+        result = stream.replay(pieces[0])
         self.finished(reply.id, result)
         return JSONResponse(reply.whole(result))
 
@@ -302,7 +297,9 @@ class _Routes:
             if chat:
                 prompts, choices, plan = _with_tools(backend, body, prompts, choices)
             tools, kwargs = plan and plan.tools, body.template_kwargs() if chat else {}
-            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, tools, kwargs, texts)  # noqa: E731
+            ids = lambda: _thought_first(
+                _prompt_ids(backend, prompts, body.asked_tokens, chat, tools, kwargs, texts), backend, texts, choices, plan
+            )  # noqa: E731
             requests = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
@@ -310,50 +307,44 @@ class _Routes:
         reply = Reply(chat, self.model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = requests[0].response_headers or None
         thinking = reasoning_format(backend.tokenizer, texts[0]) if chat else None
-        called = (lambda r: r) if plan is None else (lambda r: with_calls(r, plan, backend.tokenizer))
-        ended = lambda r: with_reasoning(called(r), thinking)  # noqa: E731
+        streams = [ChatStream(backend.tokenizer, plan, thinking) if chat else None for _ in requests]
         if body.stream:
-            events = self.events(requests, reply, body.include_usage, ended, plan is not None, thinking)
+            events = self.events(requests, reply, body.include_usage, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self.whole(requests, reply, http, headers, ended)
+        return await self.whole(requests, reply, http, headers, streams)
 
-    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None, ended: Callable):
+    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None, streams: list):
         try:
-            results = await _whole(requests, http)
+            pieces = await _whole(requests, http)
         except EdgeInferError as e:
             status, error, more = from_edgeinfer(e)
             return JSONResponse(error, status_code=status, headers={**(headers or {}), **more})
-        if results is None:  # the client went away: nobody reads this
+        if pieces is None:  # the client went away: nobody reads this
             self.cancelled(requests, reply.id, 0)
             return Response(status_code=499)
-        results = [ended(result) for result in results]
+        results = [GenerationResult.from_pieces(p) if s is None else s.replay(p) for p, s in zip(pieces, streams)]
         for result in results:
             self.finished(reply.id, result)
         return JSONResponse(reply.whole(results), headers=headers)
 
-    async def events(
-        self, requests: list, reply: Reply, include_usage: bool, ended: Callable, held: bool, thinking=None
-    ) -> AsyncIterator[str]:
-        """The stream's chunks; `held`: a turn with tools, whose text and calls are sent once it ends;
-        `thinking`: a reasoning model's markers, its thought sent as reasoning_content."""
+    async def events(self, requests: list, reply: Reply, include_usage: bool, streams: list) -> AsyncIterator[str]:
+        """The stream's chunks: a chat turn's as its ChatStream splits them (the thought, the text,
+        the calls as they are generated), a completion's text as it comes."""
         pieces, is_done = [[] for _ in requests], [False] * len(requests)
-        splitters = [ReasoningSplitter(thinking) if thinking is not None and not held else None for _ in requests]
         try:
             for chunk in reply.first_chunks():
                 yield _sse(chunk)
             async for index, piece in backends.pieces(requests):
                 pieces[index].append(piece)
-                if splitters[index] is not None:
-                    parts = splitters[index].feed(piece.text) + (splitters[index].flush() if piece.finish_reason else [])
-                    for chunk in reply.split_chunks(index, piece, parts):
+                if streams[index] is not None:
+                    delta = streams[index].feed(piece)
+                    for chunk in reply.delta_chunks(index, delta):
                         yield _sse(chunk)
-                elif piece.text and not held:
+                elif piece.text:
                     yield _sse(reply.piece_chunk(index, piece))
                 if piece.finish_reason is not None:
                     is_done[index] = True
-                    result = ended(GenerationResult.from_pieces(pieces[index]))
-                    for chunk in reply.call_chunks(index, result) if held else []:
-                        yield _sse(chunk)
+                    result = delta.result if streams[index] is not None else GenerationResult.from_pieces(pieces[index])
                     yield _sse(reply.last_chunk(index, result.finish_reason))
                     self.finished(reply.id, result)
             if include_usage:
@@ -510,6 +501,16 @@ def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):
     return [plan.messages], [{**c, "response_format": plan.response_format} for c in choices], plan
 
 
+def _thought_first(ids: list, backend: Backend, texts: list, choices: list[dict], plan) -> list:
+    """Once the conversation is rendered: a tool plan's constraint lets a reasoning model think
+    first (sdk/tools.py thought_first). Returns `ids`."""
+    thinking = reasoning_format(backend.tokenizer, texts[0]) if plan is not None and plan.response_format is not None else None
+    if thinking is not None:
+        for choice in choices:
+            choice["response_format"] = thought_first(choice["response_format"], thinking)
+    return ids
+
+
 def _prompt_ids(
     backend: Backend, prompts: list, asked: int | None, chat: bool, tools: list | None = None, kwargs: dict | None = None, texts=None
 ) -> list[list[int]]:
@@ -529,14 +530,14 @@ def _prompt_ids(
     return ids
 
 
-async def _whole(requests: list, http: HTTPRequest) -> list[GenerationResult] | None:
-    """Every request's result, or None once the client has gone away (the caller cancels them)."""
+async def _whole(requests: list, http: HTTPRequest) -> list[list[Piece]] | None:
+    """Every request's pieces, or None once the client has gone away (the caller cancels them)."""
 
-    async def collect() -> list[GenerationResult]:
+    async def collect() -> list[list[Piece]]:
         pieces = [[] for _ in requests]
         async for index, piece in backends.pieces(requests):
             pieces[index].append(piece)
-        return [GenerationResult.from_pieces(p) for p in pieces]
+        return pieces
 
     results, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
     done, _ = await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)

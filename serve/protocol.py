@@ -26,6 +26,7 @@ from edgeinfer.sdk.errors import (
     SettingsError,
     UnavailableError,
 )
+from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tools import ToolRequest, tool_request
@@ -38,7 +39,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_DEPTH = 512  # levels of nesting in a request body (a JSON schema's included; Python's own limit is 1000)
 SEED_MAX = 2**63 - 1
 # The SDK's names of settings whose API field is named otherwise.
-API_NAMES = {"max_new_tokens": "max_tokens"}
+API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking_token_budget"}
 
 Real = Annotated[float, Strict()]  # a JSON number (an integer too), never a string or a boolean
 
@@ -270,9 +271,15 @@ class ChatRequest(_Request):
     parallel_tool_calls: StrictBool | None = None
     # the chat template's own variables ({"enable_thinking": false}), as vLLM and llama.cpp's server take them
     chat_template_kwargs: dict[str, Any] | None = None
+    # a reasoning model's thought ends after this many tokens (vLLM's name for it)
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=0)
 
     def template_kwargs(self) -> dict:
         return self.chat_template_kwargs or {}
+
+    def settings(self) -> dict:
+        budget = {} if self.thinking_token_budget is None else {"reasoning_budget": self.thinking_token_budget}
+        return {**super().settings(), **budget}
 
     def tool_request(self) -> ToolRequest | None:
         """The tools asked for, checked; None without tools."""
@@ -412,6 +419,16 @@ def _message(result: GenerationResult) -> dict:
     return message if result.reasoning is None else {**message, "reasoning_content": result.reasoning}
 
 
+def _delta_of(part: tuple) -> dict:
+    kind = part[0]
+    if kind in ("text", "reasoning"):
+        return {"content" if kind == "text" else "reasoning_content": part[1]}
+    if kind == "call":
+        _, position, call_id, name = part
+        return {"tool_calls": [{"index": position, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": part[1], "function": {"arguments": part[2]}}]}
+
+
 def api_name(setting: str) -> str:
     """The request field of an SDK setting's name ("max_new_tokens" is max_tokens; "logit_bias[5]" is logit_bias)."""
     root = setting.split("[")[0]
@@ -466,24 +483,18 @@ class Reply:
         self.offsets[index] += len(piece.text)
         return self._chunk(index, {"content": piece.text} if self.chat else piece.text, None, logprobs)
 
-    def call_chunks(self, index: int, result: GenerationResult) -> list[dict]:
-        """A turn with tools, streamed once it has ended: its text, then each call as the openai
-        client's stream helpers accumulate them (the id, type and name first, then the arguments)."""
-        chunks = [self._chunk(index, {"content": result.text}, None)] if result.text else []
-        for position, call in enumerate(result.tool_calls or []):
-            opened = {"index": position, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-            chunks.append(self._chunk(index, {"tool_calls": [opened]}, None))
-            chunks.append(self._chunk(index, {"tool_calls": [{"index": position, "function": {"arguments": call.arguments}}]}, None))
-        return chunks
-
-    def split_chunks(self, index: int, piece: Piece, parts: list[tuple[str, str]]) -> list[dict]:
-        """A reasoning model's piece as its parts, ("reasoning", text) in reasoning_content and
-        ("content", text) in content; the piece's logprobs ride on its first chunk."""
-        logprobs = self._logprobs(piece.logprobs, index)
+    def delta_chunks(self, index: int, delta: ChatDelta) -> list[dict]:
+        """A chat turn's delta (sdk/chat_stream.py) as chunks: the thought in reasoning_content, the
+        text in content, each call as the openai client's stream helpers accumulate them (its index,
+        id, type and name first, then its arguments as they come). The piece's logprobs ride on its
+        first chunk (on an empty one where the piece said nothing yet)."""
+        logprobs = self._logprobs(delta.piece.logprobs, index) if delta.piece is not None else None
         chunks = []
-        for kind, text in parts:
-            chunks.append(self._chunk(index, {"reasoning_content" if kind == "reasoning" else "content": text}, None, logprobs))
+        for part in delta.parts:
+            chunks.append(self._chunk(index, _delta_of(part), None, logprobs))
             logprobs = None
+        if logprobs is not None:
+            chunks.append(self._chunk(index, {"content": ""}, None, logprobs))
         return chunks
 
     def last_chunk(self, index: int, finish_reason: str) -> dict:

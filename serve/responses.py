@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
@@ -53,6 +54,18 @@ class FunctionCallItem(_Strict):
     status: StrictStr | None = None
 
 
+class ReasoningItem(_Strict):
+    """A thought sent back with the conversation: accepted, and left out of the next prompt (as
+    chat templates leave earlier thoughts out)."""
+
+    type: Literal["reasoning"]
+    id: StrictStr | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: StrictStr | None = None
+    status: StrictStr | None = None
+
+
 class FunctionOutputItem(_Strict):
     type: Literal["function_call_output"]
     call_id: StrictStr
@@ -61,7 +74,7 @@ class FunctionOutputItem(_Strict):
     status: StrictStr | None = None
 
 
-Item = MessageItem | FunctionCallItem | FunctionOutputItem
+Item = MessageItem | FunctionCallItem | FunctionOutputItem | ReasoningItem
 
 
 class FunctionTool(_Strict):
@@ -89,6 +102,11 @@ class TextOptions(_Strict):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # "none" turns thinking off
+    summary: StrictStr | None = None  # accepted; the thought is given whole
+
+
 class ResponsesRequest(_Strict):
     model: StrictStr
     input: StrictStr | list[Item] = Field(min_length=1)
@@ -105,6 +123,10 @@ class ResponsesRequest(_Strict):
     previous_response_id: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None
     user: StrictStr | None = None  # accepted and ignored, as the API allows
+    reasoning: ReasoningOptions | None = None
+    # edgeinfer's, as on chat completions: the template's own variables, and the thought's budget
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -118,8 +140,17 @@ class ResponsesRequest(_Strict):
             return [{"type": "message", "role": "user", "content": self.input}]
         return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
 
+    def template_kwargs(self) -> dict:
+        off = {"enable_thinking": False} if self.reasoning is not None and self.reasoning.effort == "none" else {}
+        return {**off, **(self.chat_template_kwargs or {})}
+
     def settings(self) -> dict:
-        chosen = {"max_new_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        chosen = {
+            "max_new_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "reasoning_budget": self.thinking_token_budget,
+        }
         format = self.text.format if self.text is not None else None
         if format is not None and format.type == "json_object":
             chosen["response_format"] = {"type": "json_object"}
@@ -155,6 +186,8 @@ def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
     for item in items:
         if item["type"] == "message":
             messages.append(MessageItem(**item).as_dict())
+        elif item["type"] == "reasoning":
+            continue
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
@@ -199,30 +232,29 @@ class Store:
 
 
 class ResponsesReply:
-    """One response object: whole, or as the stream's typed events."""
+    """One response object: whole, or as the stream's typed events, an output item at a time
+    (the thought, the message, each function call) as the turn is generated."""
 
     def __init__(self, model: str, request: ResponsesRequest):
         self.id, self.model, self.request = f"resp_{uuid.uuid4().hex[:24]}", model, request
         self.created, self.sequence = int(time.time()), 0
-        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.message_id, self.reasoning_id = f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
+        self.open: dict | None = None  # the item being streamed: its kind, output index, id and text so far
+        self.opened = 0  # items streamed so far
 
     def output(self, result: GenerationResult) -> list[dict]:
-        items = []
+        items = [] if result.reasoning is None else [self._reasoning_item(result.reasoning)]
         if result.text or not result.tool_calls:
-            part = {"type": "output_text", "text": result.text, "annotations": []}
-            items.append({"type": "message", "id": self.message_id, "status": "completed", "role": "assistant", "content": [part]})
-        for call in result.tool_calls or []:
-            items.append(
-                {
-                    "type": "function_call",
-                    "id": "fc_" + call.id.removeprefix("call_"),
-                    "call_id": call.id,
-                    "name": call.name,
-                    "arguments": call.arguments,
-                    "status": "completed",
-                }
-            )
-        return items
+            items.append(self._message_item(result.text))
+        return items + [_call_item(call.id, call.name, call.arguments) for call in result.tool_calls or []]
+
+    def _reasoning_item(self, text: str, status: str = "completed") -> dict:
+        content = [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
+
+    def _message_item(self, text: str | None, status: str = "completed") -> dict:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def whole(self, result: GenerationResult | None, status: str = "completed") -> dict:
         """The response object; `result` None: one in progress (the stream's first events)."""
@@ -263,61 +295,84 @@ class ResponsesReply:
             self.event("response.in_progress", response=self.whole(None, "in_progress")),
         ]
 
-    def text_opening(self) -> list[tuple[str, dict]]:
-        item = {"type": "message", "id": self.message_id, "status": "in_progress", "role": "assistant", "content": []}
-        part = {"type": "output_text", "text": "", "annotations": []}
-        return [
-            self.event("response.output_item.added", output_index=0, item=item),
-            self.event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0, part=part),
-        ]
-
-    def text_delta(self, text: str) -> tuple[str, dict]:
-        return self.event(
-            "response.output_text.delta", item_id=self.message_id, output_index=0, content_index=0, delta=text, logprobs=[]
-        )
-
-    def closing(self, result: GenerationResult, text_open: bool) -> list[tuple[str, dict]]:
-        """The events after the turn has ended: the text item closed (or sent whole), each function
-        call's item with its arguments, then response.completed (or .incomplete)."""
+    def delta(self, delta: ChatDelta) -> list[tuple[str, dict]]:
+        """The events of a turn's delta: an item opened where the kind of output changes, then its delta."""
         out = []
-        for index, item in enumerate(self.output(result)):
-            if item["type"] == "message":
-                if not (text_open and index == 0):
-                    out += self.text_opening()
-                    out.append(self.text_delta(result.text))
-                part = item["content"][0]
-                out.append(
-                    self.event(
-                        "response.output_text.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        text=result.text,
-                        logprobs=[],
-                    )
-                )
-                out.append(
-                    self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
-                )
+        for part in delta.parts:
+            kind = {"reasoning": "reasoning", "text": "message"}.get(part[0], "function_call")
+            if part[0] == "call" or self.open is None or self.open["kind"] != kind:
+                out += self._open(kind, part)
+            if part[0] == "call":
+                continue
+            said = part[-1]
+            self.open["text"] += said
+            where = {"item_id": self.open["id"], "output_index": self.open["index"]}
+            if kind == "reasoning":
+                out.append(self.event("response.reasoning_text.delta", **where, content_index=0, delta=said))
+            elif kind == "message":
+                out.append(self.event("response.output_text.delta", **where, content_index=0, delta=said, logprobs=[]))
             else:
-                out.append(
-                    self.event(
-                        "response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}
-                    )
-                )
-                out.append(
-                    self.event(
-                        "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]
-                    )
-                )
-                out.append(
-                    self.event(
-                        "response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"]
-                    )
-                )
-            out.append(self.event("response.output_item.done", output_index=index, item=item))
+                out.append(self.event("response.function_call_arguments.delta", **where, delta=said))
+        return out
+
+    def closing(self, result: GenerationResult) -> list[tuple[str, dict]]:
+        """The last events: the open item closed (an empty message where the turn said nothing), then
+        response.completed (or .incomplete) with the whole response."""
+        out = self._close()
+        if not result.text and not result.tool_calls:
+            out += self._open("message") + self._close()
         whole = self.whole(result)
         return [*out, self.event("response.completed" if whole["status"] == "completed" else "response.incomplete", response=whole)]
+
+    def _open(self, kind: str, part: tuple | None = None) -> list[tuple[str, dict]]:
+        out = self._close()
+        index, self.opened = self.opened, self.opened + 1
+        if kind == "reasoning":
+            self.open, item = {"id": self.reasoning_id}, self._reasoning_item("", "in_progress")
+            item["content"] = []
+        elif kind == "message":
+            self.open, item = {"id": self.message_id}, self._message_item(None, "in_progress")
+        else:
+            _, _, call_id, name = part
+            item = {**_call_item(call_id, name, ""), "status": "in_progress"}
+            self.open = {"id": item["id"], "call_id": call_id, "name": name}
+        self.open |= {"kind": kind, "index": index, "text": ""}
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
+        if kind != "function_call":
+            part_kind = "reasoning_text" if kind == "reasoning" else "output_text"
+            empty = {"type": part_kind, "text": ""} | ({"annotations": []} if kind == "message" else {})
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=empty))
+        return out
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if self.open is None:
+            return []
+        opened, self.open = self.open, None
+        where, text = {"item_id": opened["id"], "output_index": opened["index"]}, opened["text"]
+        if opened["kind"] == "function_call":
+            item = _call_item(opened["call_id"], opened["name"], text)
+            done = [self.event("response.function_call_arguments.done", **where, arguments=text)]
+        else:
+            item = self._reasoning_item(text) if opened["kind"] == "reasoning" else self._message_item(text)
+            kind = "reasoning_text" if opened["kind"] == "reasoning" else "output_text"
+            done = [
+                self.event(
+                    f"response.{kind}.done", **where, content_index=0, text=text, **({"logprobs": []} if kind == "output_text" else {})
+                ),
+                self.event("response.content_part.done", **where, content_index=0, part=item["content"][0]),
+            ]
+        return [*done, self.event("response.output_item.done", output_index=opened["index"], item=item)]
+
+
+def _call_item(call_id: str, name: str, arguments: str) -> dict:
+    return {
+        "type": "function_call",
+        "id": "fc_" + call_id.removeprefix("call_"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": "completed",
+    }
 
 
 def _usage(result: GenerationResult) -> dict:
@@ -325,7 +380,7 @@ def _usage(result: GenerationResult) -> dict:
         "input_tokens": result.prompt_tokens,
         "input_tokens_details": {"cached_tokens": result.cached_tokens},
         "output_tokens": len(result.token_ids),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
         "total_tokens": result.prompt_tokens + len(result.token_ids),
     }
 
@@ -336,6 +391,6 @@ def output_items(reply: dict) -> list[dict]:
     for item in reply["output"]:
         if item["type"] == "message":
             items.append({"type": "message", "role": "assistant", "content": item["content"][0]["text"]})
-        else:
+        elif item["type"] == "function_call":
             items.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
     return items

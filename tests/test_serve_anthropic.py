@@ -66,7 +66,9 @@ def test_tool_use_blocks_validate_whole_and_streamed(served):
         jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
     asked["tool_choice"] = {"type": "tool", "name": "add"}
     with client.messages.stream(**asked) as stream:
+        kinds = [event.type == "content_block_delta" and event.delta.type for event in stream]
         final = stream.get_final_message()
+    assert kinds.count("input_json_delta") >= 3  # the input in pieces, as generated
     uses = [b for b in final.content if b.type == "tool_use"]
     assert final.stop_reason == "tool_use" and uses and all(u.name == "add" for u in uses)
     for use in uses:

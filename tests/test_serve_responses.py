@@ -63,7 +63,7 @@ def test_function_calls_validate_and_continue_from_the_store(served, engine):
     with client.responses.stream(input=QUESTION, **asked) as stream:
         kinds = [event.type for event in stream]
         streamed = stream.get_final_response()
-    assert "response.function_call_arguments.delta" in kinds
+    assert kinds.count("response.function_call_arguments.delta") >= 3  # the arguments in pieces, as generated
     (again,) = [item for item in streamed.output if item.type == "function_call"]
     jsonschema.validate(json.loads(again.arguments), SCHEMAS[again.name])
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"}

@@ -78,6 +78,36 @@ def test_the_stream_helper_accumulates_the_same_calls(served):
     assert streamed == [(c.function.name, json.loads(c.function.arguments)) for c in whole] and streamed[0][0] == "add"
     for call in final.message.tool_calls:
         validate(call)
+    raw = [
+        c.choices[0].delta.tool_calls[0] for c in client.chat.completions.create(**asked, stream=True) if c.choices[0].delta.tool_calls
+    ]
+    assert raw[0].id.startswith("call_") and raw[0].function.name == "add" and raw[0].function.arguments == ""
+    opened = [d.index for d in raw if d.id is not None]
+    assert opened == list(range(len(whole))) and all(d.function.name is None for d in raw if d.id is None)
+    assert len(raw) >= 3 * len(whole)  # each call's arguments in pieces, as generated
+    assert "".join(d.function.arguments for d in raw if d.index == 0) == whole[0].function.arguments
+
+
+def test_calls_as_rows_of_one_batch_each_validate_whole_and_streamed(served):
+    """n choices run as rows of the scheduler's batch (--max-batch 2), each held to its own grammar
+    and read by its own parser, whole and streamed."""
+    _, _, model, client = served
+    asked = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0)
+    reply = client.chat.completions.create(**asked, n=6, seed=11, max_tokens=200)
+    assert len(reply.choices) == 6 and len({c.message.tool_calls[0].function.arguments for c in reply.choices}) > 1
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        validate(choice.message.tool_calls[0])
+    calls = {}
+    for chunk in client.chat.completions.create(**asked, n=3, seed=12, max_tokens=200, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                if delta.id is not None:
+                    calls[choice.index] = [delta.id, delta.function.name, ""]
+                calls[choice.index][2] += delta.function.arguments
+    assert sorted(calls) == [0, 1, 2] and len({c[0] for c in calls.values()}) == 3
+    for call_id, name, arguments in calls.values():
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 def test_a_tool_result_turn_is_answered(served):
@@ -106,6 +136,51 @@ def test_bad_tool_requests_are_400s_naming_the_field(served, asked, param):
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 4, **asked})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_a_thought_bounded_by_its_budget_is_the_same_in_all_three_apis(tmp_path_factory):
+    """A template that opens the thought in its prompt; thinking_token_budget (chat completions and
+    Responses) and thinking.budget_tokens (Messages) end it after 6 tokens, as the SDK's
+    reasoning_budget does; the thought is reasoning_content, a reasoning item, a thinking block."""
+    import anthropic
+    from test_chat_stream import OPENED
+
+    from edgeinfer import Engine
+
+    export = tool_export(tmp_path_factory.mktemp("serve-budget"), OPENED)
+    expected = Engine.load(export, provider="cpu").chat(ASK, reasoning_budget=6, max_new_tokens=20)
+    assert expected.reasoning and expected.text
+    process, url = start(export, "--provider", "cpu")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        asked = dict(model=export.name, messages=ASK, max_tokens=20, temperature=0, extra_body={"thinking_token_budget": 6})
+        message = client.chat.completions.create(**asked).choices[0].message
+        assert (message.model_extra["reasoning_content"], message.content) == (expected.reasoning, expected.text)
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(**asked, stream=True) if c.choices]
+        assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == expected.reasoning
+        question = dict(model=export.name, input=ASK[0]["content"], max_output_tokens=20, temperature=0)
+        response = client.responses.create(**question, extra_body={"thinking_token_budget": 6})
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == expected.reasoning and response.output_text == expected.text
+        events = list(client.responses.create(**question, extra_body={"thinking_token_budget": 6}, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == expected.reasoning
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
+        assert events[-1].response.output[0].content[0].text == expected.reasoning
+        claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        asked = dict(model=export.name, max_tokens=20, messages=ASK, thinking={"type": "enabled", "budget_tokens": 6})
+        reply = claude.messages.create(**asked, extra_body={"temperature": 0})
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in reply.content] == [
+            ("thinking", expected.reasoning),
+            ("text", expected.text),
+        ]
+        with claude.messages.stream(**asked, extra_body={"temperature": 0}) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == expected.reasoning
+        refused = httpx.post(f"{url}/v1/chat/completions", json={**asked, "messages": ASK, "thinking_token_budget": -1})
+        assert refused.status_code == 400
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
 
 
 def test_a_reasoning_models_thought_is_reasoning_content_whole_and_streamed(tmp_path_factory):

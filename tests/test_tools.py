@@ -10,7 +10,8 @@ import pytest
 
 from edgeinfer import Engine
 from edgeinfer.sdk.errors import SettingsError
-from edgeinfer.sdk.tools import GENERIC, ToolFormat, parse_calls, tool_format
+from edgeinfer.sdk.tool_parser import parse_calls
+from edgeinfer.sdk.tools import GENERIC, ToolFormat, tool_format
 
 from conftest import CHATML, EOS_ID, build_llama, build_tokenizer
 
@@ -46,6 +47,27 @@ MISTRAL = (
     "{%- elif message.role == 'user' %}[INST]{{ message.content }}[/INST]"
     "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
     "{%- else %}{{ message.content }}<|im_end|>{%- endif %}{%- endfor %}"
+)
+# Pythonic calls (Llama 3.2 and 4's, vLLM's "pythonic" parser): [name(key=value, ...), ...], values as JSON.
+_PYTHONIC_CALLS = (
+    "{%- for call in message.tool_calls %}{{ call.function.name }}("
+    "{%- for key, value in call.function.arguments.items() %}{{ key }}={{ value | tojson }}{% if not loop.last %}, {% endif %}"
+    "{%- endfor %}){% if not loop.last %}, {% endif %}{%- endfor %}"
+)
+PYTHONIC = (
+    "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\n' }}"
+    "{%- if message.tool_calls %}[" + _PYTHONIC_CALLS + "]{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# Gemma 3's function calling: pythonic calls in a tool_code block, results in a tool_output block.
+GEMMA = (
+    "{%- if tools %}<|im_start|>user\nYou may call: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.tool_calls %}<|im_start|>model\n```tool_code\n[" + _PYTHONIC_CALLS + "]\n```<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n```tool_output\n{{ message.content }}\n```<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>model\n' }}{%- endif %}"
 )
 WEATHER = {
     "type": "function",
@@ -109,6 +131,10 @@ def test_the_format_is_read_off_each_template(with_template):
     mistral = tool_format(with_template(MISTRAL).tokenizer)
     assert (mistral.opening, mistral.closing, mistral.is_list, mistral.arguments_key) == ("[TOOL_CALLS]", "", True, "arguments")
     assert tool_format(with_template(CHATML).tokenizer).name == GENERIC
+    assert tool_format(with_template(PYTHONIC).tokenizer) == ToolFormat("template", "[", "]", ", ", "arguments", False, True)
+    assert tool_format(with_template(GEMMA).tokenizer) == ToolFormat(
+        "template", "```tool_code\n[", "]\n```", ", ", "arguments", False, True
+    )
 
 
 def validate(call):
@@ -116,7 +142,11 @@ def validate(call):
     jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3, MISTRAL, CHATML], ids=["hermes", "llama3", "mistral", "generic"])
+ALL = [HERMES, LLAMA3, MISTRAL, PYTHONIC, GEMMA, CHATML]
+ALL_IDS = ["hermes", "llama3", "mistral", "pythonic", "gemma", "generic"]
+
+
+@pytest.mark.parametrize("template", ALL, ids=ALL_IDS)
 def test_required_calls_parse_and_validate_for_every_seed(with_template, template):
     engine = with_template(template)
     arguments = set()
@@ -132,16 +162,20 @@ def test_required_calls_parse_and_validate_for_every_seed(with_template, templat
     assert len(arguments) > 10  # the seeds really sampled (which tool is the model's pick: the named-tool test forces each)
 
 
-@pytest.mark.parametrize("template", [HERMES, MISTRAL, CHATML], ids=["hermes", "mistral", "generic"])
+@pytest.mark.parametrize(
+    "template", [HERMES, MISTRAL, PYTHONIC, GEMMA, CHATML], ids=["hermes", "mistral", "pythonic", "gemma", "generic"]
+)
 def test_parallel_calls_that_end_are_each_valid(with_template, template):
-    """With parallel calls a random model may keep calling until the budget ends the turn ("length",
-    no calls parsed); every turn that ends by itself holds one or more valid calls."""
+    """With parallel calls a random model may keep calling until the budget ends the turn ("length":
+    the calls made so far, the last one cut short); every turn that ends by itself holds one or
+    more valid calls."""
     engine = with_template(template)
     ended = 0
     for seed in range(10):
         result = engine.chat(ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_new_tokens=200)
         if result.finish_reason == "length":
-            assert result.tool_calls == []
+            for call in result.tool_calls[:-1]:
+                validate(call)
             continue
         ended += 1
         assert result.finish_reason == "tool_calls" and result.tool_calls
@@ -150,7 +184,9 @@ def test_parallel_calls_that_end_are_each_valid(with_template, template):
     assert ended >= 3
 
 
-@pytest.mark.parametrize("template", [HERMES, MISTRAL, CHATML], ids=["hermes", "mistral", "generic"])
+@pytest.mark.parametrize(
+    "template", [HERMES, MISTRAL, PYTHONIC, GEMMA, CHATML], ids=["hermes", "mistral", "pythonic", "gemma", "generic"]
+)
 def test_a_named_tool_is_the_one_called_and_once_without_parallel_calls(with_template, template):
     engine = with_template(template)
     choice = {"type": "function", "function": {"name": "add"}}
@@ -167,12 +203,16 @@ def test_auto_on_the_generic_format_is_a_reply_or_valid_calls(with_template):
     kinds = set()
     for seed in range(12):
         result = engine.chat(ASK, tools=TOOLS, temperature=1.0, seed=seed, max_new_tokens=200)
-        if result.tool_calls:
+        if result.finish_reason == "length":  # cut short: the calls so far, the last one perhaps cut
+            assert result.text == "" or not result.tool_calls
+            for call in result.tool_calls[:-1]:
+                validate(call)
+        elif result.tool_calls:
             kinds.add("call")
             assert result.finish_reason == "tool_calls" and result.text == ""
             for call in result.tool_calls:
                 validate(call)
-        elif result.finish_reason == "eos":
+        else:
             kinds.add("reply")
             assert not result.text.startswith('{"')  # the reply's text, out of its JSON
     assert kinds  # at least one turn ended within the budget
@@ -244,8 +284,8 @@ def test_a_tool_turn_renders_as_transformers_renders_it(with_template):
         (ToolFormat("template", "<tool_call>\n", "\n</tool_call>"), "No call here.", "No call here.", []),
         (
             ToolFormat("template", "<tool_call>\n", "\n</tool_call>"),
-            '<tool_call>\n{"name": "add", "argum',
-            '<tool_call>\n{"name": "add", "argum',
+            '<tool_call>\n{"argum',
+            '<tool_call>\n{"argum',
             [],
         ),
     ],
@@ -255,6 +295,20 @@ def test_calls_parse_out_of_each_format(format, text, content, calls):
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     assert len({c.id for c in got}) == len(got)
+
+
+def test_a_call_cut_short_keeps_its_name_and_its_arguments_so_far():
+    """As a stream would have sent them: the name once whole, the arguments as far as they came."""
+    content, calls = parse_calls(
+        'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b', ToolFormat("template", "<tool_call>\n")
+    )
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b')]
+    content, calls = parse_calls('{"arguments": {"a": 2}, "name": "add"}', ToolFormat("template", arguments_key="arguments"))
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 2}')]  # arguments before the name
+    content, calls = parse_calls('{"name": "now"}', ToolFormat("template"))
+    assert [(c.name, c.arguments) for c in calls] == [("now", "{}")]
+    content, calls = parse_calls('{"name": "add", "arguments": "{\\"a\\": \\"\\u00e9\\ud83d\\ude00\\"}"}', ToolFormat("template"))
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": "é😀"}')]  # arguments given as JSON text
 
 
 def test_bad_tools_are_settings_errors_naming_the_parameter(with_template):
@@ -319,7 +373,16 @@ def sample_under(engine, grammar: str, start: str, seed: int, steps: int = 300) 
     return engine.tokenizer.decode_all(ids)
 
 
-@pytest.mark.parametrize("template, opened", [(HERMES, "Let me check.\n<tool_call>\n"), (MISTRAL, "[TOOL_CALLS]"), (LLAMA3, "{")])
+@pytest.mark.parametrize(
+    "template, opened",
+    [
+        (HERMES, "Let me check.\n<tool_call>\n"),
+        (MISTRAL, "[TOOL_CALLS]"),
+        (LLAMA3, "{"),
+        (PYTHONIC, "["),
+        (GEMMA, "Checking. ```tool_code\n["),
+    ],
+)
 def test_with_auto_a_call_the_model_opens_always_ends_valid(with_template, template, opened):
     """tool_choice auto: the text is free, but once the output opens a call, only a valid call
     (and then the format's end) may follow, whatever tokens are drawn."""
