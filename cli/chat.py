@@ -1,4 +1,5 @@
-"""`edgeinfer chat`: a conversation in the terminal, kept across turns, replies streamed."""
+"""`edgeinfer chat`: a conversation in the terminal, kept across turns, replies streamed (a
+reasoning model's thought on stderr, apart from the reply)."""
 
 from __future__ import annotations
 
@@ -25,15 +26,15 @@ class Conversation:
         self.turns: list[dict] = []
         self.reply_room = reply_room
 
-    def ask(self, text: str) -> list[int]:
-        """Add a user message; the token ids of the conversation, ready for the reply."""
+    def ask(self, text: str) -> list[dict]:
+        """Add a user message; the conversation's messages, ready for the reply."""
         self.turns.append({"role": "user", "content": text})
         ids = self.engine.chat_prompt(self.system + self.turns)
         while len(ids) + self.reply_room > self.engine.max_context and len(self.turns) > 1:
             del self.turns[:2]  # the oldest user message and its reply
             say("(the conversation is longer than the model's context: the oldest exchange was dropped)")
             ids = self.engine.chat_prompt(self.system + self.turns)
-        return ids
+        return self.system + self.turns
 
     def answer(self, text: str) -> None:
         self.turns.append({"role": "assistant", "content": text})
@@ -80,11 +81,18 @@ def _read_line() -> str | None:
 
 def _reply(engine, conversation: Conversation, text: str, config) -> None:
     try:
-        reply = []
-        for piece in engine.stream(conversation.ask(text), config):
-            click.echo(piece.text, nl=False)
-            sys.stdout.flush()
-            reply.append(piece.text)
+        reply, thinking = [], False
+        for delta in engine.stream_chat(conversation.ask(text), config):
+            if delta.reasoning:  # a reasoning model's thought: on stderr, dimmed, kept out of the conversation
+                thinking = True
+                click.echo(click.style(delta.reasoning, dim=True), nl=False, err=True)
+            if delta.text:
+                if thinking:
+                    click.echo(err=True)
+                    thinking = False
+                click.echo(delta.text, nl=False)
+                sys.stdout.flush()
+                reply.append(delta.text)
         click.echo()
         conversation.answer("".join(reply))
     except KeyboardInterrupt:

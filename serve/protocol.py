@@ -505,8 +505,9 @@ class Reply:
 
     def usage(self, results: list[GenerationResult]) -> dict:
         """OpenAI's usage over the choices: each prompt's tokens once (with those the prefix
-        cache held), every choice's completion tokens; with speculative decoding, the proposed
-        tokens kept and rejected as OpenAI's `completion_tokens_details` reports a prediction's."""
+        cache held), every choice's completion tokens; in `completion_tokens_details`, a reasoning
+        model's thought tokens, and with speculative decoding the proposed tokens kept and rejected
+        as OpenAI reports a prediction's."""
         firsts = results[:: self.per_prompt]
         prompt, made = sum(r.prompt_tokens for r in firsts), sum(len(r.token_ids) for r in results)
         counts = {
@@ -515,14 +516,15 @@ class Reply:
             "total_tokens": prompt + made,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
         }
+        details = {}
+        if any(r.reasoning is not None for r in results):
+            details["reasoning_tokens"] = sum(r.reasoning_tokens for r in results)
         proposed = [r for r in results if r.proposed_tokens is not None]
         if proposed:
             accepted = sum(last.accepted_tokens for last in proposed)
-            counts["completion_tokens_details"] = {
-                "accepted_prediction_tokens": accepted,
-                "rejected_prediction_tokens": sum(last.proposed_tokens for last in proposed) - accepted,
-            }
-        return counts
+            details["accepted_prediction_tokens"] = accepted
+            details["rejected_prediction_tokens"] = sum(last.proposed_tokens for last in proposed) - accepted
+        return counts | ({"completion_tokens_details": details} if details else {})
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
         """OpenAI's logprobs of some tokens: chat's `content` list, or the completions API's

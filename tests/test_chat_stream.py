@@ -222,3 +222,29 @@ def test_a_reasoning_model_thinks_then_makes_a_valid_forced_call(with_template):
         assert [(n, a) for _, n, a in joined([p for d in deltas for p in d.parts])[1]] == [
             (c.name, c.arguments) for c in result.tool_calls
         ]
+
+
+def test_the_terminal_chat_shows_the_thought_apart_from_the_reply(tmp_path):
+    """`edgeinfer chat` on a model whose prompt opens the thought: the thought (ended by
+    --reasoning-budget) on stderr, the reply alone on stdout and in the conversation."""
+    import subprocess
+    import sys
+
+    from test_serve_tools import tool_export
+
+    export = tool_export(tmp_path, OPENED)
+    engine = Engine.load(export, provider="cpu")
+    seed = next(s for s in range(20) if engine.chat(ASK, reasoning_budget=3, max_new_tokens=12, temperature=1.0, seed=s).text.strip())
+    expected = engine.chat(ASK, reasoning_budget=3, max_new_tokens=12, temperature=1.0, seed=seed)
+    flags = ["--max-new-tokens", "12", "--reasoning-budget", "3", "--temperature", "1", "--seed", str(seed)]
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(export), *flags],
+        input=ASK[0]["content"] + "\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    said = lambda text: text.replace("\r\n", "\n").replace("\r", "\n")  # noqa: E731 - as text mode reads it
+    assert done.stdout == said(expected.text) + "\n" and said(expected.reasoning) in done.stderr
+    assert "</think>" not in done.stdout

@@ -154,8 +154,10 @@ def test_a_thought_bounded_by_its_budget_is_the_same_in_all_three_apis(tmp_path_
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         asked = dict(model=export.name, messages=ASK, max_tokens=20, temperature=0, extra_body={"thinking_token_budget": 6})
-        message = client.chat.completions.create(**asked).choices[0].message
+        reply = client.chat.completions.create(**asked)
+        message = reply.choices[0].message
         assert (message.model_extra["reasoning_content"], message.content) == (expected.reasoning, expected.text)
+        assert reply.usage.completion_tokens_details.reasoning_tokens == expected.reasoning_tokens > 6
         deltas = [c.choices[0].delta for c in client.chat.completions.create(**asked, stream=True) if c.choices]
         assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == expected.reasoning
         question = dict(model=export.name, input=ASK[0]["content"], max_output_tokens=20, temperature=0)
