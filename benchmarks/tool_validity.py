@@ -88,7 +88,7 @@ def main() -> None:
 
     engine = Engine.load(args.export, provider="cpu")
     own = engine.tokenizer.chat_template
-    for name, template in {"own": own, **templates()}.items():
+    for name, template in (({"own": own} if own else {}) | templates()).items():  # a GGUF may carry no template
         engine.tokenizer.chat_template = template
         print(f"{name:>8}: {measure(engine, TOOLS, SCHEMAS, args.forced, args.seeds)}", flush=True)
     engine.tokenizer.chat_template = own

@@ -43,6 +43,16 @@ def _parsed(arguments: str):
 @click.option("--block-size", type=int, default=32, show_default=True, help="Weights per quantization scale.")
 @click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
 @click.option(
+    "--algorithm",
+    type=click.Choice(["rtn", "hqq"]),
+    default="rtn",
+    show_default=True,
+    help="How blocks are quantized: round to nearest, or HQQ (fits each block's scale and zero point; better quality, slower export).",
+)
+@click.option(
+    "--keep-int8", default=None, metavar="lm_head", help="Keep these weights at int8 beside int4 (comma-separated: lm_head)."
+)
+@click.option(
     "--dtype",
     type=click.Choice(["fp32", "fp16"]),
     default="fp32",
@@ -69,13 +79,34 @@ def _parsed(arguments: str):
     default=None,
     help="With --graphs split: the decode graph's fixed KV cache capacity, one token per pass [default: any].",
 )
-def export(model, output, force, max_context, quantize, block_size, symmetric, dtype, no_fuse, graphs, prefill_length, static_context):
+def export(
+    model,
+    output,
+    force,
+    max_context,
+    quantize,
+    block_size,
+    symmetric,
+    algorithm,
+    keep_int8,
+    dtype,
+    no_fuse,
+    graphs,
+    prefill_length,
+    static_context,
+):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
     (--graphs split) a prefill graph and a decode graph."""
     exporter = _exporter()
-    if symmetric and not quantize:
-        raise click.UsageError("--symmetric applies to quantized weights: add --quantize int4 or int8")
-    quantization = exporter.Quantization(quantize, block_size, symmetric=symmetric) if quantize else None
+    given = [
+        flag for flag, value in (("--symmetric", symmetric), ("--algorithm", algorithm != "rtn"), ("--keep-int8", keep_int8)) if value
+    ]
+    if given and not quantize:
+        raise click.UsageError(f"{given[0]} applies to quantized weights: add --quantize int4 or int8")
+    kept = tuple(name.strip() for name in (keep_int8 or "").split(",") if name.strip())
+    quantization = (
+        exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept) if quantize else None
+    )
     options = exporter.ExportOptions(
         force=force,
         max_context=max_context,

@@ -154,7 +154,7 @@ def _external(tensor: onnx.TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
 
-def _lm_head(graph: onnx.GraphProto):
+def lm_head(graph: onnx.GraphProto):
     """The MatMul of the hidden states by the lm_head's weight."""
     producers = {output: node for node in graph.node for output in node.output}
     node = producers["logits"]
@@ -168,7 +168,7 @@ def _lm_head(graph: onnx.GraphProto):
 def last_position_logits(graph: onnx.GraphProto) -> None:
     """Make the graph compute logits for its last `logits_to_keep` positions only (a new int64
     scalar input): the hidden states going into the lm_head MatMul are sliced to those first."""
-    node = _lm_head(graph)
+    node = lm_head(graph)
     hidden = node.input[0]
     names = {
         "count": "edgeinfer_last_count",
@@ -206,7 +206,7 @@ def tied_embedding(graph: onnx.GraphProto, folder: Path | None = None):
     weights), with the lm_head weight's name; else None. Tensors still in a data file are read
     from `folder`'s, mapped rather than copied."""
     initializers = {t.name: t for t in graph.initializer}
-    weight = initializers.get(_lm_head(graph).input[1])
+    weight = initializers.get(lm_head(graph).input[1])
     gathers = [n for n in graph.node if n.op_type == "Gather" and n.input[1] == "input_ids" and n.input[0] in initializers]
     if weight is None or len(gathers) != 1 or len(weight.dims) != 2:
         return None

@@ -73,6 +73,14 @@ PATCHES = (
         ("tests/test_quantization.py::test_one_weight_at_a_time_writes_the_quantizers_own_graph",),
         "MatMulNBitsQuantizer expects every fp32 weight loaded into the graph before it starts",
     ),
+    Patch(
+        "one_weight_loaded",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_quantization.py::test_hqq_one_weight_loaded_writes_the_quantizers_own_graph",),
+        "the HQQ quantizer reads a weight with onnx's reader, which takes no file path: it expects every fp32 weight "
+        "loaded into the graph before it starts",
+    ),
 )
 
 
@@ -475,5 +483,31 @@ def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
             return quantize(node, graph_stack)
         finally:
             location.value = relative
+
+    node_quantizer.quantize = one_weight
+
+
+def one_weight_loaded(node_quantizer, folder: Path) -> None:
+    """Make `node_quantizer` (the HQQ quantizer's) find a node's weight loaded into the graph for
+    the time it quantizes that node, and let it go after: one fp32 weight in memory at a time."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
+
+    quantize = node_quantizer.quantize
+
+    def one_weight(node, graph_stack):
+        weight = get_initializer(node.input[1], graph_stack)[0] if len(node.input) > 1 else None
+        if weight is None or not uses_external_data(weight):
+            return quantize(node, graph_stack)
+        reference = onnx.TensorProto()
+        reference.CopyFrom(weight)
+        load_external_data_for_tensor(weight, str(folder))
+        weight.data_location = onnx.TensorProto.DEFAULT
+        del weight.external_data[:]
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            weight.CopyFrom(reference)
 
     node_quantizer.quantize = one_weight

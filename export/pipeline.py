@@ -294,7 +294,9 @@ def _refined(work: Path, manifest: Manifest, config, references: dict, options: 
             say(
                 f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
-                f"(fp32 {quantization['perplexity_fp32']:.2f})"
+                f"(fp32 {quantization['perplexity_fp32']:.2f}); in windows of {quantization['window']} "
+                f"(llama-perplexity's way) {quantization['perplexity_windowed']:.2f} (fp32 "
+                f"{quantization['perplexity_windowed_fp32']:.2f})"
             )
     if options.graphs == "split":
         with stage("split"):

@@ -24,6 +24,9 @@ def test_quantized_export_has_nbits_weights_and_its_measured_quality(quantized, 
     quality = manifest["quantization"]
     assert (quality["method"], quality["block_size"], quality["accuracy_level"]) == (method, 32, 4)
     assert quality["text_tokens"] == 256  # the fixed text, cut to the tiny model's context
+    # llama-perplexity's way: one window of the tiny context, its second half (127 predictions) scored
+    assert quality["window"] == 256 and quality["perplexity_windowed"] > 1 and quality["perplexity_windowed_fp32"] > 1
+    assert quality["perplexity_windowed"] != quality["perplexity"]
     # The tiny llama's random weights are hard on int4: 43% agreement, the same with the unfused graph.
     assert (
         {"int4": 0.3, "int8": 0.85}[method] < quality["top1_agreement"] <= 1.0
@@ -76,6 +79,9 @@ def test_a_quantized_export_follows_transformers_logits_within_its_error(quantiz
     [
         ({"method": "int3"}, "unknown quantization 'int3': use 'int4' or 'int8'"),
         ({"method": "int4", "block_size": 48}, "block size must be a power of two of at least 16, got 48"),
+        ({"method": "int4", "algorithm": "gptq"}, "unknown quantization algorithm 'gptq': use one of rtn, hqq"),
+        ({"method": "int4", "keep_int8": ("embed",)}, "--keep-int8 takes lm_head, got embed"),
+        ({"method": "int4", "algorithm": "hqq", "symmetric": True}, "hqq fits a zero point to every block"),
     ],
 )
 def test_bad_quantization_settings(settings, message):
@@ -191,3 +197,89 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     for name in ("model.onnx", "model.onnx.data"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
     assert (ours / "model.onnx.data").stat().st_size < (source / "model.onnx.data").stat().st_size * 0.6
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_llama, tied):
+    """HQQ with the lm_head rounded apart (its blocks shared with a tied table): quantize_graph,
+    which loads one weight at a time, writes byte for byte what ONNX Runtime's quantizers write
+    on the graph with every weight loaded, in the same two passes."""
+    import shutil
+
+    from conftest import build_llama
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        HQQWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
+
+    from edgeinfer.export.graphs import save_graph, tied_embedding
+    from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding
+
+    if tied:
+        build_llama(tmp_path / "hf", tie_word_embeddings=True)
+        export_model(str(tmp_path / "hf"), tmp_path / "fp32")
+        source = tmp_path / "fp32"
+    else:
+        source = tiny_llama[1]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    shutil.copytree(source, ours)
+    shutil.copytree(source, theirs)
+    quantize_graph(ours, Quantization("int4", algorithm="hqq"))
+
+    model = onnx.load(str(theirs / "model.onnx"))
+    head, found = lm_head_node(model.graph), tied_embedding(model.graph)
+    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name != head]
+    rounded = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=False, accuracy_level=4, bits=4)
+    first = MatMulNBitsQuantizer(model, algo_config=rounded, nodes_to_exclude=others)
+    first.process()
+    if found:
+        assert quantized_embedding(first.model.model.graph, *found, 4, 32)
+    second = MatMulNBitsQuantizer(first.model.model, bits=4, algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4))
+    second.process()
+    save_graph(second.model.model, theirs)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
+def test_keep_int8_lm_head_and_hqq_export_and_follow_transformers(tiny_llama, tmp_path):
+    """--algorithm hqq --keep-int8 lm_head: the lm_head at 8 bits, the rest at 4, the quality in
+    the manifest, and logits at least as close to transformers' as plain int4's."""
+    from conftest import closeness, logits_against_transformers
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
+    cosines = {}
+    for name, quantization in {
+        "rtn": Quantization("int4"),
+        "hqq_head8": Quantization("int4", algorithm="hqq", keep_int8=("lm_head",)),
+    }.items():
+        export_model(str(tiny_llama[0]), tmp_path / name, ExportOptions(quantization=quantization))
+        graph = onnx.load(str(tmp_path / name / "model.onnx"), load_external_data=False).graph
+        bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+        expected = 8 if quantization.keep_int8 else 4
+        head = next(name for name in bits if "lm_head" in name)
+        assert bits.pop(head) == expected and set(bits.values()) == {4}
+        recorded = json.loads((tmp_path / name / "edgeinfer.json").read_text())["quantization"]
+        assert (recorded["algorithm"], recorded["keep_int8"]) == (quantization.algorithm, list(quantization.keep_int8))
+        engine = Engine.load(tmp_path / name, provider="cpu")
+        cosines[name] = closeness(*logits_against_transformers(engine, model, [1, 40, 41, 42, 43]))[0]
+    assert cosines["hqq_head8"] >= cosines["rtn"], cosines
+
+
+def test_windowed_perplexity_is_the_same_in_pytorch_and_the_fp32_export(tiny_llama):
+    """llama-perplexity's way on both sides: the same windows, the same positions scored, so the
+    fp32 export's windowed log-probabilities equal PyTorch's (the tiny context holds one window:
+    its second half is the whole text's)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from edgeinfer.export.quantize import quality_reference, windowed_scores, windows
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
+    reference = quality_reference(model, tiny_llama[1])
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    ours = windowed_scores(engine, reference.ids)
+    assert [len(w) for w in windows(reference.ids, engine.max_context)] == [256] and len(ours) == 127
+    np.testing.assert_allclose(ours, reference.windowed, atol=2e-3)
+    np.testing.assert_allclose(reference.windowed, reference.scores[128:255], atol=2e-3)
