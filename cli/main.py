@@ -47,7 +47,8 @@ def _parsed(arguments: str):
     type=click.Choice(["rtn", "hqq"]),
     default="rtn",
     show_default=True,
-    help="How blocks are quantized: round to nearest, or HQQ (fits each block's scale and zero point; better quality, slower export).",
+    help="How blocks are quantized: round to nearest, or HQQ (fits each block's scale and zero point: better quality, "
+    "slower export, and ONNX Runtime's CPU kernel decodes its float zero points slowly).",
 )
 @click.option(
     "--keep-int8", default=None, metavar="lm_head", help="Keep these weights at int8 beside int4 (comma-separated: lm_head)."

@@ -40,8 +40,10 @@ class Quantization:
 
     `algorithm` "rtn" rounds each weight to its block's nearest level; "hqq" (half-quadratic
     quantization, no calibration data) fits each block's scale and zero point to its weights, and
-    is slower to export. The lm_head is always rounded (its blocks are shared with a tied embedding
-    table), at 8 bits where `keep_int8` names it (docs/benchmarks.md has the figures)."""
+    is slower to export; its zero points are floats, which ONNX Runtime's CPU kernel takes only on a
+    slow path. The lm_head is rounded in a pass of its own where either applies (its blocks are
+    shared with a tied embedding table), at 8 bits where `keep_int8` names it (docs/benchmarks.md
+    has the figures)."""
 
     method: str
     block_size: int = 32
