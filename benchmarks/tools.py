@@ -56,12 +56,23 @@ def main() -> None:
     print(f"forced call:  median {statistics.median(called):.1f} tok/s ({', '.join(f'{r:.1f}' for r in called)}), {tokens} tokens")
     print(f"ratio forced / plain: {statistics.median(called) / statistics.median(plain):.3f}")
     auto = [engine.chat([{"role": "user", "content": q}], tools=[NOTE], max_new_tokens=200) for q in QUESTIONS]
-    calls = [c for r in auto for c in r.tool_calls]
+    # the last call of a turn that max_new_tokens ended was cut short; the others ended
+    calls = [(c, r.finish_reason == "length" and i == len(r.tool_calls) - 1) for r in auto for i, c in enumerate(r.tool_calls)]
     import jsonschema  # the test extra's
 
-    for call in calls:
-        jsonschema.validate(json.loads(call.arguments), NOTE["function"]["parameters"])
-    print(f"auto: {sum(bool(r.tool_calls) for r in auto)} of {len(auto)} turns called; {len(calls)} calls, each valid for the schema")
+    def valid(call) -> bool:
+        try:
+            jsonschema.validate(json.loads(call.arguments), NOTE["function"]["parameters"])
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+
+    good = sum(not cut and valid(c) for c, cut in calls)
+    cut = sum(cut for _, cut in calls)
+    called = sum(bool(r.tool_calls) for r in auto)
+    print(
+        f"auto: {called} of {len(auto)} turns called; {len(calls)} calls, {good} of the {len(calls) - cut} that ended valid for the schema, {cut} cut by max_new_tokens"
+    )
 
 
 if __name__ == "__main__":
