@@ -274,8 +274,12 @@ class ChatRequest(_Request):
     # a reasoning model's thought ends after this many tokens (vLLM's name for it)
     thinking_token_budget: StrictInt | None = Field(default=None, ge=0)
 
+    # OpenAI's: "none" turns thinking off where the template has the switch; the other levels change nothing
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
     def template_kwargs(self) -> dict:
-        return self.chat_template_kwargs or {}
+        off = {"enable_thinking": False} if self.reasoning_effort == "none" else {}
+        return {**off, **(self.chat_template_kwargs or {})}
 
     def settings(self) -> dict:
         budget = {} if self.thinking_token_budget is None else {"reasoning_budget": self.thinking_token_budget}

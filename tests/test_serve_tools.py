@@ -201,6 +201,12 @@ def test_a_reasoning_models_thought_is_reasoning_content_whole_and_streamed(tmp_
         off = dict(asked, extra_body={"choice": ["It is sunny."], "chat_template_kwargs": {"enable_thinking": False}})
         plain = client.chat.completions.create(**off).choices[0].message
         assert plain.content == "It is sunny." and "reasoning_content" not in (plain.model_extra or {})
+        effort = dict(asked, extra_body={"choice": ["It is sunny."]}, reasoning_effort="none")
+        plain = client.chat.completions.create(**effort)
+        assert (
+            plain.choices[0].message.content == "It is sunny."
+            and plain.usage.prompt_tokens == client.chat.completions.create(**off).usage.prompt_tokens
+        )  # the same prompt as enable_thinking false: the thought closed for the model
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
