@@ -34,9 +34,8 @@ class Quantization:
     `block_size`, each with its own scale and zero point. `accuracy_level` 4 lets ONNX Runtime
     multiply in int8 on the CPU, its fastest kernel; 0 computes in the activations' type.
 
-    Blocks have a zero point unless `symmetric`. On SmolLM2-135M int4, asymmetric blocks agree
-    better with fp32 (top-1 66% against 62%, perplexity 25.4 against 26.4; fp32 20.0), and
-    symmetric ones decode about 8% faster (no zero points to read).
+    Blocks have a zero point unless `symmetric` (no zero points to read: faster, less accurate;
+    docs/benchmarks.md has the figures).
 
     `algorithm` "rtn" rounds each weight to its block's nearest level; "hqq" (half-quadratic
     quantization, no calibration data) fits each block's scale and zero point to its weights, and

@@ -6,6 +6,7 @@ same parts."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -52,7 +53,8 @@ class ChatStream:
         self.special = {t for t in tokenizer.special_tokens if t and t in markers}
         # a call marker that is a special token is text only where special tokens are decoded
         self.detokenizer = Detokenizer(tokenizer, keep_special=True) if self.special else None
-        self.others = set(tokenizer.special_tokens) - self.special if self.special else set()
+        others = sorted(set(tokenizer.special_tokens) - self.special, key=len, reverse=True) if self.special else []
+        self.others = re.compile("|".join(map(re.escape, others))) if others else None  # dropped from the text
         self.pieces: list[Piece] = []
         self.said: list[Part] = []
         self.reasoning_tokens = 0  # tokens generated while the thought was open
@@ -80,8 +82,8 @@ class ChatStream:
         return delta.result
 
     def _split(self, text: str, final: bool) -> list[Part]:
-        for token in self.others:
-            text = text.replace(token, "")
+        if self.others is not None:
+            text = self.others.sub("", text)
         if self.splitter is None:
             sections = [("text", text)] if text else []
         else:

@@ -204,9 +204,16 @@ class Engine:
         `tool_choice` "required" or a named tool constrains the output to valid calls (tools.py).
         A reasoning model's thinking is in `result.reasoning` (reasoning.py); `chat_template_kwargs`
         are the template's own variables (`{"enable_thinking": False}`)."""
-        turn = ChatTurn(tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
-        prompt, settings, stream = self._turn(messages, config, turn, settings)
-        return stream.replay(list(self.stream(prompt, config, **settings)))
+        *_, last = self.stream_chat(
+            messages,
+            config,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            chat_template_kwargs=chat_template_kwargs,
+            **settings,
+        )
+        return last.result
 
     def stream_chat(
         self,
@@ -222,19 +229,24 @@ class Engine:
         """The model's reply to a conversation as it is generated, one ChatDelta per piece: its
         `text`, its `reasoning`, and its `parts` with the tool calls (a call's id and name, then its
         arguments as they come); the last delta has the whole turn as `result`, as `chat` returns it."""
-        turn = ChatTurn(tools, tool_choice, parallel_tool_calls, chat_template_kwargs)
-        prompt, settings, stream = self._turn(messages, config, turn, settings)
+        kwargs = _template_kwargs(chat_template_kwargs)
+        if tools is None:
+            prompt, stream = self._plain_turn(messages, tool_choice, kwargs)
+        else:
+            request = tool_request(tools, tool_choice, parallel_tool_calls)
+            prompt, settings, stream = self._tool_turn(messages, config, request, kwargs, settings)
         return chat_deltas(stream, self.stream(prompt, config, **settings))
 
-    def _turn(self, messages: list[dict], config, turn: ChatTurn, settings: dict) -> tuple[list[int], dict, ChatStream]:
-        """(prompt ids, settings, the ChatStream that splits the output) of a chat turn."""
-        kwargs = _template_kwargs(turn.chat_template_kwargs)
-        if turn.tools is None:
-            if turn.tool_choice is not None:
-                raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
-            text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, **kwargs)
-            return prompt, settings, ChatStream(self.tokenizer, None, reasoning_format(self.tokenizer, text))
-        chosen = plan(self.tokenizer, messages, tool_request(turn.tools, turn.tool_choice, turn.parallel_tool_calls))
+    def _plain_turn(self, messages: list[dict], tool_choice, kwargs: dict) -> tuple[list[int], ChatStream]:
+        """(prompt ids, the ChatStream that splits the output) of a chat turn without tools."""
+        if tool_choice is not None:
+            raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
+        text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, **kwargs)
+        return prompt, ChatStream(self.tokenizer, None, reasoning_format(self.tokenizer, text))
+
+    def _tool_turn(self, messages: list[dict], config, request, kwargs: dict, settings: dict) -> tuple[list[int], dict, ChatStream]:
+        """(prompt ids, settings with the plan's constraint, the ChatStream) of a chat turn with tools."""
+        chosen = plan(self.tokenizer, messages, request)
         text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, **kwargs)
         thinking = reasoning_format(self.tokenizer, text)
         if chosen.response_format is not None:
@@ -274,16 +286,6 @@ class Engine:
     def _start(self, prompts: list[Prompt], config, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
         return self.run(prepare(self, prompts, config, settings))
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTurn:
-    """A chat call's tools and template variables, as chat and stream_chat take them."""
-
-    tools: list[dict] | None
-    tool_choice: str | dict | None
-    parallel_tool_calls: bool
-    chat_template_kwargs: dict | None
 
 
 def _template_kwargs(value) -> dict:

@@ -59,7 +59,7 @@ class ReasoningSplitter:
                     self._emit(parts, "reasoning", self.held[:at])
                     self.held, self.state, self.trim = self.held[at + len(self.format.closing) :], "content", True
                     continue
-                keep = _partial_suffix(self.held, self.format.closing)
+                keep = partial_suffix(self.held, self.format.closing)
                 self._emit(parts, "reasoning", self.held[: len(self.held) - keep])
                 self.held = self.held[len(self.held) - keep :]
                 return parts
@@ -128,17 +128,7 @@ def split_reasoning(text: str, format: ReasoningFormat) -> tuple[str | None, str
     return (reasoning if thought else None), "".join(t for kind, t in parts if kind == "content")
 
 
-def with_reasoning(result, format: ReasoningFormat | None):
-    """`result` (a GenerationResult) with its reasoning in `reasoning` and the answer alone in `text`."""
-    from dataclasses import replace
-
-    if format is None:
-        return result
-    reasoning, content = split_reasoning(result.text, format)
-    return result if reasoning is None else replace(result, text=content, reasoning=reasoning)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):

@@ -14,6 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from .reasoning import partial_suffix
 from .tools import GENERIC, ToolCall, ToolFormat
 
 # What CallParser.feed returns: ("text", text), ("call", index, id, name), ("arguments", index, text)
@@ -85,7 +86,7 @@ class CallParser:
             parts.append(("text", self.held[:at].rstrip()))
             self.raw = self.held[at:]
             return self._to_calls(self.held[at + len(self.marker) :], parts, raw=False)
-        keep = len(self.held) - _partial_suffix(self.held, self.marker)
+        keep = len(self.held) - partial_suffix(self.held, self.marker)
         while keep > 0 and self.held[keep - 1].isspace():
             keep -= 1
         parts.append(("text", self.held[:keep]))
@@ -170,14 +171,6 @@ _GENERIC_REPLY = re.compile(r'\s*\{\s*"response"\s*:\s*"')
 def _could_become(text: str, target: str) -> bool:
     squeezed = re.sub(r"\s+", "", text)
     return target.startswith(squeezed) or squeezed.startswith(target)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class StringReader:

@@ -153,9 +153,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
         routes.check_model(body.model)
         try:
             prompts, _, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
-            ids = await asyncio.get_running_loop().run_in_executor(
-                None, _prompt_ids, backend, prompts, None, True, plan and plan.tools
-            )
+            ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, backend, prompts, None, True, plan)
         except EdgeInferError as e:
             return _anthropic_error(e)
         return {"input_tokens": len(ids[0])}
@@ -176,10 +174,8 @@ class _Routes:
         try:
             conversation = [responses.conversation(body.instructions, items)]
             prompts, choices, plan = _with_tools(backend, body, conversation, body.choice_settings())
-            tools, kwargs = plan and plan.tools, body.template_kwargs()
-            ids = lambda: _thought_first(
-                _prompt_ids(backend, prompts, body.asked_tokens, True, tools, kwargs, texts), backend, texts, choices, plan
-            )  # noqa: E731
+            kwargs = body.template_kwargs()
+            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, True, plan, kwargs, texts, choices)  # noqa: E731
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input")
@@ -262,11 +258,11 @@ class _Routes:
         rendered, texts = [], []  # the prompt's ids (for the stream's opening usage) and text
         try:
             prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
-            tools, kwargs = plan and plan.tools, body.template_kwargs()
+            kwargs = body.template_kwargs()
 
             def ids():
-                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, tools, kwargs, texts))
-                return _thought_first(rendered, backend, texts, choices, plan)
+                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, plan, kwargs, texts, choices))
+                return rendered
 
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
@@ -296,10 +292,8 @@ class _Routes:
         try:
             if chat:
                 prompts, choices, plan = _with_tools(backend, body, prompts, choices)
-            tools, kwargs = plan and plan.tools, body.template_kwargs() if chat else {}
-            ids = lambda: _thought_first(
-                _prompt_ids(backend, prompts, body.asked_tokens, chat, tools, kwargs, texts), backend, texts, choices, plan
-            )  # noqa: E731
+            kwargs = body.template_kwargs() if chat else {}
+            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, plan, kwargs, texts, choices)  # noqa: E731
             requests = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
@@ -501,28 +495,31 @@ def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):
     return [plan.messages], [{**c, "response_format": plan.response_format} for c in choices], plan
 
 
-def _thought_first(ids: list, backend: Backend, texts: list, choices: list[dict], plan) -> list:
-    """Once the conversation is rendered: a tool plan's constraint lets a reasoning model think
-    first (sdk/tools.py thought_first). Returns `ids`."""
-    thinking = reasoning_format(backend.tokenizer, texts[0]) if plan is not None and plan.response_format is not None else None
-    if thinking is not None:
-        for choice in choices:
-            choice["response_format"] = thought_first(choice["response_format"], thinking)
-    return ids
-
-
 def _prompt_ids(
-    backend: Backend, prompts: list, asked: int | None, chat: bool, tools: list | None = None, kwargs: dict | None = None, texts=None
+    backend: Backend,
+    prompts: list,
+    asked: int | None,
+    chat: bool,
+    plan=None,
+    kwargs: dict | None = None,
+    texts: list | None = None,
+    choices: list[dict] | None = None,
 ) -> list[list[int]]:
     """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
     the chat template and the tokenizer take time on long prompts); a conversation's rendered
-    text goes in `texts` where given. `kwargs`: the chat template's own variables."""
+    text goes in `texts` where given. `plan`: a turn with tools (its tools go to the template,
+    and once the conversation is rendered its constraint in `choices` lets a reasoning model
+    think first, sdk/tools.py thought_first). `kwargs`: the chat template's own variables."""
     tokenizer, context = backend.tokenizer, backend.max_context
     if chat:
-        rendered = [tokenizer.chat_prompt(p, context, tools, **(kwargs or {})) for p in prompts]
+        rendered = [tokenizer.chat_prompt(p, context, plan and plan.tools, **(kwargs or {})) for p in prompts]
         ids = [r[1] for r in rendered]
         if texts is not None:
             texts.extend(r[0] for r in rendered)
+        thinking = reasoning_format(tokenizer, rendered[0][0]) if plan is not None and plan.response_format else None
+        if thinking is not None:
+            for choice in choices or []:
+                choice["response_format"] = thought_first(choice["response_format"], thinking)
     else:
         ids = [tokenizer.prompt_ids(p, backend.manifest.vocab_size, context) for p in prompts]
     for prompt in ids:

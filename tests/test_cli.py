@@ -106,6 +106,17 @@ def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_takes_hqq_and_an_int8_lm_head(tiny_llama, tmp_path):
+    done = edgeinfer(
+        "export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--quantize", "int4", "--algorithm", "hqq", "--keep-int8", "lm_head"
+    )
+    assert done.returncode == 0, done.stderr
+    recorded = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["quantization"]
+    assert (recorded["method"], recorded["algorithm"], recorded["keep_int8"]) == ("int4", "hqq", ["lm_head"])
+    assert "in windows of 256 (llama-perplexity's way)" in done.stderr
+    assert Engine.load(tmp_path / "out", provider="cpu").generate("The capital", max_new_tokens=4).token_ids
+
+
 def test_debug_shows_the_traceback(tmp_path):
     done = edgeinfer("--debug", "run", "--model", str(tmp_path / "nope"), "hi")
     assert done.returncode != 0 and "Traceback" in done.stderr and "ModelNotFoundError" in done.stderr

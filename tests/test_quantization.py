@@ -157,29 +157,34 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     assert cosine.min() >= 0.85, cosine  # measured 0.90 (zero points) and 0.94 (symmetric)
 
 
+def two_copies(tmp_path, tiny_llama, tied: bool):
+    """(the fp32 export, two copies of it) of the tiny llama, with tied weights or not."""
+    import shutil
+
+    from conftest import build_llama
+
+    source = tiny_llama[1]
+    if tied:
+        build_llama(tmp_path / "hf", tie_word_embeddings=True)
+        export_model(str(tmp_path / "hf"), tmp_path / "fp32")
+        source = tmp_path / "fp32"
+    for copy in ("ours", "theirs"):
+        shutil.copytree(source, tmp_path / copy)
+    return source, tmp_path / "ours", tmp_path / "theirs"
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("method, symmetric", [("int4", False), ("int4", True), ("int8", False)])
 def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_llama, tied, method, symmetric):
     """quantize_graph hands ONNX Runtime's quantizer the graph without its weights and reads each
     MatMul's weight as it is quantized: the files written must be byte for byte those of the
     quantizer run as documented, on the graph with every weight loaded."""
-    import shutil
-
-    from conftest import build_llama
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     from edgeinfer.export.graphs import save_graph, tied_embedding
     from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding
 
-    if tied:
-        build_llama(tmp_path / "hf", tie_word_embeddings=True)
-        export_model(str(tmp_path / "hf"), tmp_path / "fp32")
-        source = tmp_path / "fp32"
-    else:
-        source = tiny_llama[1]
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    shutil.copytree(source, ours)
-    shutil.copytree(source, theirs)
+    source, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantization = Quantization(method, symmetric=symmetric)
     quantize_graph(ours, quantization)
 
@@ -204,9 +209,6 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     """HQQ with the lm_head rounded apart (its blocks shared with a tied table): quantize_graph,
     which loads one weight at a time, writes byte for byte what ONNX Runtime's quantizers write
     on the graph with every weight loaded, in the same two passes."""
-    import shutil
-
-    from conftest import build_llama
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         DefaultWeightOnlyQuantConfig,
         HQQWeightOnlyQuantConfig,
@@ -216,15 +218,7 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     from edgeinfer.export.graphs import save_graph, tied_embedding
     from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding
 
-    if tied:
-        build_llama(tmp_path / "hf", tie_word_embeddings=True)
-        export_model(str(tmp_path / "hf"), tmp_path / "fp32")
-        source = tmp_path / "fp32"
-    else:
-        source = tiny_llama[1]
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    shutil.copytree(source, ours)
-    shutil.copytree(source, theirs)
+    _, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantize_graph(ours, Quantization("int4", algorithm="hqq"))
 
     model = onnx.load(str(theirs / "model.onnx"))
