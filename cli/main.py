@@ -44,14 +44,25 @@ def _parsed(arguments: str):
 @click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
 @click.option(
     "--algorithm",
-    type=click.Choice(["rtn", "hqq"]),
+    type=click.Choice(["rtn", "k_quant", "gptq", "hqq"]),
     default="rtn",
     show_default=True,
-    help="How blocks are quantized: round to nearest, or HQQ (fits each block's scale and zero point: better quality, "
-    "slower export, and ONNX Runtime's CPU kernel decodes its float zero points slowly).",
+    help="How blocks are quantized: round to nearest; k_quant (searches each block's scale, weighted by --calibration's "
+    "activations where given); gptq (spreads each weight's error over the rest, from --calibration's activations); or "
+    "HQQ (float zero points: ONNX Runtime's CPU kernel decodes them slowly).",
 )
 @click.option(
-    "--keep-int8", default=None, metavar="lm_head", help="Keep these weights at int8 beside int4 (comma-separated: lm_head)."
+    "--keep-int8",
+    default=None,
+    metavar="MODULES",
+    help="Keep these MatMuls at int8 beside int4, comma-separated: lm_head, or module names with optional layers "
+    "(qkv_proj, down_proj:0-3+29).",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A text whose activations k_quant and gptq fit to [gptq's default: export's quality text].",
 )
 @click.option(
     "--dtype",
@@ -90,6 +101,7 @@ def export(
     symmetric,
     algorithm,
     keep_int8,
+    calibration,
     dtype,
     no_fuse,
     graphs,
@@ -100,13 +112,22 @@ def export(
     (--graphs split) a prefill graph and a decode graph."""
     exporter = _exporter()
     given = [
-        flag for flag, value in (("--symmetric", symmetric), ("--algorithm", algorithm != "rtn"), ("--keep-int8", keep_int8)) if value
+        flag
+        for flag, value in (
+            ("--symmetric", symmetric),
+            ("--algorithm", algorithm != "rtn"),
+            ("--keep-int8", keep_int8),
+            ("--calibration", calibration),
+        )
+        if value
     ]
     if given and not quantize:
         raise click.UsageError(f"{given[0]} applies to quantized weights: add --quantize int4 or int8")
     kept = tuple(name.strip() for name in (keep_int8 or "").split(",") if name.strip())
     quantization = (
-        exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept) if quantize else None
+        exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept, calibration=calibration)
+        if quantize
+        else None
     )
     options = exporter.ExportOptions(
         force=force,

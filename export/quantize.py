@@ -5,6 +5,8 @@ measures it (windows of 256 tokens, each scored on its second half), to set besi
 
 from __future__ import annotations
 
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
 
+from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
+from .kquant import search_quantizer
 from .patches import one_weight_at_a_time, one_weight_loaded
 
 BITS = {"int4": 4, "int8": 8}
@@ -24,8 +28,7 @@ QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
 _CHUNK = 256  # positions a pass, for both sides of the quality measure
 
 
-ALGORITHMS = ("rtn", "hqq")
-KEEPABLE = ("lm_head",)
+ALGORITHMS = ("rtn", "k_quant", "gptq", "hqq")
 
 
 @dataclass(frozen=True)
@@ -37,12 +40,15 @@ class Quantization:
     Blocks have a zero point unless `symmetric` (no zero points to read: faster, less accurate;
     docs/benchmarks.md has the figures).
 
-    `algorithm` "rtn" rounds each weight to its block's nearest level; "hqq" (half-quadratic
+    `algorithm` "rtn" rounds each weight to its block's nearest level; "k_quant" searches each
+    block's scale (export/kquant.py), weighted by the activations over `calibration` (a text file)
+    where given; "gptq" rounds one input channel at a time and spreads its error over the rest, from
+    the activations over `calibration` (default: export's quality text); "hqq" (half-quadratic
     quantization, no calibration data) fits each block's scale and zero point to its weights, and
     is slower to export; its zero points are floats, which ONNX Runtime's CPU kernel takes only on a
     slow path. The lm_head is rounded in a pass of its own where either applies (its blocks are
-    shared with a tied embedding table), at 8 bits where `keep_int8` names it (docs/benchmarks.md
-    has the figures)."""
+    shared with a tied embedding table). `keep_int8` names MatMuls kept at 8 bits (`kept_int8`);
+    docs/benchmarks.md has the figures."""
 
     method: str
     block_size: int = 32
@@ -50,6 +56,7 @@ class Quantization:
     symmetric: bool = False
     algorithm: str = "rtn"
     keep_int8: tuple[str, ...] = ()
+    calibration: str | None = None
 
     def __post_init__(self):
         if self.method not in BITS:
@@ -58,16 +65,67 @@ class Quantization:
             raise ExportError(f"block size must be a power of two of at least 16, got {self.block_size}")
         if self.algorithm not in ALGORITHMS:
             raise ExportError(f"unknown quantization algorithm {self.algorithm!r}: use one of {', '.join(ALGORITHMS)}")
-        unknown = [name for name in self.keep_int8 if name not in KEEPABLE]
-        if unknown:
-            raise ExportError(f"--keep-int8 takes {', '.join(KEEPABLE)}, got {', '.join(unknown)}")
-        if self.algorithm == "hqq" and self.symmetric:
-            raise ExportError("hqq fits a zero point to every block: leave out --symmetric, or use --algorithm rtn")
+        for item in self.keep_int8:
+            _kept_pattern(item)
+        if self.calibration is not None and self.algorithm not in ("k_quant", "gptq"):
+            raise ExportError(f"--calibration is for --algorithm k_quant or gptq, not {self.algorithm}")
+        if self.calibration is not None and not Path(self.calibration).is_file():
+            raise ExportError(f"calibration text {self.calibration} is not a file: give --calibration a text file")
+        if self.algorithm != "rtn" and self.symmetric:
+            raise ExportError(f"{self.algorithm} fits a zero point to every block: leave out --symmetric, or use --algorithm rtn")
 
-    @property
-    def head_apart(self) -> bool:
-        """Whether the lm_head is quantized in a pass of its own (rounded, at its own bits)."""
-        return bool(self.keep_int8) or self.algorithm != "rtn"
+    def passes(self, graph) -> list[tuple[int, str, list[str]]]:
+        """(bits, algorithm, MatMul names) in the order they are quantized: the MatMuls `keep_int8`
+        names at 8 bits; under hqq the lm_head rounded (its blocks are shared with a tied embedding
+        table, and GatherBlockQuantized takes only integer zero points); then the rest."""
+        bits, names, rounded = BITS[self.method], _matmuls(graph), "rtn" if self.algorithm == "hqq" else self.algorithm
+        kept = kept_int8(graph.graph, self.keep_int8) if bits == 4 else []
+        head = lm_head_node(graph.graph)
+        passes = [(8, rounded, kept)] if kept else []
+        if self.algorithm == "hqq" and head and head not in kept:
+            passes.append((bits, "rtn", [head]))
+        done = {name for _, _, group in passes for name in group}
+        return [*passes, (bits, self.algorithm, [n for n in names if n not in done])]
+
+
+def kept_int8(graph, items) -> list[str]:
+    """The MatMuls `items` name: `lm_head`, or a module name (the last part of a MatMul's name before
+    /MatMul: o_proj, down_proj, ...; a fused attention input projection is qkv_proj), optionally
+    with layers: `down_proj:0-3` (0 to 3), `qkv_proj:0,29` is written `qkv_proj:0+29`."""
+    roles = {node.name: _role(node.name) for node in graph.node if node.op_type == "MatMul"}
+    chosen = []
+    for item in items:
+        module, layers = _kept_pattern(item)
+        found = [n for n, (layer, name) in roles.items() if name == module and (layers is None or layer in layers)]
+        if not found:
+            known = sorted({name for _, name in roles.values()})
+            raise ExportError(f"--keep-int8 {item!r} names no MatMul of this model: its modules are {', '.join(known)}")
+        chosen += [n for n in found if n not in chosen]
+    return chosen
+
+
+def _kept_pattern(item: str) -> tuple[str, set[int] | None]:
+    module, _, layers = item.partition(":")
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", module) or (layers and not re.fullmatch(r"\d+(-\d+)?(\+\d+(-\d+)?)*", layers)):
+        raise ExportError(f"--keep-int8 takes module names with optional layers (lm_head,down_proj:0-3+29), got {item!r}")
+    if not layers:
+        return module, None
+    chosen = set()
+    for span in layers.split("+"):
+        first, _, last = span.partition("-")
+        chosen.update(range(int(first), int(last or first) + 1))
+    return module, chosen
+
+
+def _role(name: str) -> tuple[int | None, str]:
+    """(layer, module) of a MatMul by its name: /model/layers.3/mlp/down_proj/MatMul is (3,
+    down_proj), edgeinfer_gqa_3_qkv_proj (3, qkv_proj), /lm_head/MatMul (None, lm_head)."""
+    fused = re.fullmatch(r"edgeinfer_gqa_(\d+)_(\w+)", name)
+    if fused:
+        return int(fused.group(1)), fused.group(2)
+    parts = [part for part in name.split("/") if part and part != "MatMul"]
+    layer = next((int(m.group(1)) for part in parts if (m := re.fullmatch(r"(?:layers|h|blocks|layer)\.(\d+)", part))), None)
+    return layer, (parts[-1] if parts else name)
 
 
 def quantize_graph(folder: Path, quantization: Quantization) -> None:
@@ -76,19 +134,30 @@ def quantize_graph(folder: Path, quantization: Quantization) -> None:
     the data file as it packs it (`patches.one_weight_at_a_time`, `patches.one_weight_loaded`), so
     one fp32 weight is in memory at a time, and the files written are the bytes of the quantizer's
     own run on the loaded graph. Tensors the quantizer leaves alone (the embedding table, norms)
-    are copied from the old data file by `save_graph`. Where the lm_head goes apart, it is
-    quantized first, then every other MatMul."""
+    are copied from the old data file by `save_graph`. The MatMuls go in `Quantization.passes`."""
     graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
-    bits = BITS[quantization.method]
-    if quantization.head_apart:
-        head_bits = 8 if "lm_head" in quantization.keep_int8 else bits
-        head = lm_head_node(graph.graph)
-        graph = _quantized(graph, folder, quantization, head_bits, "rtn", exclude=[n for n in _matmuls(graph) if n != head])
-    graph = _quantized(graph, folder, quantization, bits, quantization.algorithm)
+    scratch = folder / "calibration"
+    try:
+        activations = _calibrated(folder, quantization, scratch)
+        for bits, algorithm, names in quantization.passes(graph):
+            chosen = set(names)
+            exclude = [n for n in _matmuls(graph) if n not in chosen]
+            graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     save_graph(graph, folder, weights_from=folder)
 
 
-def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=()):
+def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
+    """The fp32 graph's MatMul inputs over the calibration text, where the algorithm uses them:
+    gptq always (the built-in text unless one is given), k_quant when given a text."""
+    if quantization.algorithm != "gptq" and quantization.calibration is None:
+        return None
+    text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
+    return collect(folder, text, scratch)
+
+
+def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=(), activations=None):
     """The graph with its MatMuls (but `exclude`) quantized at `bits` by `algorithm`; a tied
     embedding table gathers from the lm_head's rounded blocks once the lm_head is quantized."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -112,9 +181,11 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
         algo_config=config,
         nodes_to_exclude=list(exclude),
     )
+    if algorithm in ("k_quant", "gptq"):
+        quantizer.node_quantizer = search_quantizer(config, activations, algorithm)
     (one_weight_loaded if algorithm == "hqq" else one_weight_at_a_time)(quantizer.node_quantizer, folder)
     quantizer.process()
-    if tied and algorithm == "rtn":  # HQQ's zero points are floats, which GatherBlockQuantized does not take
+    if tied and algorithm != "hqq":  # HQQ's zero points are floats, which GatherBlockQuantized does not take
         quantized_embedding(quantizer.model.model.graph, *tied, bits, block)
     return quantizer.model.model
 
@@ -136,9 +207,10 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes, scales and zero
     points, so no fp32 table is left. MatMulNBits lays its weight out as
     [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized along hidden;
-    GatherBlockQuantized wants it as [vocab, bytes per row], a reshaped copy of the bytes alone (the
-    scales and zero points are shared; without zero points both ops take the same default,
-    2^(bits-1)). Returns whether it applied.
+    GatherBlockQuantized wants it as [vocab, bytes per row]: a Reshape of the same initializer,
+    which ONNX Runtime folds into a constant when the session starts (the file holds the bytes
+    once; the scales and zero points are shared; without zero points both ops take the same
+    default, 2^(bits-1)). Returns whether it applied.
 
     fp32 exports keep both tables: the lm_head's MatMul weight is pre-packed at load, and ONNX
     Runtime keeps an initializer that another node reads resident after packing it, while the
@@ -155,12 +227,13 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     blocks = numpy_helper.to_array(initializers[lm_head.input[1]])
     if hidden % block_size or blocks.shape[1] * blocks.shape[2] * 8 // bits != hidden:
         return False
-    data = f"{weight}_embedding_Q{bits}"
-    graph.initializer.append(numpy_helper.from_array(blocks.reshape(blocks.shape[0], -1), data))
+    data, shape = f"{weight}_embedding_Q{bits}", f"{weight}_embedding_shape"
+    graph.initializer.append(numpy_helper.from_array(np.array([blocks.shape[0], -1], np.int64), shape))
     position = list(graph.node).index(gather)
     graph.node.remove(gather)
+    graph.node.insert(position, helper.make_node("Reshape", [lm_head.input[1], shape], [data], name="edgeinfer_embedding_rows"))
     graph.node.insert(
-        position,
+        position + 1,
         helper.make_node(
             "GatherBlockQuantized",
             [data, "input_ids", *lm_head.input[2:4]],
@@ -252,18 +325,22 @@ def windowed_scores(engine: Engine, ids: list[int]) -> np.ndarray:
 
 
 def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`_scores` of the export's logits after each prefix of `ids`: the first token as a prompt,
-    then the rest a chunk per pass, with the logits of every position (as speculative decoding
-    checks its guesses), not one decode step per token. Each chunk's logits are reduced as they
-    come: all of them at once, in float64, would take text x vocabulary x 8 bytes, and as much again
-    for each step of the softmax."""
+    """`_scores` of the export's logits after each prefix of `ids` (`teacher_forced_logits`), each
+    chunk reduced as it comes: all of them at once, in float64, would take text x vocabulary x 8
+    bytes, and as much again for each step of the softmax."""
+    parts = [_scores(logits, targets[start : start + len(logits)]) for start, logits in teacher_forced_logits(engine, ids)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def teacher_forced_logits(engine: Engine, ids: list[int]):
+    """(position, logits [positions, vocabulary]) for the predictions after each prefix of `ids` but
+    the whole: the first token as a prompt, then the rest a chunk per pass, with the logits of
+    every position (as speculative decoding checks its guesses), not one decode step per token."""
     cache = engine.runner.new_batch(1, len(ids))
-    parts = [_scores(engine.runner.prefill(cache, [ids[:1]]).numpy()[0, -1:], targets[:1])]
+    yield 0, engine.runner.prefill(cache, [ids[:1]]).numpy()[0, -1:]
     rest, step = ids[1:-1], engine.prefill_chunk
     for start in range(0, len(rest), step):
-        logits = engine.runner.verify(cache, 0, rest[start : start + step]).numpy()[0]
-        parts.append(_scores(logits, targets[1 + start : 1 + start + len(logits)]))
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        yield 1 + start, engine.runner.verify(cache, 0, rest[start : start + step]).numpy()[0]
 
 
 def _scores(logits: np.ndarray, targets: np.ndarray, rows: int = 32) -> tuple[np.ndarray, np.ndarray]:

@@ -79,8 +79,10 @@ def test_a_quantized_export_follows_transformers_logits_within_its_error(quantiz
     [
         ({"method": "int3"}, "unknown quantization 'int3': use 'int4' or 'int8'"),
         ({"method": "int4", "block_size": 48}, "block size must be a power of two of at least 16, got 48"),
-        ({"method": "int4", "algorithm": "gptq"}, "unknown quantization algorithm 'gptq': use one of rtn, hqq"),
-        ({"method": "int4", "keep_int8": ("embed",)}, "--keep-int8 takes lm_head, got embed"),
+        ({"method": "int4", "algorithm": "awq"}, "unknown quantization algorithm 'awq': use one of rtn, k_quant, gptq, hqq"),
+        ({"method": "int4", "keep_int8": ("down_proj:0-",)}, "--keep-int8 takes module names with optional layers"),
+        ({"method": "int4", "algorithm": "k_quant", "symmetric": True}, "k_quant fits a zero point to every block"),
+        ({"method": "int4", "algorithm": "rtn", "calibration": "text.txt"}, "--calibration is for --algorithm k_quant or gptq"),
         ({"method": "int4", "algorithm": "hqq", "symmetric": True}, "hqq fits a zero point to every block"),
     ],
 )
@@ -111,11 +113,13 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     (lm_head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[2] == gather.input[2]]
     assert list(gather.input[2:]) == list(lm_head.input[2:4])  # scales (and zero points) shared
     assert len(gather.input) == (3 if symmetric else 4)
-    tensors = [t for t in graph.initializer if t.name in {*gather.input, *lm_head.input}]
+    (rows,) = [n for n in graph.node if n.op_type == "Reshape" and n.output[0] == gather.input[0]]
+    assert rows.input[0] == lm_head.input[1]  # the embedding reads the lm_head's bytes: one copy in the file
+    tensors = [t for t in graph.initializer if t.name in {*gather.input, *lm_head.input, *rows.input}]
 
-    def run(node, inputs, outputs):
+    def run(node, inputs, outputs, before=()):
         model = helper.make_model(
-            helper.make_graph([node], "g", inputs, outputs, initializer=tensors),
+            helper.make_graph([*before, node], "g", inputs, outputs, initializer=tensors),
             opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
             ir_version=10,
         )
@@ -125,6 +129,7 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
         gather,
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [320])],
         [helper.make_tensor_value_info(gather.output[0], TensorProto.FLOAT, None)],
+        before=[rows],
     ).run(None, {"input_ids": np.arange(320)})[0]
     exact = helper.make_node(
         "MatMulNBits",
@@ -277,3 +282,81 @@ def test_windowed_perplexity_is_the_same_in_pytorch_and_the_fp32_export(tiny_lla
     assert [len(w) for w in windows(reference.ids, engine.max_context)] == [256] and len(ours) == 127
     np.testing.assert_allclose(ours, reference.windowed, atol=2e-3)
     np.testing.assert_allclose(reference.windowed, reference.scores[128:255], atol=2e-3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fitted_blocks_are_what_matmulnbits_multiplies_by(bits):
+    """k_quant's blocks, packed as MatMulNBits reads them, multiply exactly as the weight that
+    `dequantized` says they stand for; and its search never does worse than its first candidate."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgeinfer.export import kquant
+
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_t(4, size=(96, 40)) * 0.05).astype(np.float32)
+    levels, scales, zeros = kquant.fit(weight, bits, 32)
+    packed, packed_zeros = kquant.pack(levels, zeros, bits)
+    tensors = [numpy_helper.from_array(a, n) for a, n in ((packed, "B"), (scales, "S"), (packed_zeros, "Z"))]
+    node = helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=96, N=40, bits=bits, block_size=32)
+    model = helper.make_model(
+        helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 96])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            initializer=tensors,
+        ),
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=10,
+    )
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ kquant.dequantized(levels, scales, zeros), rtol=1e-4, atol=1e-4)
+    error = np.mean((kquant.dequantized(levels, scales, zeros) - weight) ** 2)
+    top = 2**bits - 1
+    lo, hi = (
+        np.minimum(weight.T.reshape(40, 3, 32).min(-1, keepdims=True), 0),
+        np.maximum(weight.T.reshape(40, 3, 32).max(-1, keepdims=True), 0),
+    )
+    step = (hi - lo) / top
+    zero = np.round(-lo / step)
+    rounded = step * (np.clip(np.round(weight.T.reshape(40, 3, 32) / step) + zero, 0, top) - zero)
+    assert error < np.mean((rounded.reshape(40, 96).T - weight) ** 2)  # below round-to-nearest's
+
+
+def test_gptq_spreads_the_error_so_the_layer_output_moves_less():
+    """On activations with correlated channels, GPTQ's layer output error over them is below k_quant's."""
+    import numpy as np
+
+    from edgeinfer.export import kquant
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2048, 64)) @ rng.standard_normal((64, 64)).astype(np.float32)
+    weight = (rng.standard_normal((64, 48)) * 0.05).astype(np.float32)
+    hessian = x.T @ x / len(x)
+    out = {}
+    for name, blocks in (("fit", kquant.fit(weight, 4, 32)), ("gptq", kquant.gptq(weight, hessian, 4, 32))):
+        out[name] = np.mean((x @ kquant.dequantized(*blocks) - x @ weight) ** 2)
+    assert out["gptq"] < 0.8 * out["fit"], out
+
+
+@pytest.mark.parametrize("algorithm", ["k_quant", "gptq"])
+def test_calibrated_exports_keep_the_named_matmuls_at_int8(tiny_llama, tmp_path, algorithm):
+    """k_quant with a calibration text and gptq (its default text): the export loads, generates, is
+    scored, and the MatMuls --keep-int8 names (the lm_head, layer 0's down_proj) are at 8 bits."""
+    text = tmp_path / "calibration.txt"
+    text.write_text("The lighthouse keeper climbed the stairs and looked out over the grey water. " * 20)
+    quantization = Quantization(
+        "int4", algorithm=algorithm, keep_int8=("lm_head", "down_proj:0"), calibration=str(text) if algorithm == "k_quant" else None
+    )
+    manifest = export_model(str(tiny_llama[0]), tmp_path / "q", ExportOptions(quantization=quantization))
+    graph = onnx.load(str(tmp_path / "q" / "model.onnx"), load_external_data=False).graph
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+    eight = sorted(name for name, b in bits.items() if b == 8)
+    assert len(eight) == 2 and any("lm_head" in n for n in eight) and any("layers.0/mlp/down_proj" in n for n in eight), eight
+    assert not (tmp_path / "q" / "calibration").exists()
+    assert manifest.quantization["algorithm"] == algorithm and 0 < manifest.quantization["top1_agreement"] <= 1
+    result = Engine.load(tmp_path / "q", provider="cpu").generate("hello", max_new_tokens=4, ignore_eos=True)
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"

@@ -1,0 +1,110 @@
+"""What a quantizer learns from a calibration text: the inputs each MatMul of the fp32 export sees
+over it. The export's own graph runs the text (windows of `WINDOW` tokens, each from an empty
+cache, as the quality measure does) with every MatMul's input added as an output; each input's
+rows are kept on disk (float16, one file per input) so that a large model's activations never
+sit in memory together, and read back when its MatMuls are quantized: their channels' mean
+square (llama.cpp's importance matrix) for k_quant, their product X^T X (the Hessian of the
+layer's error) for GPTQ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.kv_cache import buffer_shape
+from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.runtime import Graph
+from edgeinfer.sdk.tokenizer import Tokenizer
+
+from .graphs import GRAPH_FILE
+
+# gptq's default text: export's quality text, so the export's own quality report is measured on the
+# text it was fitted to; benchmarks/quality.py also scores held_text.txt, which nothing fits to.
+CALIBRATION_TEXT = Path(__file__).with_name("quality_text.txt")
+WINDOW = 256
+_GRAPH = "calibration.onnx"  # the export's graph with the MatMuls' inputs as outputs, while it runs
+
+
+class Activations:
+    """The rows each MatMul input took over the calibration text, by input name, in `folder`."""
+
+    def __init__(self, folder: Path, names: list[str], tokens: int):
+        self.folder, self.names, self.tokens = Path(folder), names, tokens
+
+    def rows(self, name: str) -> np.ndarray | None:
+        """[tokens, channels] float32, or None for an input the text did not reach."""
+        path = self.folder / _file(self.names, name)
+        return np.load(path).astype(np.float32) if name in self.names and path.exists() else None
+
+    def importance(self, name: str) -> np.ndarray | None:
+        rows = self.rows(name)
+        return None if rows is None else np.mean(rows * rows, axis=0)
+
+    def hessian(self, name: str) -> np.ndarray | None:
+        rows = self.rows(name)
+        return None if rows is None else (rows.T @ rows) / len(rows)
+
+
+def collect(export: Path, text: str, scratch: Path) -> Activations:
+    """Run the fp32 export in `export` over `text` and keep each MatMul input's rows in `scratch`."""
+    manifest = load_manifest(export)
+    ids = Tokenizer(export, manifest.tokenizer).encode(text)
+    if len(ids) < 2:
+        raise ExportError("the calibration text is empty: give --calibration a file of the text the model will see")
+    element = onnx.TensorProto.FLOAT16 if manifest.kv.dtype == "float16" else onnx.TensorProto.FLOAT
+    names = _matmul_inputs(export / GRAPH_FILE, export / _GRAPH, element)
+    scratch.mkdir(parents=True, exist_ok=True)
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    try:
+        graph = Graph(export / _GRAPH, "cpu", None)
+        for start in range(0, len(ids), WINDOW):
+            window = ids[start : start + WINDOW]
+            _, outputs = graph.run(_feeds(graph, manifest, window), on_device=[], to_host=names)
+            for name in names:
+                parts[name].append(_stored(outputs[name].reshape(-1, outputs[name].shape[-1])))
+    finally:
+        (export / _GRAPH).unlink(missing_ok=True)
+    for name, rows in parts.items():
+        np.save(scratch / _file(names, name), np.concatenate(rows))
+    return Activations(scratch, names, len(ids))
+
+
+def _matmul_inputs(source: Path, target: Path, element: int) -> list[str]:
+    """The activations MatMuls with a constant weight read, written as outputs of a copy of the graph."""
+    model = onnx.load(str(source), load_external_data=False)
+    constants = {t.name for t in model.graph.initializer}
+    names = list(dict.fromkeys(n.input[0] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in constants))
+    outputs = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(name, element, None) for name in names if name not in outputs)
+    onnx.save(model, str(target))
+    return names
+
+
+def _feeds(graph: Graph, manifest, window: list[int]) -> dict[str, np.ndarray]:
+    """One window from an empty cache: a slot cache (written in place) as long as the window, or a
+    growing cache's empty past."""
+    kv = manifest.kv
+    feeds = {
+        "input_ids": np.array([window], np.int64),
+        "attention_mask": np.ones((1, len(window)), np.int64),
+        "position_ids": np.arange(len(window), dtype=np.int64)[None, :],
+        "logits_to_keep": np.array(1, np.int64),
+    }
+    feeds = {name: value for name, value in feeds.items() if name in graph.inputs}
+    length = len(window) if kv.in_place else 0
+    dtype = np.float16 if kv.dtype == "float16" else np.float32
+    for name in kv.past:
+        feeds[name] = np.zeros(buffer_shape(kv, graph.inputs[name].shape, 1, length), dtype)
+    return feeds
+
+
+def _stored(rows: np.ndarray) -> np.ndarray:
+    """float16 where it holds the values (half the disk), else float32."""
+    return rows.astype(np.float16) if np.abs(rows).max(initial=0) < 6e4 else rows
+
+
+def _file(names: list[str], name: str) -> str:
+    return f"{names.index(name):04d}.npy"
