@@ -31,8 +31,8 @@ _GRAPH = "calibration.onnx"  # the export's graph with the MatMuls' inputs as ou
 class Activations:
     """The rows each MatMul input took over the calibration text, by input name, in `folder`."""
 
-    def __init__(self, folder: Path, names: list[str], tokens: int):
-        self.folder, self.names, self.tokens = Path(folder), names, tokens
+    def __init__(self, folder: Path, names: list[str]):
+        self.folder, self.names = Path(folder), names
 
     def rows(self, name: str) -> np.ndarray | None:
         """[tokens, channels] float32, or None for an input the text did not reach."""
@@ -69,7 +69,7 @@ def collect(export: Path, text: str, scratch: Path) -> Activations:
         (export / _GRAPH).unlink(missing_ok=True)
     for name, rows in parts.items():
         np.save(scratch / _file(names, name), np.concatenate(rows))
-    return Activations(scratch, names, len(ids))
+    return Activations(scratch, names)
 
 
 def _matmul_inputs(source: Path, target: Path, element: int) -> list[str]:

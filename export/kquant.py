@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-# Scale candidates (levels - 1 + step) / (max - min). llama.cpp tries 21 steps of 0.1; after the
-# least-squares refits, 7 of 1/3 reach the same error within 0.01% (and 1 step, 3.6% more).
+# Scale candidates (levels - 1 + step) / (max - min): llama.cpp's range of steps, more coarsely, as
+# the least-squares refits after each candidate close the gaps between them.
 _STEPS = [step / 3 for step in range(-3, 4)]
 _CHUNK = 1 << 14  # blocks fitted together: small enough for the temporaries to stay in cache
 _THREADS = min(os.cpu_count() or 1, 8)
@@ -126,9 +126,9 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
         for i in range(last - first):
             group = (first + i) // block
             if (first + i) % block == 0:
-                x = part[i : i + block].T[:, None, :]
+                x = part[i : i + block].T
                 chosen = None if importance is None else importance[first + i : first + i + block]
-                _, scale, zero = _fit_blocks(x[:, 0], _error_weights(x, chosen, block)[:, 0], top)
+                _, scale, zero = _fit_blocks(x, _error_weights(x[:, None], chosen, block)[:, 0], top)
                 scales[group], zeros[group] = scale, zero
             level = np.clip(np.round(part[i] / scales[group]) + zeros[group], 0, top)
             levels[first + i] = level

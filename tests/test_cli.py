@@ -110,6 +110,22 @@ def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_export_takes_gptq_with_a_calibration_text_and_int8_modules(tiny_llama, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The keeper climbed the stairs and looked out over the grey water. " * 20)
+    out = tmp_path / "out"
+    done = edgeinfer(
+        "export", str(tiny_llama[0]), "-o", str(out), "--quantize", "int4", "--algorithm", "gptq",
+        "--calibration", str(text), "--keep-int8", "lm_head,down_proj:0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    recorded = json.loads((out / "edgeinfer.json").read_text())["quantization"]
+    assert (recorded["algorithm"], recorded["calibration"], recorded["keep_int8"]) == ("gptq", str(text), ["lm_head", "down_proj:0"])
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "rtn"), "--quantize", "int4", "--calibration", str(text))
+    assert done.returncode != 0 and "--calibration is for --algorithm k_quant or gptq, not rtn" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "rtn").exists()
+
+
 def test_export_takes_hqq_and_an_int8_lm_head(tiny_llama, tmp_path):
     done = edgeinfer(
         "export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--quantize", "int4", "--algorithm", "hqq", "--keep-int8", "lm_head"
