@@ -13,7 +13,7 @@ llama-perplexity --kl-divergence prints as "Same top p"); for exports also the p
 agreement over the whole text in one pass (what `edgeinfer export --quantize` reports). The two
 engines tokenize the text themselves (their token counts are printed): compare increases and
 divergences across engines, not perplexities. The GGUF side runs `llama-perplexity` from
-`--llama-bin` (built from the llama-cpp-python sdist: ../shared/peers/SETUP.md; `--no-repack` is
+`--llama-bin` (built from the llama-cpp-python sdist as docs/benchmarks.md shows; `--no-repack` is
 passed on AMX machines, where llama.cpp's repacking crashed quantized models).
 
 Figures are printed as JSON lines, never asserted.
