@@ -45,24 +45,25 @@ def _parsed(arguments: str):
 @click.option(
     "--algorithm",
     type=click.Choice(["rtn", "k_quant", "gptq", "hqq"]),
-    default="rtn",
-    show_default=True,
+    default=None,
     help="How blocks are quantized: round to nearest; k_quant (searches each block's scale, weighted by --calibration's "
     "activations where given); gptq (spreads each weight's error over the rest, from --calibration's activations); or "
-    "HQQ (float zero points: ONNX Runtime's CPU kernel decodes them slowly).",
+    "HQQ (float zero points: ONNX Runtime's CPU kernel decodes them slowly) [default: gptq for int4, rtn for int8 and "
+    "--symmetric].",
 )
 @click.option(
     "--keep-int8",
     default=None,
     metavar="MODULES",
     help="Keep these MatMuls at int8 beside int4, comma-separated: lm_head, or module names with optional layers "
-    "(qkv_proj, down_proj:0-3+29).",
+    "(qkv_proj, down_proj:0-3+29); auto: the modules whose 4-bit rounding costs the most per byte, measured on the "
+    "calibration text; none [default: auto for int4].",
 )
 @click.option(
     "--calibration",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="A text whose activations k_quant and gptq fit to [gptq's default: export's quality text].",
+    help="A text whose activations k_quant and gptq fit to, and --keep-int8 auto measures on [default: export's calibration text].",
 )
 @click.option(
     "--dtype",
@@ -115,7 +116,7 @@ def export(
         flag
         for flag, value in (
             ("--symmetric", symmetric),
-            ("--algorithm", algorithm != "rtn"),
+            ("--algorithm", algorithm),
             ("--keep-int8", keep_int8),
             ("--calibration", calibration),
         )
@@ -123,7 +124,7 @@ def export(
     ]
     if given and not quantize:
         raise click.UsageError(f"{given[0]} applies to quantized weights: add --quantize int4 or int8")
-    kept = tuple(name.strip() for name in (keep_int8 or "").split(",") if name.strip())
+    kept = None if keep_int8 is None else tuple(n.strip() for n in keep_int8.split(",") if n.strip() and n.strip() != "none")
     quantization = (
         exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept, calibration=calibration)
         if quantize

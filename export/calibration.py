@@ -21,9 +21,10 @@ from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .graphs import GRAPH_FILE
 
-# gptq's default text: export's quality text, so the export's own quality report is measured on the
-# text it was fitted to; benchmarks/quality.py also scores held_text.txt, which nothing fits to.
-CALIBRATION_TEXT = Path(__file__).with_name("quality_text.txt")
+# The default calibration text: chat turns, tool calls, code, prose, lists and worked problems, in
+# several languages (about 4,800 tokens for SmolLM2). Neither text the quality is scored on
+# (quality_text.txt, held_text.txt) is in it.
+CALIBRATION_TEXT = Path(__file__).with_name("calibration_text.txt")
 WINDOW = 256
 _GRAPH = "calibration.onnx"  # the export's graph with the MatMuls' inputs as outputs, while it runs
 
@@ -62,7 +63,7 @@ def collect(export: Path, text: str, scratch: Path) -> Activations:
         graph = Graph(export / _GRAPH, "cpu", None)
         for start in range(0, len(ids), WINDOW):
             window = ids[start : start + WINDOW]
-            _, outputs = graph.run(_feeds(graph, manifest, window), on_device=[], to_host=names)
+            _, outputs = graph.run(window_feeds(graph, manifest, window), on_device=[], to_host=names)
             for name in names:
                 parts[name].append(_stored(outputs[name].reshape(-1, outputs[name].shape[-1])))
     finally:
@@ -83,15 +84,15 @@ def _matmul_inputs(source: Path, target: Path, element: int) -> list[str]:
     return names
 
 
-def _feeds(graph: Graph, manifest, window: list[int]) -> dict[str, np.ndarray]:
-    """One window from an empty cache: a slot cache (written in place) as long as the window, or a
-    growing cache's empty past."""
+def window_feeds(graph: Graph, manifest, window: list[int], logits: int = 1) -> dict[str, np.ndarray]:
+    """One window from an empty cache, with the logits of its last `logits` positions: a slot cache
+    (written in place) as long as the window, or a growing cache's empty past."""
     kv = manifest.kv
     feeds = {
         "input_ids": np.array([window], np.int64),
         "attention_mask": np.ones((1, len(window)), np.int64),
         "position_ids": np.arange(len(window), dtype=np.int64)[None, :],
-        "logits_to_keep": np.array(1, np.int64),
+        "logits_to_keep": np.array(logits, np.int64),
     }
     feeds = {name: value for name, value in feeds.items() if name in graph.inputs}
     length = len(window) if kv.in_place else 0

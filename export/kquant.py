@@ -142,36 +142,51 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
     )
 
 
-def search_quantizer(config, activations=None, method: str = "k_quant"):
+def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessian=None):
+    """`weight` [K, N] (any K) fitted by `gptq` where a Hessian is given, else by `fit` (weighted by
+    `importance` where given), as `fit` returns it (K padded to whole blocks)."""
+    rows = -(-weight.shape[0] // block) * block
+    weight = np.pad(np.asarray(weight, np.float32), ((0, rows - weight.shape[0]), (0, 0)))
+    if hessian is not None:
+        hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
+        return gptq(weight, hessian, bits, block, _padded(importance, rows))
+    return fit(weight, bits, block, _padded(importance, rows))
+
+
+def statistics(activations, name: str, method: str):
+    """(importance, Hessian) of the MatMul input `name`: the Hessian for gptq only; (None, None)
+    without activations or where the text did not reach it."""
+    if activations is None:
+        return None, None
+    hessian = activations.hessian(name) if method == "gptq" else None
+    return (np.diag(hessian).copy() if hessian is not None else activations.importance(name)), hessian
+
+
+def search_quantizer(config, activations=None, method: str = "k_quant", fitted: dict | None = None):
     """ONNX Runtime's MatMulNBits node quantizer (the round-to-nearest one, `config` its
-    DefaultWeightOnlyQuantConfig) with its blocks fitted by `fit` (`method` "k_quant"), weighted by
-    the importance of each input channel where `activations` (calibration.Activations) has the
-    MatMul's input, or by `gptq` on that input's Hessian ("gptq")."""
+    DefaultWeightOnlyQuantConfig) with its blocks fitted by `fit_weight` (`method` "k_quant" or
+    "gptq") from `activations` (calibration.Activations); `fitted` holds blocks already fitted at
+    `config.bits`, by weight name (what `--keep-int8 auto`'s measure fitted)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
     class SearchQuantizer(DefaultWeightOnlyQuantizer):
-        statistics = (None, None, None)  # (input name, importance, Hessian) of the MatMul being quantized
+        current = (None, None, None, None)  # (input name, weight name, importance, Hessian) of the MatMul being quantized
 
         def quantize(self, node, graph_stack):
-            name = node.input[0]
-            if activations is not None and self.statistics[0] != name:
-                hessian = activations.hessian(name) if method == "gptq" else None
-                importance = np.diag(hessian).copy() if hessian is not None else activations.importance(name)
-                self.statistics = (name, importance, hessian)
+            name, weight = node.input[0], node.input[1]
+            if self.current[0] != name:
+                self.current = (name, weight, *statistics(activations, name, method))
+            else:
+                self.current = (name, weight, *self.current[2:])
             return super().quantize(node, graph_stack)
 
         def qbits_block_quant(self, weight):
             bits, block = self.config.bits, self.config.block_size
-            rows = -(-weight.shape[0] // block) * block
-            weight = np.pad(np.asarray(weight, np.float32), ((0, rows - weight.shape[0]), (0, 0)))
-            _, importance, hessian = self.statistics
-            if hessian is not None:
-                hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
-                levels, scales, zeros = gptq(weight, hessian, bits, block, _padded(importance, rows))
-            else:
-                levels, scales, zeros = fit(weight, bits, block, importance)
+            _, name, importance, hessian = self.current
+            blocks = (fitted or {}).pop(name, None) or fit_weight(weight, bits, block, importance, hessian)
+            levels, scales, zeros = blocks
             packed, zeros = pack(levels, zeros, bits)
-            return packed, scales, zeros
+            return packed, scales.astype(weight.dtype), zeros  # scales in the activations' type (fp16 exports)
 
     return SearchQuantizer(config)
 

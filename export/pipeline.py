@@ -289,8 +289,8 @@ def _refined(work: Path, manifest: Manifest, config, references: dict, options: 
     quantization = {}
     if options.quantization:
         with stage("quantize"):
-            quantize_graph(work, options.quantization)
-            quantization = {**dataclasses.asdict(options.quantization), **quality(references["quality"], work)}
+            done = quantize_graph(work, options.quantization)
+            quantization = {**dataclasses.asdict(done), **quality(references["quality"], work)}
             say(
                 f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
                 f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +20,9 @@ from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
-from .kquant import search_quantizer
+from .kquant import dequantized, fit_weight, search_quantizer, statistics
 from .patches import one_weight_at_a_time, one_weight_loaded
+from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
 
 BITS = {"int4": 4, "int8": 8}
 QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
@@ -29,6 +30,7 @@ _CHUNK = 256  # positions a pass, for both sides of the quality measure
 
 
 ALGORITHMS = ("rtn", "k_quant", "gptq", "hqq")
+AUTO = "auto"  # --keep-int8's word for the modules export/sensitivity.py measures and chooses
 
 
 @dataclass(frozen=True)
@@ -43,32 +45,43 @@ class Quantization:
     `algorithm` "rtn" rounds each weight to its block's nearest level; "k_quant" searches each
     block's scale (export/kquant.py), weighted by the activations over `calibration` (a text file)
     where given; "gptq" rounds one input channel at a time and spreads its error over the rest, from
-    the activations over `calibration` (default: export's quality text); "hqq" (half-quadratic
+    the activations over `calibration` (default: export/calibration_text.txt); "hqq" (half-quadratic
     quantization, no calibration data) fits each block's scale and zero point to its weights, and
     is slower to export; its zero points are floats, which ONNX Runtime's CPU kernel takes only on a
     slow path. The lm_head is rounded in a pass of its own where either applies (its blocks are
-    shared with a tied embedding table). `keep_int8` names MatMuls kept at 8 bits (`kept_int8`);
-    docs/benchmarks.md has the figures."""
+    shared with a tied embedding table). `keep_int8` names MatMuls kept at 8 bits (`kept_int8`), or
+    is ("auto",): the modules export/sensitivity.py measures as costing most per byte at 4 bits.
+
+    Left out, `algorithm` is gptq and `keep_int8` auto for int4 (the closest to fp32 at a 4-bit
+    size: docs/benchmarks.md has the table), rtn and none for int8 (8-bit rounding loses almost
+    nothing) and for `symmetric` int4 (its blocks have no zero point for gptq to fit)."""
 
     method: str
     block_size: int = 32
     accuracy_level: int = 4
     symmetric: bool = False
-    algorithm: str = "rtn"
-    keep_int8: tuple[str, ...] = ()
+    algorithm: str | None = None
+    keep_int8: tuple[str, ...] | None = None
     calibration: str | None = None
 
     def __post_init__(self):
         if self.method not in BITS:
             raise ExportError(f"unknown quantization {self.method!r}: use 'int4' or 'int8'")
+        searched = self.method == "int4" and not self.symmetric
+        if self.algorithm is None:
+            object.__setattr__(self, "algorithm", "gptq" if searched else "rtn")
+        if self.keep_int8 is None:
+            object.__setattr__(self, "keep_int8", (AUTO,) if searched else ())
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ExportError(f"block size must be a power of two of at least 16, got {self.block_size}")
         if self.algorithm not in ALGORITHMS:
             raise ExportError(f"unknown quantization algorithm {self.algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+        if AUTO in self.keep_int8 and len(self.keep_int8) > 1:
+            raise ExportError("--keep-int8 auto chooses the modules itself: give auto alone, or module names without it")
         for item in self.keep_int8:
             _kept_pattern(item)
-        if self.calibration is not None and self.algorithm not in ("k_quant", "gptq"):
-            raise ExportError(f"--calibration is for --algorithm k_quant or gptq, not {self.algorithm}")
+        if self.calibration is not None and self.algorithm not in ("k_quant", "gptq") and self.keep_int8 != (AUTO,):
+            raise ExportError(f"--calibration is for --algorithm k_quant or gptq, or --keep-int8 auto; not {self.algorithm} alone")
         if self.calibration is not None and not Path(self.calibration).is_file():
             raise ExportError(f"calibration text {self.calibration} is not a file: give --calibration a text file")
         if self.algorithm != "rtn" and self.symmetric:
@@ -128,24 +141,48 @@ def _role(name: str) -> tuple[int | None, str]:
     return layer, (parts[-1] if parts else name)
 
 
-def quantize_graph(folder: Path, quantization: Quantization) -> None:
+def quantize_graph(folder: Path, quantization: Quantization) -> Quantization:
     """Replace model.onnx and its weights in `folder` by the quantized graph: ONNX Runtime's
     MatMulNBitsQuantizer, given the graph without its weights, reads each MatMul's fp32 weight from
     the data file as it packs it (`patches.one_weight_at_a_time`, `patches.one_weight_loaded`), so
     one fp32 weight is in memory at a time, and the files written are the bytes of the quantizer's
     own run on the loaded graph. Tensors the quantizer leaves alone (the embedding table, norms)
-    are copied from the old data file by `save_graph`. The MatMuls go in `Quantization.passes`."""
+    are copied from the old data file by `save_graph`. The MatMuls go in `Quantization.passes`.
+    Returns `quantization` with `keep_int8` "auto" replaced by the modules chosen."""
     graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
     scratch = folder / "calibration"
     try:
         activations = _calibrated(folder, quantization, scratch)
+        fitted = {}  # 4-bit blocks the auto choice fitted, by weight name, for the pass that writes them
+        if quantization.keep_int8 == (AUTO,):
+            quantization = replace(quantization, keep_int8=tuple(_auto_kept(folder, quantization, activations, fitted)))
         for bits, algorithm, names in quantization.passes(graph):
-            chosen = set(names)
-            exclude = [n for n in _matmuls(graph) if n not in chosen]
-            graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations)
+            included = set(names)
+            exclude = [n for n in _matmuls(graph) if n not in included]
+            graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     save_graph(graph, folder, weights_from=folder)
+    return quantization
+
+
+def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: dict) -> list[str]:
+    """The modules `--keep-int8 auto` keeps at 8 bits (export/sensitivity.py), each weight rounded
+    as the export rounds it: by k_quant or gptq from the calibration text's activations (their
+    blocks kept in `fitted` for the 4-bit pass), else to nearest."""
+    block, algorithm = quantization.block_size, quantization.algorithm
+    if BITS[quantization.method] != 4:
+        return []
+
+    def rounded(weight, input_name, weight_name):
+        if algorithm not in ("k_quant", "gptq"):
+            return rounded_to_nearest(weight, block)
+        fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, algorithm))
+        return dequantized(*fitted[weight_name])[: len(weight)]
+
+    manifest = load_manifest(folder)
+    text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
+    return chosen(modules_by_cost(folder, Tokenizer(folder, manifest.tokenizer).encode(text), _role, rounded), block)
 
 
 def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
@@ -157,7 +194,7 @@ def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
     return collect(folder, text, scratch)
 
 
-def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=(), activations=None):
+def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=(), activations=None, fitted=None):
     """The graph with its MatMuls (but `exclude`) quantized at `bits` by `algorithm`; a tied
     embedding table gathers from the lm_head's rounded blocks once the lm_head is quantized."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
@@ -182,7 +219,7 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
         nodes_to_exclude=list(exclude),
     )
     if algorithm in ("k_quant", "gptq"):
-        quantizer.node_quantizer = search_quantizer(config, activations, algorithm)
+        quantizer.node_quantizer = search_quantizer(config, activations, algorithm, fitted)
     (one_weight_loaded if algorithm == "hqq" else one_weight_at_a_time)(quantizer.node_quantizer, folder)
     quantizer.process()
     if tied and algorithm != "hqq":  # HQQ's zero points are floats, which GatherBlockQuantized does not take

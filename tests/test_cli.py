@@ -121,9 +121,23 @@ def test_export_takes_gptq_with_a_calibration_text_and_int8_modules(tiny_llama, 
     assert done.returncode == 0, done.stderr
     recorded = json.loads((out / "edgeinfer.json").read_text())["quantization"]
     assert (recorded["algorithm"], recorded["calibration"], recorded["keep_int8"]) == ("gptq", str(text), ["lm_head", "down_proj:0"])
-    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "rtn"), "--quantize", "int4", "--calibration", str(text))
-    assert done.returncode != 0 and "--calibration is for --algorithm k_quant or gptq, not rtn" in done.stderr
+    done = edgeinfer(
+        "export", str(tiny_llama[0]), "-o", str(tmp_path / "rtn"), "--quantize", "int4", "--algorithm", "rtn",
+        "--keep-int8", "none", "--calibration", str(text),
+    )  # fmt: skip
+    assert done.returncode != 0 and "--calibration is for --algorithm k_quant or gptq, or --keep-int8 auto; not rtn" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "rtn").exists()
+
+
+def test_int4_is_gptq_with_the_modules_auto_chooses_unless_told(tiny_llama, tmp_path):
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--quantize", "int4")
+    assert done.returncode == 0, done.stderr
+    recorded = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())["quantization"]
+    assert recorded["algorithm"] == "gptq" and recorded["calibration"] is None
+    assert recorded["keep_int8"] and "auto" not in recorded["keep_int8"], recorded
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "int8"), "--quantize", "int8")
+    recorded = json.loads((tmp_path / "int8" / "edgeinfer.json").read_text())["quantization"]
+    assert done.returncode == 0 and (recorded["algorithm"], recorded["keep_int8"]) == ("rtn", []), done.stderr
 
 
 def test_export_takes_hqq_and_an_int8_lm_head(tiny_llama, tmp_path):

@@ -2,6 +2,7 @@
 generation that still works, and clear errors for bad settings."""
 
 import json
+from pathlib import Path
 
 import onnx
 import pytest
@@ -36,7 +37,11 @@ def test_quantized_export_has_nbits_weights_and_its_measured_quality(quantized, 
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 2 * 5 + 1  # packed qkv, o, gate, up, down per layer, and the lm_head
-    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {int(method[3:])}
+    kept = set(quality["keep_int8"])  # int4's default: the modules --keep-int8 auto chose
+    assert "auto" not in kept and (method == "int4" or not kept)
+    for node in nbits:
+        bits = next(a.i for a in node.attribute if a.name == "bits")
+        assert bits == (8 if _role_of_node(node.name) in kept else int(method[3:])), node.name
     fp32 = (tiny_llama[1] / "model.onnx.data").stat().st_size
     assert (folder / "model.onnx.data").stat().st_size < fp32 * (0.4 if method == "int4" else 0.6)  # embeddings stay fp32
 
@@ -82,8 +87,12 @@ def test_a_quantized_export_follows_transformers_logits_within_its_error(quantiz
         ({"method": "int4", "algorithm": "awq"}, "unknown quantization algorithm 'awq': use one of rtn, k_quant, gptq, hqq"),
         ({"method": "int4", "keep_int8": ("down_proj:0-",)}, "--keep-int8 takes module names with optional layers"),
         ({"method": "int4", "algorithm": "k_quant", "symmetric": True}, "k_quant fits a zero point to every block"),
-        ({"method": "int4", "algorithm": "rtn", "calibration": "text.txt"}, "--calibration is for --algorithm k_quant or gptq"),
+        (
+            {"method": "int4", "algorithm": "rtn", "keep_int8": (), "calibration": "text.txt"},
+            "--calibration is for --algorithm k_quant or gptq, or --keep-int8 auto",
+        ),
         ({"method": "int4", "algorithm": "hqq", "symmetric": True}, "hqq fits a zero point to every block"),
+        ({"method": "int4", "keep_int8": ("auto", "lm_head")}, "--keep-int8 auto chooses the modules itself: give auto alone"),
     ],
 )
 def test_bad_quantization_settings(settings, message):
@@ -104,7 +113,9 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
 
     build_llama(tmp_path / "hf", tie_word_embeddings=True)
     manifest = export_model(
-        str(tmp_path / "hf"), tmp_path / "export", ExportOptions(quantization=Quantization("int4", symmetric=symmetric))
+        str(tmp_path / "hf"),
+        tmp_path / "export",
+        ExportOptions(quantization=Quantization("int4", symmetric=symmetric, algorithm="rtn", keep_int8=())),
     )
     assert manifest.quantization["symmetric"] == symmetric
     graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
@@ -154,7 +165,11 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(quantize, "quantized_embedding", lambda *args: False)
-    export_model(str(tmp_path / "hf"), tmp_path / "table", ExportOptions(quantization=Quantization("int4", symmetric=symmetric)))
+    export_model(
+        str(tmp_path / "hf"),
+        tmp_path / "table",
+        ExportOptions(quantization=Quantization("int4", symmetric=symmetric, algorithm="rtn", keep_int8=())),
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     gathered, _ = logits_against_transformers(Engine.load(tmp_path / "export", provider="cpu"), model, [1, 40, 41, 42])
     table, _ = logits_against_transformers(Engine.load(tmp_path / "table", provider="cpu"), model, [1, 40, 41, 42])
@@ -190,7 +205,7 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding
 
     source, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
-    quantization = Quantization(method, symmetric=symmetric)
+    quantization = Quantization(method, symmetric=symmetric, algorithm="rtn", keep_int8=())
     quantize_graph(ours, quantization)
 
     bits = BITS[method]
@@ -224,7 +239,7 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding
 
     _, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
-    quantize_graph(ours, Quantization("int4", algorithm="hqq"))
+    quantize_graph(ours, Quantization("int4", algorithm="hqq", keep_int8=()))
 
     model = onnx.load(str(theirs / "model.onnx"))
     head, found = lm_head_node(model.graph), tied_embedding(model.graph)
@@ -250,7 +265,7 @@ def test_keep_int8_lm_head_and_hqq_export_and_follow_transformers(tiny_llama, tm
     model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
     cosines = {}
     for name, quantization in {
-        "rtn": Quantization("int4"),
+        "rtn": Quantization("int4", algorithm="rtn", keep_int8=()),
         "hqq_head8": Quantization("int4", algorithm="hqq", keep_int8=("lm_head",)),
     }.items():
         export_model(str(tiny_llama[0]), tmp_path / name, ExportOptions(quantization=quantization))
@@ -360,3 +375,58 @@ def test_calibrated_exports_keep_the_named_matmuls_at_int8(tiny_llama, tmp_path,
     assert manifest.quantization["algorithm"] == algorithm and 0 < manifest.quantization["top1_agreement"] <= 1
     result = Engine.load(tmp_path / "q", provider="cpu").generate("hello", max_new_tokens=4, ignore_eos=True)
     assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+def test_the_auto_choice_measures_each_module_by_its_own_weights(tmp_path, tiny_llama):
+    """A module whose weights the rounding wrecks (zeroed) costs the most, and only it: the others,
+    left exact, cost nothing; a tied table follows its lm_head."""
+    from edgeinfer.export.quantize import _role
+    from edgeinfer.export.sensitivity import modules_by_cost
+
+    _, tied, _ = two_copies(tmp_path, tiny_llama, tied=True)
+    ids = list(range(5, 200))
+    for export, wrecked in ((tiny_llama[1], "down_proj"), (tied, "lm_head")):
+        graph = onnx.load(str(Path(export) / "model.onnx"), load_external_data=False).graph
+        modules = {n.input[1]: _role(n.name)[1] for n in graph.node if n.op_type == "MatMul"}
+        costs = modules_by_cost(export, ids, _role, lambda weight, _input, name: weight * 0 if modules[name] == wrecked else weight)
+        by_module = {module: kld for module, kld, _ in costs}
+        assert costs[0][0] == wrecked and by_module[wrecked] > 0.01, costs
+        assert all(abs(kld) < 1e-6 for module, kld in by_module.items() if module != wrecked), costs
+        assert not (Path(export) / "sensitivity.onnx").exists()
+
+
+def test_the_auto_choice_keeps_the_costliest_per_byte_within_the_budget():
+    from edgeinfer.export.sensitivity import BUDGET, chosen
+
+    # (module, KL divergence, bytes 8 bits add): 200 weights, 128 bytes at 4 bits (block 32), 38.4 to add
+    costs = [("o_proj", 0.01, 10), ("lm_head", 0.5, 60), ("up_proj", 0.05, 10), ("qkv_proj", 0.2, 20)]
+    assert BUDGET == 0.3
+    assert chosen(costs, 32) == ["qkv_proj", "up_proj"]  # lm_head's 60 never fits; o_proj's 10 no longer does
+    assert chosen(costs, 128) == ["qkv_proj", "up_proj"]
+    assert chosen([("lm_head", 0.5, 30), ("qkv_proj", 0.2, 30), ("o_proj", 0.01, 40)], 32) == ["lm_head"]
+
+
+def test_keep_int8_auto_writes_what_naming_its_choice_writes(tmp_path, tiny_llama):
+    """gptq with --keep-int8 auto: the modules chosen are recorded in the manifest, and the files are
+    byte for byte those of an export that names them (the blocks the measure fitted are reused)."""
+    from edgeinfer.export.quantize import quantize_graph
+
+    _, auto, named = two_copies(tmp_path, tiny_llama, tied=False)
+    done = quantize_graph(auto, Quantization("int4", algorithm="gptq", keep_int8=("auto",)))
+    assert (
+        done.keep_int8
+        and "auto" not in done.keep_int8
+        and set(done.keep_int8) <= {"lm_head", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
+    quantize_graph(named, Quantization("int4", algorithm="gptq", keep_int8=done.keep_int8))
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (auto / name).read_bytes() == (named / name).read_bytes(), name
+    graph = onnx.load(str(auto / "model.onnx"), load_external_data=False).graph
+    eight = {n.name for n in graph.node if n.op_type == "MatMulNBits" and next(a.i for a in n.attribute if a.name == "bits") == 8}
+    assert eight and {_role_of_node(n) for n in eight} == set(done.keep_int8)
+
+
+def _role_of_node(name):
+    from edgeinfer.export.quantize import _role
+
+    return _role(name.removesuffix("_Q8").removesuffix("_Q4"))[1]
