@@ -170,23 +170,24 @@ def search_quantizer(config, activations=None, method: str = "k_quant", fitted: 
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
     class SearchQuantizer(DefaultWeightOnlyQuantizer):
-        current = (None, None, None, None)  # (input name, weight name, importance, Hessian) of the MatMul being quantized
+        current = (None, None)  # (input name, weight name) of the MatMul being quantized
+        known = (None, None)  # (input name, (importance, Hessian)): MatMuls that share an input share them
 
         def quantize(self, node, graph_stack):
-            name, weight = node.input[0], node.input[1]
-            if self.current[0] != name:
-                self.current = (name, weight, *statistics(activations, name, method))
-            else:
-                self.current = (name, weight, *self.current[2:])
+            self.current = (node.input[0], node.input[1])
             return super().quantize(node, graph_stack)
 
         def qbits_block_quant(self, weight):
             bits, block = self.config.bits, self.config.block_size
-            _, name, importance, hessian = self.current
-            blocks = (fitted or {}).pop(name, None) or fit_weight(weight, bits, block, importance, hessian)
+            blocks = (fitted or {}).pop(self.current[1], None) or fit_weight(weight, bits, block, *self._statistics())
             levels, scales, zeros = blocks
             packed, zeros = pack(levels, zeros, bits)
             return packed, scales.astype(weight.dtype), zeros  # scales in the activations' type (fp16 exports)
+
+        def _statistics(self):
+            if self.known[0] != self.current[0]:
+                self.known = (self.current[0], statistics(activations, self.current[0], method))
+            return self.known[1]
 
     return SearchQuantizer(config)
 

@@ -108,7 +108,7 @@ def rounded_to_nearest(weight: np.ndarray, block: int) -> np.ndarray:
 def _log_probs(graph: Graph, manifest, window: list[int], weights: dict) -> np.ndarray:
     feeds = {**window_feeds(graph, manifest, window, logits=len(window)), **weights}
     _, outputs = graph.run(feeds, on_device=[], to_host=["logits"])
-    logits = outputs["logits"][0].astype(np.float64)
+    logits = outputs["logits"][0].astype(np.float32, copy=True)
     logits -= logits.max(-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
