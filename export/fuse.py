@@ -1,7 +1,8 @@
 """Fusing the exported graph: ONNX Runtime's transformer optimizer (optimize.py: rotary embeddings, skip +
 (RMS) layer norms and GELUs become single contrib ops: `RotaryEmbedding`,
 `SkipSimplifiedLayerNormalization`, ...), then each layer's attention rewritten to
-`GroupQueryAttention` with the KV cache written in place (attention.py). The graph written is
+`GroupQueryAttention` with the KV cache written in place (attention.py), and the MatMuls that read
+one input packed into one (pack.py: the MLP's gate and up projections). The graph written is
 already optimized, so it loads faster.
 
 A fused graph is kept only if it passes the same checks as the export (logits against PyTorch,
@@ -29,6 +30,7 @@ from .attention import PatternError, layer_windows, rewrite_attention
 from .check import check_against
 from .graphs import GRAPH_FILE, save_graph
 from .optimize import load_without_weights, optimize
+from .pack import pack_shared_inputs
 from .source import first_line
 from .validate import Reference
 
@@ -69,14 +71,15 @@ def fuse_graph(
 
 
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
-    """A copy of the optimizer's graph with GroupQueryAttention, or None and why not (the weights
-    it packs are read from `folder`'s data file)."""
+    """A copy of the optimizer's graph with GroupQueryAttention and the MatMuls that share an input
+    packed (pack.py), or None and why not (the weights it packs are read from `folder`'s data file)."""
     rewritten = _copy(optimized)
     try:
         num_heads = getattr(config, "num_attention_heads", None)
         if not num_heads:
             raise PatternError(f"the {config.model_type} config names no num_attention_heads")
         rewrite_attention(rewritten, num_heads, layer_windows(config, manifest.kv.num_layers), weights_from=folder)
+        pack_shared_inputs(rewritten, weights_from=folder)
     except PatternError as e:
         return None, f"attention kept as exported: {first_line(e)}"
     return rewritten, None

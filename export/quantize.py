@@ -103,7 +103,8 @@ class Quantization:
 
 def kept_int8(graph, items) -> list[str]:
     """The MatMuls `items` name: `lm_head`, or a module name (the last part of a MatMul's name before
-    /MatMul: o_proj, down_proj, ...; a fused attention input projection is qkv_proj), optionally
+    /MatMul: o_proj, down_proj, ...; a fused attention input projection is qkv_proj, a packed gate and
+    up projection gate_up_proj), optionally
     with layers: `down_proj:0-3` (0 to 3), `qkv_proj:0,29` is written `qkv_proj:0+29`."""
     roles = {node.name: _role(node.name) for node in graph.node if node.op_type == "MatMul"}
     chosen = []

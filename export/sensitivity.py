@@ -1,6 +1,6 @@
 """Which modules a 4-bit export keeps at 8 bits when `--keep-int8 auto`: each module's cost measured
 end to end, not guessed from its weights. The fp32 export runs the first `TOKENS` of the
-calibration text once exactly, and once per module (qkv_proj, o_proj, gate_proj, ..., lm_head)
+calibration text once exactly, and once per module (qkv_proj, o_proj, gate_up_proj, ..., lm_head)
 with that module's weights in every layer rounded to 4 bits and the rest exact; the mean KL
 divergence of those next-token distributions from the exact ones is the module's cost. Modules are
 kept at 8 bits in order of cost per byte added, while what they add stays within `BUDGET` of the

@@ -53,7 +53,7 @@ def test_float16_with_int4_weights(tiny_llama, tmp_path):
     graph = onnx.load(str(tmp_path / "export" / "model.onnx")).graph
     initializers = {t.name: t for t in graph.initializer}
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 2 * 5 + 1 and all(initializers[n.input[2]].data_type == TensorProto.FLOAT16 for n in nbits)
+    assert len(nbits) == 2 * 4 + 1 and all(initializers[n.input[2]].data_type == TensorProto.FLOAT16 for n in nbits)
     assert 0.3 < manifest.quantization["top1_agreement"] <= 1.0  # the tiny llama's random weights: see test_quantization
     model = AutoModelForCausalLM.from_pretrained(tiny_llama[0]).eval()
     ids = AutoTokenizer.from_pretrained(tiny_llama[0])(PROMPT).input_ids

@@ -36,7 +36,7 @@ def test_quantized_export_has_nbits_weights_and_its_measured_quality(quantized, 
     )
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 2 * 5 + 1  # packed qkv, o, gate, up, down per layer, and the lm_head
+    assert len(nbits) == 2 * 4 + 1  # packed qkv, o, packed gate and up, down per layer, and the lm_head
     kept = set(quality["keep_int8"])  # int4's default: the modules --keep-int8 auto chose
     assert "auto" not in kept and (method == "int4" or not kept)
     for node in nbits:
@@ -416,7 +416,7 @@ def test_keep_int8_auto_writes_what_naming_its_choice_writes(tmp_path, tiny_llam
     assert (
         done.keep_int8
         and "auto" not in done.keep_int8
-        and set(done.keep_int8) <= {"lm_head", "qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        and set(done.keep_int8) <= {"lm_head", "qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     )
     quantize_graph(named, Quantization("int4", algorithm="gptq", keep_int8=done.keep_int8))
     for name in ("model.onnx", "model.onnx.data"):

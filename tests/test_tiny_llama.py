@@ -78,7 +78,8 @@ def test_export_fuses_the_graph_and_no_fuse_keeps_optimums(tiny_llama, tmp_path)
     manifest = json.loads((tiny_llama[1] / "edgeinfer.json").read_text())
     assert manifest["validation"]["fusion"] == {"fused": {"GroupQueryAttention": 2, "SkipSimplifiedLayerNormalization": 4}}
     ops = collections.Counter(n.op_type for n in onnx.load(str(tiny_llama[1] / "model.onnx"), load_external_data=False).graph.node)
-    assert ops["GroupQueryAttention"] == 2 and ops["MatMul"] == 2 * 5 + 1  # q, k and v packed into one MatMul per layer
+    assert ops["GroupQueryAttention"] == 2 and ops["MatMul"] == 2 * 4 + 1  # q, k and v packed, and gate and up, per layer
+    assert ops["Split"] == 2  # the packed gate and up projection split back
     assert "Concat" not in ops and "Softmax" not in ops  # no cache concatenation, no attention chain left
     export_model(str(tiny_llama[0]), tmp_path / "plain", ExportOptions(fuse=False))
     plain = onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph
