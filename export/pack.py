@@ -38,12 +38,14 @@ def pack_shared_inputs(model: onnx.ModelProto, weights_from=None) -> int:
 
 def packed_name(names: list[str]) -> str:
     """The packed MatMul's name: the parts' common path with their modules joined
-    (/model/layers.3/mlp/gate_proj/MatMul and .../up_proj/MatMul: /model/layers.3/mlp/gate_up_proj/MatMul)."""
+    (/model/layers.3/mlp/gate_proj/MatMul and .../up_proj/MatMul: /model/layers.3/mlp/gate_up_proj/MatMul;
+    q_proj, k_proj and v_proj: qkv_proj, as attention.py names the projections it packs)."""
     paths = [[part for part in name.split("/") if part and part != "MatMul"] for name in names]
     common = os.path.commonprefix(paths)
     modules = ["_".join(path[len(common) :]) or "matmul" for path in paths]
     if all(module.endswith("_proj") for module in modules):
-        joined = "_".join(module.removesuffix("_proj") for module in modules) + "_proj"
+        parts = [module.removesuffix("_proj") for module in modules]
+        joined = ("" if all(len(part) == 1 for part in parts) else "_").join(parts) + "_proj"  # qkv_proj, gate_up_proj
     else:
         joined = "_".join(modules)
     return "/" + "/".join([*common, joined, "MatMul"])

@@ -71,6 +71,8 @@ def test_the_packed_module_is_named_for_keep_int8():
         "/model/layers.3/mlp/gate_up_proj/MatMul"
     )
     assert packed_name(["/h.0/mlp/fc_in/MatMul", "/h.0/mlp/fc_gate/MatMul"]) == "/h.0/mlp/fc_in_fc_gate/MatMul"
+    names = [f"/model/layers.0/self_attn/{m}_proj/MatMul" for m in "qkv"]  # where attention.py leaves them apart
+    assert packed_name(names) == "/model/layers.0/self_attn/qkv_proj/MatMul"
     assert _role("/model/layers.3/mlp/gate_up_proj/MatMul") == (3, "gate_up_proj")
     model = _gated_mlp()
     pack_shared_inputs(model)
