@@ -28,6 +28,7 @@ from .graphs import export_graph, kv_layout
 from .quantize import Quantization, quality, quality_reference, quantize_graph
 from .source import first_line, load_model, resolve_source
 from .split import split_export
+from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
 
 STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "write")
@@ -426,6 +427,7 @@ def max_context(config, tokenizer, requested: int | None) -> int:
 
 def _save_tokenizer(model, tokenizer, work: Path) -> TokenizerSpec:
     tokenizer.save_pretrained(work)
+    spm_merges.rewrite(work / "tokenizer.json")  # a GGUF's rank scores tokenized as llama.cpp does
     model.generation_config.save_pretrained(work)
     template = tokenizer.chat_template
     if isinstance(template, dict):
