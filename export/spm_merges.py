@@ -17,8 +17,10 @@ from pathlib import Path
 
 def has_rank_scores(model: dict) -> bool:
     """A Unigram model whose scores are all whole numbers: merge ranks, not log-probabilities."""
+    if model.get("type") != "Unigram":
+        return False
     scores = [score for _, score in model.get("vocab", [])]
-    return model.get("type") == "Unigram" and len(scores) > 1 and all(float(score).is_integer() for score in scores)
+    return len(scores) > 1 and all(float(score).is_integer() for score in scores)
 
 
 def merges(vocab: list[tuple[str, float]]) -> list[tuple[str, str]]:

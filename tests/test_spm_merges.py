@@ -51,3 +51,12 @@ def test_a_byte_piece_renamed_to_a_character_the_vocabulary_also_has_keeps_its_i
     vocab = [("<unk>", 0.0), ("\t", -1.0), ("a", -2.0), ("b", -3.0), ("\t", -4.0)]
     ids = json.loads(as_merges(_unigram(vocab)))["model"]["vocab"]
     assert ids == {"<unk>": 0, "<0x09>": 1, "a": 2, "b": 3, "\t": 4}
+
+
+def test_a_bpe_tokenizer_is_written_as_it_is(tmp_path):
+    from conftest import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    before = (tmp_path / "tokenizer.json").read_text()
+    assert not has_rank_scores(json.loads(before)["model"]) and as_merges(before) == before
+    assert not rewrite(tmp_path / "tokenizer.json") and (tmp_path / "tokenizer.json").read_text() == before
