@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .attention_pattern import GraphView, LayerAttention, PatternError, find_layer, key_value_pairs
-from .graphs import LAST_POSITION_NODE, LOGITS_TO_KEEP, PAST_PREFIX, PRESENT_PREFIX
+from .graphs import LAST_POSITION_NODE, LOGITS_TO_KEEP, PAST_PREFIX, PRESENT_PREFIX, drop_unused_initializers
 
 __all__ = ["PatternError", "layer_windows", "rewrite_attention"]
 
@@ -211,9 +211,8 @@ def _drop_dead_nodes(graph) -> None:
             break
         for node in dead:
             graph.node.remove(node)
+    drop_unused_initializers(graph)
     used = {name for node in graph.node for name in node.input}
-    for tensor in [t for t in graph.initializer if t.name not in used]:
-        graph.initializer.remove(tensor)
     for value in [i for i in graph.input if i.name not in used]:  # position_ids, once rotation is in the attention
         graph.input.remove(value)
 

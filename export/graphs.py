@@ -87,6 +87,13 @@ def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
     ]
 
 
+def drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    """Remove the initializers no node reads (weights a rewrite replaced)."""
+    used = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(tensor)
+
+
 def save_graph(model: onnx.ModelProto, folder: Path, weights_from: Path | None = None) -> None:
     """Write `model` as the export's graph: model.onnx, its tensors of 1 KiB or more in
     model.onnx.data. Tensors the model still references in a data file (it was loaded without

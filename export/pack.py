@@ -18,6 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .attention_pattern import GraphView
+from .graphs import drop_unused_initializers
 
 
 def pack_shared_inputs(model: onnx.ModelProto, weights_from=None) -> int:
@@ -29,10 +30,7 @@ def pack_shared_inputs(model: onnx.ModelProto, weights_from=None) -> int:
     groups = _groups(graph, view)
     for matmuls in groups:
         _pack(graph, view, matmuls)
-    if groups:
-        used = {name for node in graph.node for name in node.input}
-        for tensor in [t for t in graph.initializer if t.name not in used]:
-            graph.initializer.remove(tensor)
+    drop_unused_initializers(graph)  # the parts' weights
     return sum(len(group) for group in groups)
 
 

@@ -3,10 +3,10 @@
 A GGUF with `tokenizer.ggml.model` "llama" keeps a SentencePiece vocabulary with one score per
 piece. llama.cpp tokenizes it by merging, again and again, the adjacent pair whose merged piece has
 the highest score. transformers converts Gemma's GGUF vocabularies to a Unigram model that reads the
-scores as log-probabilities instead. Gemma 3's scores are minus each piece's merge rank (whole
-numbers from -255,504 to 0), and as log-probabilities they favour many short pieces: "history"
-came out as "h ist ory". `as_merges` rebuilds such a tokenizer as the BPE model that merges in
-score order."""
+scores as log-probabilities instead. Where the scores are minus each piece's merge rank (whole
+numbers, as in Gemma 3's), that reading favours many short pieces over the word's own piece.
+`as_merges` rebuilds such a tokenizer as the BPE model that merges in score order (docs/export.md
+has what it changes)."""
 
 from __future__ import annotations
 

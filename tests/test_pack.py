@@ -64,6 +64,10 @@ def test_a_matmul_alone_or_on_a_computed_weight_is_left_as_it_was():
     before.CopyFrom(model)
     assert pack_shared_inputs(model) == 0
     assert model == before
+    computed = _gated_mlp()  # up_proj's weight computed in the graph: not a constant to pack
+    computed.graph.node[1].input[1] = "up_computed"
+    computed.graph.node.insert(0, helper.make_node("Identity", ["up"], ["up_computed"]))
+    assert pack_shared_inputs(computed) == 0 and sum(n.op_type == "MatMul" for n in computed.graph.node) == 3
 
 
 def test_the_packed_module_is_named_for_keep_int8():
