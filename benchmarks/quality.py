@@ -89,10 +89,10 @@ def _export_row(path, text, ids, logprobs, base, base_ppl, top, scores, referenc
 def windowed_logprobs(engine, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per window, the log-softmax [scored positions, vocabulary] in float32 of its scored half, and
     the tokens those positions predict."""
-    from edgeinfer.export.quantize import second_half, teacher_forced_logits, windows
+    from edgeinfer.export.quantize import leading_bos, second_half, teacher_forced_logits, windows
 
     out = []
-    for window in windows(ids, engine.max_context):
+    for window in windows(ids, engine.max_context, leading_bos(ids, engine.manifest)):
         logits = np.concatenate([chunk for _, chunk in teacher_forced_logits(engine, window)])
         half = second_half(logits, len(window)).astype(np.float64)
         half -= half.max(-1, keepdims=True)

@@ -15,7 +15,7 @@ import onnx
 
 from edgeinfer.sdk.engine import Engine
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.manifest import Manifest, load_manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .calibration import CALIBRATION_TEXT, collect
@@ -304,11 +304,18 @@ class QualityReference:
 WINDOW = 256  # llama-perplexity's --ctx-size for the side-by-side: each window alone, its second half scored
 
 
-def windows(ids: list[int], context: int) -> list[list[int]]:
+def windows(ids: list[int], context: int, bos: int | None = None) -> list[list[int]]:
     """The text cut as llama-perplexity cuts it: windows of WINDOW tokens (the context, where it is
-    smaller), one after the other, each run from an empty cache."""
+    smaller), one after the other, each run from an empty cache; with `bos` (the tokenizer starts a
+    text with it: `leading_bos`), each window's first token replaced by it."""
     size = min(WINDOW, context)
-    return [ids[start : start + size] for start in range(0, len(ids) - size + 1, size)]
+    cut = [ids[start : start + size] for start in range(0, len(ids) - size + 1, size)]
+    return cut if bos is None else [[bos, *window[1:]] for window in cut]
+
+
+def leading_bos(ids: list[int], manifest: Manifest) -> int | None:
+    """The BOS id where the tokenizer started the text `ids` with it, else None."""
+    return ids[0] if ids and ids[0] == manifest.bos_token_id else None
 
 
 def second_half(scores: np.ndarray, size: int) -> np.ndarray:
@@ -332,7 +339,7 @@ def quality_reference(model, folder: Path) -> QualityReference:
             past = out.past_key_values
         windowed = [
             second_half(_scores(model(torch.tensor([w])).logits[0, :-1].float().numpy(), np.array(w[1:]))[1], len(w))
-            for w in windows(ids, manifest.max_context)
+            for w in windows(ids, manifest.max_context, leading_bos(ids, manifest))
         ]
     top, scores = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     return QualityReference(ids, top, scores, np.concatenate(windowed))
@@ -358,8 +365,8 @@ def quality(reference: QualityReference, folder: Path) -> dict:
 def windowed_scores(engine: Engine, ids: list[int]) -> np.ndarray:
     """The export's log-probabilities llama-perplexity's way: each window from an empty cache, its
     second half scored."""
-    parts = [second_half(_teacher_forced_scores(engine, w, np.array(w[1:]))[1], len(w)) for w in windows(ids, engine.max_context)]
-    return np.concatenate(parts)
+    cut = windows(ids, engine.max_context, leading_bos(ids, engine.manifest))
+    return np.concatenate([second_half(_teacher_forced_scores(engine, w, np.array(w[1:]))[1], len(w)) for w in cut])
 
 
 def _teacher_forced_scores(engine: Engine, ids: list[int], targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -88,6 +88,8 @@ def load_model(source: Source, with_tokenizer: bool = True):
             tokenizer = None
             if with_tokenizer:
                 tokenizer = AutoTokenizer.from_pretrained(converted or source.path, **({} if converted else kwargs))
+                if source.gguf_file and converted is None:
+                    _special_tokens_as_gguf(tokenizer, Path(source.path) / source.gguf_file)
         if source.gguf_file and converted is None:
             _keep_converted(source, config, tokenizer)
     except OSError as e:
@@ -99,6 +101,20 @@ def load_model(source: Source, with_tokenizer: bool = True):
     if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
+
+
+def _special_tokens_as_gguf(tokenizer, gguf_path: Path) -> None:
+    """Whether a text starts with BOS and ends with EOS, as the GGUF says (`tokenizer.ggml.add_bos_token`,
+    `add_eos_token`), which llama.cpp follows and transformers' conversion does not: it gave
+    SmolLM2's tokenizer a leading <|im_start|> on every text where its GGUF says no BOS.
+    Tokenizer classes with no such setting keep their own."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    for flag in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{flag}")
+        if field is not None and isinstance(getattr(type(tokenizer), flag, None), property):
+            setattr(tokenizer, flag, bool(field.parts[field.data[0]][0]))
 
 
 def _converted_gguf(source: Source) -> str | None:
@@ -127,14 +143,17 @@ def _keep_converted(source: Source, config, tokenizer) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+_CONVERSION = 2  # what edgeinfer changes after transformers' conversion: a new value converts every GGUF again
+
+
 def _conversion_folder(source: Source) -> Path:
-    """Named by the file's path, size and modification time, and the transformers version that
-    converted it: a changed file or another converter gets a folder of its own."""
+    """Named by the file's path, size and modification time, the transformers version that
+    converted it and `_CONVERSION`: a changed file or another converter gets a folder of its own."""
     import transformers
 
     path = Path(source.path) / source.gguf_file
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_CONVERSION}"
     return cache_root() / "converted" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 

@@ -430,3 +430,18 @@ def _role_of_node(name):
     from edgeinfer.export.quantize import _role
 
     return _role(name.removesuffix("_Q8").removesuffix("_Q4"))[1]
+
+
+def test_windows_start_with_bos_where_the_tokenizer_starts_a_text_with_it():
+    """llama-perplexity puts BOS in place of each window's first token where the model's tokenizer
+    starts a text with it (Gemma's), and leaves the windows as cut where it does not (SmolLM2's)."""
+    from types import SimpleNamespace
+
+    from edgeinfer.export.quantize import leading_bos, windows
+
+    text = list(range(10, 610))
+    assert windows(text, 4096) == [text[:256], text[256:512]] and windows(text, 100)[1] == text[100:200]
+    manifest = SimpleNamespace(bos_token_id=2)
+    assert leading_bos(text, manifest) is None and leading_bos([2, *text], manifest) == 2
+    with_bos = windows([2, *text], 4096, leading_bos([2, *text], manifest))
+    assert with_bos == [[2, *text[:255]], [2, *text[256:511]]]  # the second window's first token (text[255]) replaced

@@ -60,3 +60,29 @@ def test_a_bpe_tokenizer_is_written_as_it_is(tmp_path):
     before = (tmp_path / "tokenizer.json").read_text()
     assert not has_rank_scores(json.loads(before)["model"]) and as_merges(before) == before
     assert not rewrite(tmp_path / "tokenizer.json") and (tmp_path / "tokenizer.json").read_text() == before
+
+
+def test_the_gguf_says_whether_a_text_starts_with_bos(tmp_path):
+    """transformers' GGUF conversion gives a Llama tokenizer a leading BOS whatever the GGUF says;
+    export follows `tokenizer.ggml.add_bos_token`, as llama.cpp does (SmolLM2's GGUF says no)."""
+    from gguf import GGUFWriter
+    from transformers import LlamaTokenizerFast
+
+    from edgeinfer.export.source import _special_tokens_as_gguf
+
+    inner = Tokenizer(models.BPE({"<s>": 0, "</s>": 1, "a": 2, "b": 3, "ab": 4}, [("a", "b")]))
+    made = []
+    for add_bos in (False, True):
+        path = tmp_path / f"bos-{add_bos}.gguf"
+        writer = GGUFWriter(str(path), "llama")
+        writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+        writer.add_bool("tokenizer.ggml.add_eos_token", False)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        tokenizer = LlamaTokenizerFast(tokenizer_object=Tokenizer.from_str(inner.to_str()), bos_token="<s>", eos_token="</s>")
+        assert tokenizer("ab").input_ids == [0, 4]  # transformers' own default
+        _special_tokens_as_gguf(tokenizer, path)
+        tokenizer.save_pretrained(tmp_path / f"saved-{add_bos}")
+        made.append(Tokenizer.from_file(str(tmp_path / f"saved-{add_bos}" / "tokenizer.json")).encode("ab").ids)
+    assert made == [[4], [0, 4]]  # the file the runtime reads says it too
