@@ -16,13 +16,18 @@ of each row's last `logits_to_keep` real positions. The graph keeps its inputs a
 
 Where the query and key are rotated by one `RotaryEmbedding` right after their projections, the
 rotation moves into GroupQueryAttention (its positions are each row's slots, which is this layout's
-positions) and the q, k and v projections become one MatMul; elsewhere the rotated tensors are fed
-as they are. Norms and the MLP are left as they were. attention_pattern.py finds what each layer
-computes; this module builds the new nodes. Every layer is matched before the graph is changed, and
+positions) and the q, k and v projections become one MatMul. A rotation written out in ops moves
+in too, its cos and sin caches evaluated from the graph's own computation of them for every
+position of the context; a norm over each head before it (Gemma 3's q_norm and k_norm) is applied
+to the projection reshaped to [batch, seq, heads, head], and the projections stay apart. Elsewhere
+the rotated tensors are fed as they are. The layers' norms and the MLP are left as they were.
+attention_pattern.py finds what each layer computes; this module builds the new nodes. Every layer is matched before the graph is changed, and
 a rewritten graph is kept only if it passes the export's checks.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import onnx
@@ -58,10 +63,10 @@ def layer_windows(config, num_layers: int) -> list[int]:
     return [window] * num_layers
 
 
-def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int], weights_from=None) -> int:
-    """Rewrite every layer's attention in place; returns the number of layers rewritten. Raises
-    PatternError, before changing anything, where a layer does not match. Weights the model keeps
-    in a data file are read from the folder `weights_from`."""
+def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int], positions: int, weights_from=None) -> int:
+    """Rewrite every layer's attention in place, for contexts of up to `positions` tokens; returns
+    the number of layers rewritten. Raises PatternError, before changing anything, where a layer
+    does not match. Weights the model keeps in a data file are read from the folder `weights_from`."""
     graph = model.graph
     view = GraphView(graph, weights_from)
     if "attention_mask" not in view.inputs:
@@ -72,6 +77,7 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
     if len(windows) != len(pairs):
         raise PatternError(f"{len(windows)} sliding windows given for {len(pairs)} layers")
     layers = [find_layer(view, past_key, past_value) for past_key, past_value in pairs]
+    layers = _with_evaluated_caches(model, view, layers, positions)
     _add_lengths(graph)
     for index, (layer, window) in enumerate(zip(layers, windows)):
         _replace_layer(graph, view, f"edgeinfer_gqa_{index}", layer, num_heads, window)
@@ -106,10 +112,80 @@ def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num
         graph.node.remove(node)
 
 
+def _with_evaluated_caches(model, view: GraphView, layers: list[LayerAttention], positions: int) -> list[LayerAttention]:
+    """`layers` with each rotation written out in ops given constant cos and sin caches
+    [positions, head / 2]: the graph's own cos and sin computation run once for positions 0 to
+    `positions` - 1, one pair of caches per pair of tensors (Gemma 3 has one for its local layers
+    and one for its global layers)."""
+    caches, tables = {}, []
+    for layer in layers:
+        if layer.rotary and layer.rotary.computed and tuple(layer.rotary.caches) not in caches:
+            name = f"edgeinfer_rotary_{len(caches)}"
+            for tensor, computed, suffix in zip(
+                _positions_run(model, view, layer.rotary.caches, positions), layer.rotary.caches, ("cos", "sin")
+            ):
+                half = tensor.shape[-1] // 2
+                if not np.array_equal(tensor[..., :half], tensor[..., half:]):
+                    raise PatternError(f"the rotation's {suffix} tensor {computed} is not two equal halves")
+                tables.append(numpy_helper.from_array(np.ascontiguousarray(tensor[0, :, :half]), f"{name}_{suffix}"))
+            caches[tuple(layer.rotary.caches)] = [f"{name}_cos", f"{name}_sin"]
+    model.graph.initializer.extend(tables)  # once every rotation has matched
+    return [
+        dataclasses.replace(layer, rotary=dataclasses.replace(layer.rotary, caches=caches[tuple(layer.rotary.caches)], computed=False))
+        if layer.rotary and layer.rotary.computed
+        else layer
+        for layer in layers
+    ]
+
+
+def _positions_run(model, view: GraphView, outputs: list[str], positions: int) -> list[np.ndarray]:
+    """`outputs`, computed from `position_ids` alone, for positions 0 to `positions` - 1 of one row:
+    the nodes they depend on, run by ONNX Runtime with their constants."""
+    import onnxruntime as ort
+
+    nodes, needed, pending = [], set(), list(outputs)
+    while pending:
+        tensor = pending.pop()
+        if tensor in needed or not tensor:
+            continue
+        needed.add(tensor)
+        node = view.producer.get(tensor)
+        if node is not None:
+            nodes.append(node)
+            pending.extend(node.input)
+        elif tensor != "position_ids" and tensor not in view.constants:
+            raise PatternError(f"the rotation's cos and sin depend on {tensor}, not on the positions alone")
+    if "position_ids" not in needed:
+        raise PatternError("the rotation's cos and sin do not depend on position_ids")
+    unique = list({id(node): node for node in nodes}.values())
+    order = [node for node in model.graph.node if any(node is n for n in unique)]
+    constants = [
+        numpy_helper.from_array(view.array(view.constants[t]), t) for t in needed if t in view.constants and t not in view.producer
+    ]
+    graph = helper.make_graph(
+        order,
+        "edgeinfer_rotary",
+        [view.inputs["position_ids"]],
+        [helper.make_tensor_value_info(t, TensorProto.FLOAT, None) for t in outputs],
+        constants,
+    )
+    small = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    session = ort.InferenceSession(small.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, {"position_ids": np.arange(positions, dtype=np.int64)[None]})
+
+
 def _attention_inputs(graph, view: GraphView, name: str, layer: LayerAttention) -> list[str]:
     """GroupQueryAttention's query, key and value inputs, each [batch, seq, heads * head_size]:
-    one packed QKV MatMul where the three projections allow it, the projections themselves where
-    they exist, and elsewhere the [batch, heads, seq, head] tensor transposed back."""
+    the projections with their norms over each head where there are such norms, one packed QKV
+    MatMul where the three projections allow it, the projections themselves where they exist, and
+    elsewhere the [batch, heads, seq, head] tensor transposed back."""
+    if layer.head_norms:
+        (query, key, value), (query_norm, key_norm) = layer.projections, layer.head_norms
+        return [
+            _normed(graph, f"{name}_query", query, query_norm, layer.head_size),
+            _normed(graph, f"{name}_key", key, key_norm, layer.head_size),
+            value,
+        ]
     if all(layer.projections):
         packed = _pack_projections(graph, view, name, layer.projections)
         return [packed, "", ""] if packed else list(layer.projections)
@@ -125,6 +201,26 @@ def _attention_inputs(graph, view: GraphView, name: str, layer: LayerAttention) 
             )
         names.append(projection)
     return names
+
+
+def _normed(graph, name: str, projection: str, norm, head_size: int) -> str:
+    """`norm` (over each head's last axis) applied to `projection` [batch, seq, heads * head] as
+    [batch, seq, heads, head], and the result as [batch, seq, heads * head] again."""
+    shape = f"edgeinfer_gqa_heads_{head_size}"
+    if not any(t.name == shape for t in graph.initializer):
+        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1, head_size], np.int64), shape))
+    copy = helper.make_node(
+        norm.op_type, [f"{name}_heads", *norm.input[1:]], [f"{name}_normed"], name=f"{name}_norm", domain=norm.domain
+    )
+    copy.attribute.extend(norm.attribute)
+    graph.node.extend(
+        [
+            helper.make_node("Reshape", [projection, shape], [f"{name}_heads"]),
+            copy,
+            helper.make_node("Reshape", [f"{name}_normed", _Shared.TO_HIDDEN], [f"{name}_projection"]),
+        ]
+    )
+    return f"{name}_projection"
 
 
 def _pack_projections(graph, view: GraphView, name: str, projections: list[str]) -> str | None:

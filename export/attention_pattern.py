@@ -45,10 +45,14 @@ class PatternError(ValueError):
 
 @dataclass(frozen=True)
 class Rotary:
-    """A rotary embedding that moves into GroupQueryAttention: its cos and sin caches."""
+    """A rotary embedding that moves into GroupQueryAttention: its cos and sin caches
+    ([positions, head / 2] constants), or, where the rotation is written out in ops (`computed`),
+    the [batch, seq, head] cos and sin tensors the graph computes from the positions, which the
+    rewrite evaluates into caches."""
 
     caches: list[str]
     interleaved: int
+    computed: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,10 @@ class LayerAttention:
     (`key` and `value` are the new tokens', before the concatenation with the past). Where they
     are only a reshape and transpose of a projection [batch, seq, heads * head], `projections`
     holds that tensor (None where not); with `rotary`, those are the projections before the
-    rotation, which then moves into GroupQueryAttention. `output` is the attention's result,
-    [batch, seq, hidden]; `replaced` are the nodes the new node takes the place of (the rest of
-    the old chain is left to dead-node removal)."""
+    rotation, which then moves into GroupQueryAttention, and `head_norms` the norms over each
+    head that the query and key pass through before it (Gemma 3's and Qwen 3's q_norm and k_norm),
+    or None. `output` is the attention's result, [batch, seq, hidden]; `replaced` are the nodes the
+    new node takes the place of (the rest of the old chain is left to dead-node removal)."""
 
     past_key: str
     past_value: str
@@ -77,6 +82,7 @@ class LayerAttention:
     num_kv_heads: int
     head_size: int
     scale: float
+    head_norms: list | None = None
 
 
 class GraphView:
@@ -161,7 +167,7 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
     if view.fixed_dim(past_value, 3, "head size") != head_size:
         raise PatternError("keys and values have different head sizes, which GroupQueryAttention does not take")
     key, value = key_concat.input[1], value_concat.input[1]
-    projections, rotary = _projections(view, query, key, value, head_size)
+    projections, rotary, head_norms = _projections(view, query, key, value, head_size)
     return LayerAttention(
         past_key,
         past_value,
@@ -177,20 +183,112 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
         num_kv_heads=view.fixed_dim(past_key, 1, "number of KV heads"),
         head_size=head_size,
         scale=_scale(head_size, query_scale, key_scale, softmax_scale),
+        head_norms=head_norms,
     )
 
 
-def _projections(view: GraphView, query: str, key: str, value: str, head_size: int) -> tuple[list[str | None], Rotary | None]:
-    """The projections behind the query, key and value, and the rotary embedding that moves into
-    GroupQueryAttention: in the usual pattern each projection is reshaped to heads, transposed,
-    and the query and key are rotated by the same `RotaryEmbedding`."""
+def _projections(view: GraphView, query: str, key: str, value: str, head_size: int):
+    """The projections behind the query, key and value, the rotary embedding that moves into
+    GroupQueryAttention and the query's and key's norms over each head before it. In the usual
+    pattern each projection is reshaped to heads, transposed, and the query and key are rotated by
+    the same `RotaryEmbedding`; where the rotation is written out in ops (x * cos + rotate_half(x)
+    * sin), x may be a norm over each head of that (`_head_norm`)."""
     rotated = [view.producer.get(t) for t in (query, key)]
+    written = [_written_rotation(view, t) for t in (query, key)]
     if all(n is not None and n.op_type == "RotaryEmbedding" for n in rotated) and _same_rotary(view, *rotated, head_size):
-        projections = [_projection(view, t) for t in (rotated[0].input[0], rotated[1].input[0], value)]
-        if all(projections):
-            interleaved = next((a.i for a in rotated[0].attribute if a.name == "interleaved"), 0)
-            return projections, Rotary(list(rotated[0].input[2:4]), interleaved)
-    return [_projection(view, t) for t in (query, key, value)], None
+        interleaved = next((a.i for a in rotated[0].attribute if a.name == "interleaved"), 0)
+        inputs, rotary = [n.input[0] for n in rotated], Rotary(list(rotated[0].input[2:4]), interleaved)
+    elif all(written) and written[0][1:] == written[1][1:]:
+        inputs, rotary = [x for x, _, _ in written], Rotary(list(written[0][1:]), 0, computed=True)
+    else:
+        return [_projection(view, t) for t in (query, key, value)], None, None
+    (query_projection, query_norm), (key_projection, key_norm) = (_unnormed(view, x, head_size) for x in inputs)
+    projections = [query_projection, key_projection, _projection(view, value)]
+    if all(projections) and (query_norm is None) == (key_norm is None):
+        return projections, rotary, None if query_norm is None else [query_norm, key_norm]
+    return [_projection(view, t) for t in (query, key, value)], None, None
+
+
+def _unnormed(view: GraphView, heads_first: str, head_size: int):
+    """(projection, norm): the projection that `heads_first` is a reshape and transpose of, with
+    the norm over each head applied after the transpose (Gemma 3) or before it (Qwen 3), or None."""
+    norm = _head_norm(view, heads_first, head_size)
+    if norm is not None:
+        return _projection(view, norm.input[0]), norm
+    transpose = view.producer.get(heads_first)
+    if transpose is not None and _is_transpose(transpose, _TO_HEADS_FIRST):
+        norm = _head_norm(view, transpose.input[0], head_size)
+        reshape = view.producer.get(norm.input[0]) if norm is not None else None
+        if reshape is not None and reshape.op_type == "Reshape" and _is_linear(view, reshape.input[0]):
+            return reshape.input[0], norm
+    return _projection(view, heads_first), None
+
+
+def _written_rotation(view: GraphView, rotated: str) -> tuple[str, str, str] | None:
+    """(x, cos, sin) where `rotated` is x * cos + rotate_half(x) * sin written out in ops, x
+    [batch, heads, seq, head] and cos and sin [batch, seq, head] tensors unsqueezed at the heads'
+    axis; rotate_half(x) concatenates minus x's second half with its first half."""
+    add = view.producer.get(rotated)
+    muls = [view.producer.get(name) for name in add.input] if add is not None and add.op_type == "Add" else []
+    if len(muls) != 2 or not all(m is not None and m.op_type == "Mul" for m in muls):
+        return None
+    for plain, turned in (muls, muls[::-1]):
+        half = _rotated_half(view, turned)
+        if half is None or half[0] not in plain.input or list(plain.input).count(half[0]) != 1:
+            continue
+        x, sin = half
+        cos = next(name for name in plain.input if name != x)
+        cos, sin = _unsqueezed_at_heads(view, cos), _unsqueezed_at_heads(view, sin)
+        if cos and sin:
+            return x, cos, sin
+    return None
+
+
+def _rotated_half(view: GraphView, mul) -> tuple[str, str] | None:
+    """(x, the other factor) where one factor of `mul` is rotate_half(x)."""
+    for index, name in enumerate(mul.input):
+        concat = view.producer.get(name)
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or not _on_last_axis(view, concat):
+            continue
+        neg, first = (view.producer.get(t) for t in concat.input)
+        second = view.producer.get(neg.input[0]) if neg is not None and neg.op_type == "Neg" else None
+        if not (_is_head_slice(view, first, from_start=True) and _is_head_slice(view, second, from_start=False)):
+            continue
+        if first.input[0] == second.input[0]:
+            return first.input[0], mul.input[1 - index]
+    return None
+
+
+def _on_last_axis(view: GraphView, node) -> bool:
+    return any(a.name == "axis" and a.i in (-1, 3) for a in node.attribute)
+
+
+def _is_head_slice(view: GraphView, node, from_start: bool) -> bool:
+    """`node` slices the head axis (the last), from 0 or from a position computed at run time."""
+    if node is None or node.op_type != "Slice" or len(node.input) < 4:
+        return False
+    axes, start = view.constants.get(node.input[3]), view.scalar(node.input[1])
+    if axes is None or view.array(axes).reshape(-1).tolist() not in ([-1], [3]):
+        return False
+    return start == 0 if from_start else start != 0
+
+
+def _unsqueezed_at_heads(view: GraphView, tensor: str) -> str | None:
+    node = view.producer.get(tensor)
+    if node is None or node.op_type != "Unsqueeze" or len(node.input) != 2 or node.input[1] not in view.constants:
+        return None
+    return node.input[0] if view.array(view.constants[node.input[1]]).reshape(-1).tolist() == [1] else None
+
+
+def _head_norm(view: GraphView, tensor: str, head_size: int):
+    """The SimplifiedLayerNormalization over each head (its last axis, a scale of `head_size`)
+    that produces `tensor`, or None."""
+    node = view.producer.get(tensor)
+    if node is None or node.op_type != "SimplifiedLayerNormalization" or len(node.input) != 2:
+        return None
+    scale = view.constants.get(node.input[1])
+    axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+    return node if scale is not None and list(scale.dims) == [head_size] and axis in (-1, 3) else None
 
 
 def _same_rotary(view: GraphView, a, b, head_size: int) -> bool:

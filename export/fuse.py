@@ -78,7 +78,9 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
         num_heads = getattr(config, "num_attention_heads", None)
         if not num_heads:
             raise PatternError(f"the {config.model_type} config names no num_attention_heads")
-        rewrite_attention(rewritten, num_heads, layer_windows(config, manifest.kv.num_layers), weights_from=folder)
+        rewrite_attention(
+            rewritten, num_heads, layer_windows(config, manifest.kv.num_layers), manifest.max_context, weights_from=folder
+        )
         pack_shared_inputs(rewritten, weights_from=folder)
     except PatternError as e:
         return None, f"attention kept as exported: {first_line(e)}"

@@ -37,7 +37,7 @@ LAYOUT = {
 #   and values of different head sizes (deepseek_v3). gemma3_text's rewritten graph failed the
 #   logits check until its graph took position ids.
 # - rotary in attention: the rotation moved into GroupQueryAttention, so the graph takes no
-#   position ids.
+#   position ids. olmo2's norms over the whole query and key keep its rotation out for now.
 # - without position ids (graphs kept as optimum-onnx made them): ALiBi families, and rotary
 #   families whose graph counts positions from the cache length.
 RECORDED_FUSION_SKIPPED = set()
@@ -72,7 +72,20 @@ RECORDED_IN_PLACE = {
     "gemma3_text",
     "nemotron",
 }
-RECORDED_ROTARY_IN_ATTENTION = {"arcee", "gemma", "gemma2", "granite", "llama", "mistral", "olmo", "qwen2", "smollm3"}
+RECORDED_ROTARY_IN_ATTENTION = {
+    "arcee",
+    "gemma",
+    "gemma2",
+    "granite",
+    "llama",
+    "mistral",
+    "olmo",
+    "qwen2",
+    "smollm3",
+    "gemma3_text",  # a rotation written out in ops, after norms over each head
+    "qwen3",  # a RotaryEmbedding after norms over each head
+    "qwen3_moe",
+}
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gpt_oss"}
 FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
 

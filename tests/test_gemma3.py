@@ -46,7 +46,7 @@ def test_the_wheels_are_the_source_and_attention_is_rewritten_in_place(exported)
     assert manifest.architecture == "gemma3_text" and manifest.vocab_size == 262144
     assert manifest.kv.in_place and manifest.validation["passed"]
     assert manifest.validation["fusion"]["fused"]["GroupQueryAttention"] == manifest.kv.num_layers
-    assert "position_ids" in manifest.graph.inputs
+    assert "position_ids" not in manifest.graph.inputs  # the rotation, after q_norm and k_norm, moved into the attention
 
 
 def test_greedy_tokens_and_a_batch_equal_transformers(exported, reference):
