@@ -17,6 +17,7 @@ from edgeinfer.sdk import (
     GraphError,
     ManifestError,
     ModelNotFoundError,
+    ModelPool,
     NotAnExportError,
     Piece,
     ProviderError,
@@ -29,6 +30,7 @@ from edgeinfer.sdk import (
 __version__ = "0.1.0"
 __all__ = [
     "Engine",
+    "ModelPool",
     "Scheduler",
     "Request",
     "BusyError",

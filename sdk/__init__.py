@@ -17,12 +17,14 @@ from .errors import (
     UnavailableError,
 )
 from .manifest import FORMAT_VERSION, Manifest, load_manifest
+from .pool import ModelPool
 from .scheduler import Request, Scheduler
 from .sequence import GenerationResult, Piece
 from .settings import GenerationConfig
 
 __all__ = [
     "Engine",
+    "ModelPool",
     "Scheduler",
     "Request",
     "BusyError",

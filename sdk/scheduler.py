@@ -181,6 +181,12 @@ class Scheduler:
         """Requests waiting for a row (not those about to take a free one)."""
         return max(0, len(self._waiting) - self.num_free_rows)
 
+    @property
+    def is_idle(self) -> bool:
+        """No request running, and none waiting (about to take a free row included)."""
+        with self._wake:
+            return not self._slots and not self._waiting
+
     def close(self, grace: float | None = None) -> None:
         """Take no new requests; let the others end within `grace` seconds (None: however long
         they take), then end those still running with finish reason "length", and stop."""

@@ -1,0 +1,254 @@
+"""Several exports served from one memory budget, each by its own Scheduler.
+
+A model is loaded when it is first asked for (`ModelPool.use`). Before a load, the pool works out
+what the model will hold (its memory plan: weights, KV cache, prefix cache) and, where that would
+pass `memory_limit`, unloads the least recently used idle models until it fits. Idle means no
+request running or waiting on it and no caller between `use` and its submit; models serving
+requests are never unloaded, so a load never cuts a running request: where only busy models
+hold the memory, the load is refused with BusyError (retry later). A model that would not fit
+even alone is refused with the figures. Idle models are unloaded `keep_alive` seconds after
+their last use (0: as soon as they are idle; None: never); pinned models stay loaded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import BusyError, ModelNotFoundError, SettingsError
+from .manifest import load_manifest
+from .memory import MemoryPlan, give_back_freed_memory, size_text
+from .scheduler import Scheduler
+
+DEFAULT_KEEP_ALIVE_S = 300.0
+
+
+@dataclass
+class _Model:
+    """One model's books: its scheduler while loaded, the bytes it holds or is being loaded
+    into, callers between `use` and their submit, and its load history."""
+
+    name: str
+    folder: Path
+    pinned: bool = False
+    scheduler: Scheduler | None = None
+    held: int = 0
+    users: int = 0
+    last_used: float = 0.0
+    loads: int = 0
+    load_seconds: float = 0.0
+    loading: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def idle(self) -> bool:
+        return self.users == 0 and (self.scheduler is None or self.scheduler.is_idle)
+
+
+class ModelPool:
+    """Models by name (`models`: name -> export folder), loaded on demand within `memory_limit`
+    bytes (None: no limit but what each load checks against free memory). `load(folder)` makes a
+    model's Scheduler (default: `Engine.load` with `engine_options`, then a Scheduler of
+    `max_batch` rows and `max_queue` waiting requests); `planned(folder)` says what it will hold
+    (default: the engine's memory plan). `pin` names models never unloaded."""
+
+    def __init__(
+        self,
+        models: dict[str, str | Path],
+        memory_limit: int | None = None,
+        keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
+        pin: tuple[str, ...] = (),
+        max_batch: int = 8,
+        max_queue: int = 64,
+        load: Callable[[Path], Scheduler] | None = None,
+        planned: Callable[[Path], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **engine_options,
+    ):
+        if not models:
+            raise SettingsError("a model pool needs at least one model")
+        if keep_alive is not None and keep_alive < 0:
+            raise SettingsError(f"keep_alive must be seconds of at least 0, or None for never, got {keep_alive!r}", "keep_alive")
+        unknown = [name for name in pin if name not in models]
+        if unknown:
+            raise ModelNotFoundError(f"cannot pin {', '.join(unknown)}: the models are {', '.join(models)}")
+        self.memory_limit, self.keep_alive, self._clock = memory_limit, keep_alive, clock
+        self._models = {name: _Model(name, Path(folder), name in pin) for name, folder in models.items()}
+        self._lock = threading.Lock()
+        self._unloads = 0
+        engine_options = {**engine_options, "max_batch": max_batch}
+        self._load = load or (lambda folder: _scheduler(folder, engine_options, memory_limit, max_batch, max_queue))
+        self._planned = planned or (lambda folder: _planned_bytes(folder, engine_options))
+        self._stop = threading.Event()
+        self._reaper = None
+        if keep_alive is not None:
+            self._reaper = threading.Thread(target=self._reap, name="edgeinfer-pool-keep-alive", daemon=True)
+            self._reaper.start()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def is_loaded(self, name: str) -> bool:
+        return self._model(name).scheduler is not None
+
+    @property
+    def held(self) -> int:
+        """Bytes the loaded models (and any being loaded) hold by their plans."""
+        with self._lock:
+            return sum(m.held for m in self._models.values())
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[Scheduler]:
+        """The model's Scheduler, loaded first where it is not (the caller waits for the load):
+        submit within the block. The model is not unloaded while the block runs, nor while its
+        requests run or wait."""
+        model = self._model(name)
+        with self._lock:
+            model.users += 1
+        try:
+            with model.loading:  # one load at a time of each model; callers of a loaded model pass at once
+                if model.scheduler is None:
+                    self._load_model(model)
+            yield model.scheduler
+        finally:
+            with self._lock:
+                model.users -= 1
+                model.last_used = self._clock()
+
+    def load(self, name: str) -> None:
+        """Load a model now, as its first request would."""
+        with self.use(name):
+            pass
+
+    def unload(self, name: str) -> bool:
+        """Unload a model that is idle; returns whether it was unloaded."""
+        model = self._model(name)
+        with self._lock:
+            if model.scheduler is None or not model.idle:
+                return False
+            self._unload(model)
+        give_back_freed_memory()
+        return True
+
+    def stats(self) -> dict[str, float]:
+        """Figures for /metrics: models loaded, loads and unloads so far, seconds spent loading."""
+        with self._lock:
+            models = list(self._models.values())
+            return {
+                "models_loaded": sum(m.scheduler is not None for m in models),
+                "model_loads_total": sum(m.loads for m in models),
+                "model_unloads_total": self._unloads,
+                "model_load_seconds_total": sum(m.load_seconds for m in models),
+                "model_memory_bytes": sum(m.held for m in models),
+            }
+
+    def status(self) -> list[dict]:
+        """Per model: its name, folder, whether it is loaded and pinned, and the bytes it holds."""
+        with self._lock:
+            return [
+                {"name": m.name, "folder": str(m.folder), "loaded": m.scheduler is not None, "pinned": m.pinned, "bytes": m.held}
+                for m in self._models.values()
+            ]
+
+    def close(self, grace: float | None = None) -> None:
+        """Stop every loaded model's scheduler (running requests get `grace` seconds) and the keep-alive timer."""
+        self._stop.set()
+        for model in self._models.values():
+            if model.scheduler is not None:
+                model.scheduler.close(grace)
+
+    def __enter__(self) -> ModelPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _model(self, name: str) -> _Model:
+        model = self._models.get(name)
+        if model is None:
+            raise ModelNotFoundError(f"no model named {name!r} here: the models are {', '.join(self._models)}")
+        return model
+
+    def _load_model(self, model: _Model) -> None:
+        need = self._planned(model.folder)
+        with self._lock:
+            self._make_room(model, need)
+            model.held = need  # reserved while it loads, so that a concurrent load counts it
+        start = time.perf_counter()
+        try:
+            scheduler = self._load(model.folder)
+        except BaseException:
+            with self._lock:
+                model.held = 0
+            raise
+        with self._lock:
+            model.scheduler, model.loads = scheduler, model.loads + 1
+            model.load_seconds += time.perf_counter() - start
+
+    def _make_room(self, model: _Model, need: int) -> None:
+        """Unload idle models, least recently used first, until `need` bytes fit beside the rest."""
+        if self.memory_limit is None:
+            return
+        if need > self.memory_limit:
+            raise SettingsError(
+                f"model {model.name!r} needs {size_text(need)} but the memory limit is {size_text(self.memory_limit)}: "
+                "raise the limit, lower its context or batch, or use a quantized export",
+            )
+        candidates = sorted(
+            (m for m in self._models.values() if m.scheduler is not None and m is not model and not m.pinned and m.idle),
+            key=lambda m: m.last_used,
+        )
+        while sum(m.held for m in self._models.values()) + need > self.memory_limit:
+            if not candidates:
+                busy = [m.name for m in self._models.values() if m.held and m is not model]
+                raise BusyError(
+                    f"model {model.name!r} needs {size_text(need)}, and the {size_text(self.memory_limit)} memory limit is held "
+                    f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle"
+                )
+            self._unload(candidates.pop(0))
+        if self._unloads:
+            give_back_freed_memory()
+
+    def _unload(self, model: _Model) -> None:
+        """Under the lock, of an idle model."""
+        model.scheduler.close(grace=0)
+        model.scheduler, model.held = None, 0
+        self._unloads += 1
+
+    def _reap(self) -> None:
+        """Unload idle models `keep_alive` seconds after their last use."""
+        period = min(1.0, max(self.keep_alive / 4, 0.05))
+        while not self._stop.wait(period):
+            now = self._clock()
+            with self._lock:
+                expired = [
+                    m
+                    for m in self._models.values()
+                    if m.scheduler is not None and not m.pinned and m.idle and now - m.last_used >= self.keep_alive
+                ]
+                for model in expired:
+                    self._unload(model)
+            if expired:
+                give_back_freed_memory()
+
+
+def _planned_bytes(folder: Path, engine_options: dict) -> int:
+    """What `Engine.load(folder, **engine_options)` will hold: its memory plan's weights, KV cache
+    and prefix cache, worked out from the manifest before anything is read."""
+    from .engine import _serving_context
+
+    manifest = load_manifest(folder)
+    context = _serving_context(manifest, engine_options.get("max_context"))
+    plan = MemoryPlan.of(manifest, context, engine_options.get("max_batch", 1))
+    return plan.total + (engine_options.get("prefix_cache") or 0) * 2**20
+
+
+def _scheduler(folder: Path, engine_options: dict, memory_limit: int | None, max_batch: int, max_queue: int) -> Scheduler:
+    from .engine import Engine
+
+    options = {"prefix_cache": 0, **engine_options}  # the pool's plan counts a prefix cache only where one is asked for
+    engine = Engine.load(folder, memory_limit=memory_limit, **options)
+    return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
