@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -16,7 +18,26 @@ from .resolve import load_engine, resolve_export, say
 
 
 @click.command()
-@click.option("--model", default=None, help="Export folder or catalog name [default: smollm2-135m-instruct].")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    help="Export folder or catalog name; repeatable, for several models [default: smollm2-135m-instruct].",
+)
+@click.option(
+    "--models",
+    "models_dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A folder of exports, each served under its folder's name.",
+)
+@click.option(
+    "--keep-alive",
+    default=None,
+    type=float,
+    help="With several models: seconds an idle model stays loaded (0: unload at once; -1: never) [default: 300].",
+)
+@click.option("--pin", multiple=True, metavar="NAME", help="With several models: keep this one loaded; repeatable.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 1024), help="Requests decoded together.")
@@ -84,7 +105,10 @@ from .resolve import load_engine, resolve_export, say
 @click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(min=0.01), help="With --ray: CPUs per replica.")
 @click.option("--replica-gpus", default=0.0, show_default=True, type=click.FloatRange(min=0), help="With --ray: GPUs per replica.")
 def serve(
-    model,
+    models,
+    models_dir,
+    keep_alive,
+    pin,
     host,
     port,
     max_batch,
@@ -112,12 +136,17 @@ def serve(
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
     options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace)
-    from edgeinfer.sdk import Scheduler
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    path = Path(model).expanduser() if model else None
-    name = path.name if path is not None and path.exists() else (model or DEFAULT_MODEL)
+    if len(models) > 1 or models_dir is not None:
+        engine = dict(provider=provider, threads=threads, max_context=max_context, prefix_cache=prefix_cache)
+        pool = _PoolSettings(memory_limit * 2**20 if memory_limit else None, keep_alive, pin, max_batch, max_queue, engine)
+        return _serve_several(models, models_dir, pool, bool(on_ray or draft or speculative), host, port, options)
+    if keep_alive is not None or pin:
+        raise click.UsageError("--keep-alive and --pin apply to several models (--model repeated, or --models)")
+    model = models[0] if models else None
+    name = Path(model).expanduser().name if model and Path(model).expanduser().exists() else (model or DEFAULT_MODEL)
     mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
     if on_ray:
         from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
@@ -133,13 +162,81 @@ def serve(
     if (replicas, autoscale, address) != (1, None, None):
         raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
 
-    def load():  # --memory-limit 0: no limit, as before
-        engine = load_engine(model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)
-        if mode:  # the default of requests that do not say
-            engine.speculate_by_default(mode)
-        return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+    engine = (model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)  # --memory-limit 0: none
+    run_server(functools.partial(_one_model, engine, mode, max_batch, max_queue), name, host, port, options)
 
-    run_server(load, name, host, port, options)
+
+def _one_model(engine_args: tuple, mode: str | None, max_batch: int, max_queue: int):
+    from edgeinfer.sdk import Scheduler
+
+    engine = load_engine(*engine_args)
+    if mode:  # the default of requests that do not say
+        engine.speculate_by_default(mode)
+    return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+
+
+def _named_exports(models: tuple[str, ...], models_dir: Path | None) -> dict[str, Path]:
+    """Each model's name (its folder's name, or its catalog name) and export folder; two of one
+    name are refused."""
+    served: dict[str, Path] = {}
+    candidates = [(m, resolve_export(m, say)) for m in models]
+    if models_dir is not None:
+        if not models_dir.is_dir():
+            raise click.BadParameter(f"{models_dir} is not a folder", param_hint="--models")
+        found = sorted(p for p in models_dir.iterdir() if (p / "edgeinfer.json").is_file())
+        if not found:
+            raise click.BadParameter(f"{models_dir} holds no export folder (one with an edgeinfer.json)", param_hint="--models")
+        candidates += [(p.name, p) for p in found]
+    for given, folder in candidates:
+        name = Path(given).expanduser().name if Path(given).expanduser().exists() else given
+        if name in served:
+            raise click.BadParameter(
+                f"two models are named {name!r} ({served[name]} and {folder}): serve one of them, or rename a folder",
+                param_hint="--model",
+            )
+        served[name] = folder
+    return served
+
+
+@dataclass(frozen=True)
+class _PoolSettings:
+    limit: int | None  # bytes; None: the memory free at start
+    keep_alive: float | None  # seconds; None: the default; negative: never
+    pin: tuple[str, ...]
+    max_batch: int
+    max_queue: int
+    engine: dict
+
+
+def _serve_several(models, models_dir, settings: _PoolSettings, one_model_options: bool, host: str, port: int, options) -> None:
+    from edgeinfer.serve import run_server
+
+    if one_model_options:
+        raise click.UsageError("--ray, --draft and --speculative serve one model: give one --model")
+    served = _named_exports(models, models_dir)
+    for name in settings.pin:
+        if name not in served:
+            raise click.BadParameter(f"{name!r} is not among the models served ({', '.join(served)})", param_hint="--pin")
+    run_server(lambda: _pool(served, settings), ", ".join(served), host, port, options)
+
+
+def _pool(served: dict[str, Path], settings: _PoolSettings):
+    """The served models as a pool, the pinned ones loaded."""
+    from edgeinfer.sdk.memory import available_bytes
+    from edgeinfer.sdk.pool import DEFAULT_KEEP_ALIVE_S, ModelPool
+    from edgeinfer.serve.models import PooledModels
+
+    limit = settings.limit
+    if limit is None:
+        limit, _ = available_bytes("cuda" if settings.engine["provider"] == "cuda" else "cpu", None)
+    keep = DEFAULT_KEEP_ALIVE_S if settings.keep_alive is None else None if settings.keep_alive < 0 else settings.keep_alive
+    log = logging.getLogger("edgeinfer.serve")
+    pool = ModelPool(
+        served, limit, keep, tuple(settings.pin), settings.max_batch, settings.max_queue, on_event=log.info, **settings.engine
+    )
+    for name in settings.pin:
+        pool.load(name)
+    return PooledModels(pool, settings.engine["max_context"])
 
 
 def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace):

@@ -52,7 +52,8 @@ class ModelPool:
     bytes (None: no limit but what each load checks against free memory). `load(folder)` makes a
     model's Scheduler (default: `Engine.load` with `engine_options`, then a Scheduler of
     `max_batch` rows and `max_queue` waiting requests); `planned(folder)` says what it will hold
-    (default: the engine's memory plan). `pin` names models never unloaded."""
+    (default: the engine's memory plan). `pin` names models never unloaded. `on_event` is told of
+    each load and unload, in words (a server logs them)."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class ModelPool:
         load: Callable[[Path], Scheduler] | None = None,
         planned: Callable[[Path], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_event: Callable[[str], None] = lambda message: None,
         **engine_options,
     ):
         if not models:
@@ -74,7 +76,7 @@ class ModelPool:
         unknown = [name for name in pin if name not in models]
         if unknown:
             raise ModelNotFoundError(f"cannot pin {', '.join(unknown)}: the models are {', '.join(models)}")
-        self.memory_limit, self.keep_alive, self._clock = memory_limit, keep_alive, clock
+        self.memory_limit, self.keep_alive, self._clock, self._say = memory_limit, keep_alive, clock, on_event
         self._models = {name: _Model(name, Path(folder), name in pin) for name, folder in models.items()}
         self._lock = threading.Lock()
         self._unloads = 0
@@ -133,6 +135,10 @@ class ModelPool:
         give_back_freed_memory()
         return True
 
+    def loaded_schedulers(self) -> list[Scheduler]:
+        with self._lock:
+            return [m.scheduler for m in self._models.values() if m.scheduler is not None]
+
     def stats(self) -> dict[str, float]:
         """Figures for /metrics: models loaded, loads and unloads so far, seconds spent loading."""
         with self._lock:
@@ -177,6 +183,7 @@ class ModelPool:
         with self._lock:
             self._make_room(model, need)
             model.held = need  # reserved while it loads, so that a concurrent load counts it
+        self._say(f"loading model {model.name!r} for a request")
         start = time.perf_counter()
         try:
             scheduler = self._load(model.folder)
@@ -184,9 +191,11 @@ class ModelPool:
             with self._lock:
                 model.held = 0
             raise
+        seconds = time.perf_counter() - start
         with self._lock:
             model.scheduler, model.loads = scheduler, model.loads + 1
-            model.load_seconds += time.perf_counter() - start
+            model.load_seconds += seconds
+        self._say(f"loaded model {model.name!r} in {seconds:.2f} s ({size_text(need)})")
 
     def _make_room(self, model: _Model, need: int) -> None:
         """Unload idle models, least recently used first, until `need` bytes fit beside the rest."""
@@ -208,7 +217,9 @@ class ModelPool:
                     f"model {model.name!r} needs {size_text(need)}, and the {size_text(self.memory_limit)} memory limit is held "
                     f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle"
                 )
-            self._unload(candidates.pop(0))
+            unloaded = candidates.pop(0)
+            self._unload(unloaded)
+            self._say(f"unloaded model {unloaded.name!r}, the least recently used idle one, to make room for {model.name!r}")
         if self._unloads:
             give_back_freed_memory()
 
@@ -231,6 +242,8 @@ class ModelPool:
                 ]
                 for model in expired:
                     self._unload(model)
+            for model in expired:
+                self._say(f"unloaded model {model.name!r}: idle for {self.keep_alive:g} s")
             if expired:
                 give_back_freed_memory()
 

@@ -32,6 +32,7 @@ from . import backend as backends
 from .backend import Backend
 from .guard import Guard, refusal
 from .metrics import CONTENT_TYPE, Metrics
+from .models import PooledModels
 from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, check_room, error_body, fingerprint, from_edgeinfer
 
 log = logging.getLogger("edgeinfer.serve")
@@ -49,9 +50,12 @@ class _Loaded:
     def _load(self, load, on_error) -> None:
         try:
             backend = load()
-            self.fingerprint = fingerprint(
-                __version__, *(f"{name} {info.get('sha256')}" for name, info in sorted(backend.manifest.files.items()))
+            files = (
+                backend.files()
+                if isinstance(backend, PooledModels)
+                else [f"{name} {info.get('sha256')}" for name, info in sorted(backend.manifest.files.items())]
             )
+            self.fingerprint = fingerprint(__version__, *files)
             self.backend = backend
             log.info("ready: %s", backend.mode)
         except EdgeInferError as e:
@@ -99,7 +103,7 @@ def create_app(
         description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.",
     )
     app.state.loaded = loaded
-    app.openapi = lambda: _openapi(app, model_name)
+    app.openapi = lambda: _openapi(app, loaded.backend.names if isinstance(loaded.backend, PooledModels) else [model_name])
     app.add_middleware(
         Guard,
         api_key=api_key,
@@ -119,7 +123,10 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "mode": loaded.ready().mode}
+        served = loaded.ready()
+        if isinstance(served, PooledModels):
+            return {"status": "ok", "models": served.names, "mode": served.mode}
+        return {"status": "ok", "model": model_name, "mode": served.mode}
 
     @app.get("/metrics")
     async def prometheus():
@@ -127,6 +134,8 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.get("/v1/models")
     async def models():
+        if isinstance(loaded.backend, PooledModels):
+            return {"object": "list", "data": loaded.backend.listing()}
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]}
 
     @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
@@ -149,8 +158,8 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body_of(anthropic.CountTokensRequest))
     async def count_tokens(http: HTTPRequest):
-        body, backend = await _read(http, anthropic.CountTokensRequest), loaded.ready()
-        routes.check_model(body.model)
+        body = await _read(http, anthropic.CountTokensRequest)
+        backend, _ = routes.served(body.model)
         try:
             prompts, _, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
             ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, backend, prompts, None, True, plan)
@@ -168,8 +177,7 @@ class _Routes:
 
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
-        backend = self.loaded.ready()
-        self.check_model(body.model)
+        backend, model_name = self.served(body.model)
         items, texts = [*self.stored.history(body.previous_response_id), *body.items()], []
         try:
             conversation = [responses.conversation(body.instructions, items)]
@@ -180,7 +188,7 @@ class _Routes:
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = responses.ResponsesReply(self.model_name, body)
+        reply = responses.ResponsesReply(model_name, body)
         stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
 
         def keep(whole: dict) -> None:
@@ -242,6 +250,15 @@ class _Routes:
             if not done:
                 self.cancelled([request], reply_id, generated)
 
+    def served(self, model: str) -> tuple[Backend, str]:
+        """The backend that serves `model`, and the name replies carry: the one model served, or
+        the pool's model of that name (404 naming the models otherwise)."""
+        served = self.loaded.ready()
+        if isinstance(served, PooledModels):
+            return served.backend(model), model
+        self.check_model(model)
+        return served, self.model_name
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise RequestError(
@@ -253,8 +270,7 @@ class _Routes:
 
     async def messages(self, body, http: HTTPRequest):
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
-        backend = self.loaded.ready()
-        self.check_model(body.model)
+        backend, model_name = self.served(body.model)
         rendered, texts = [], []  # the prompt's ids (for the stream's opening usage) and text
         try:
             prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
@@ -267,7 +283,7 @@ class _Routes:
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
             return _anthropic_error(e)
-        reply = anthropic.MessagesReply(self.model_name, body.stop_sequences or [], backend.tokenizer.decode)
+        reply = anthropic.MessagesReply(model_name, body.stop_sequences or [], backend.tokenizer.decode)
         stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
         if body.stream:
             error_event = lambda e: ("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))  # noqa: E731
@@ -286,8 +302,7 @@ class _Routes:
         return JSONResponse(reply.whole(result))
 
     async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
-        backend = self.loaded.ready()
-        self.check_model(body.model)
+        backend, model_name = self.served(body.model)
         choices, plan, texts = body.choice_settings(), None, []
         try:
             if chat:
@@ -298,7 +313,7 @@ class _Routes:
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, self.model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
+        reply = Reply(chat, model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = requests[0].response_headers or None
         thinking = reasoning_format(backend.tokenizer, texts[0]) if chat else None
         streams = [ChatStream(backend.tokenizer, plan, thinking) if chat else None for _ in requests]
@@ -404,8 +419,8 @@ def _validated(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in e.errors()]) from None
 
 
-def _openapi(app: FastAPI, model_name: str) -> dict:
-    """FastAPI's description of the routes and request models, with `model` the one model served."""
+def _openapi(app: FastAPI, model_names: list[str]) -> dict:
+    """FastAPI's description of the routes and request models, with `model` one of the models served."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         _, models = models_json_schema(
@@ -414,7 +429,7 @@ def _openapi(app: FastAPI, model_name: str) -> dict:
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
         for name in ("ChatRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
-            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = list(model_names)
     return app.openapi_schema
 
 

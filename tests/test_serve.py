@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,12 +30,14 @@ def free_port() -> int:
 
 
 def start(export, *flags):
-    """A server process and its base URL, once /health says 200 (polled, at most 60 s). Its log
-    goes to a file beside the export, read back by `log(process)`."""
+    """A server process of `export` (None: the models `flags` name) and its base URL, once /health
+    says 200 (polled, at most 60 s). Its log goes to a file beside the export (or in the temporary
+    folder), read back by `log(process)`."""
     port = free_port()
-    log = open(export.parent / f"serve-{port}.log", "w+")
+    log = open((export.parent if export else Path(tempfile.gettempdir())) / f"serve-{port}.log", "w+")
+    model = ["--model", str(export)] if export else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(export), "--port", str(port), *flags],
+        [sys.executable, "-m", "edgeinfer.cli", "serve", *model, "--port", str(port), *flags],
         stdout=log,
         stderr=log,
         text=True,

@@ -1,0 +1,81 @@
+"""Several models behind one server: the SDK's ModelPool loads and unloads them within the memory
+budget, and each model is a Backend to the routes, named by the request's `model`."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from edgeinfer.sdk.engine import _serving_context
+from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.pool import ModelPool
+from edgeinfer.sdk.tokenizer import Tokenizer
+
+from .protocol import RequestError
+
+
+class PooledBackend:
+    """One model of the pool as the routes see it: its manifest and tokenizer (read without
+    loading the model) and a submit that loads it first where it is not loaded."""
+
+    def __init__(self, pool: ModelPool, name: str, folder: Path, max_context: int | None):
+        self.pool, self.name, self.folder = pool, name, Path(folder)
+        self.manifest = load_manifest(folder)
+        self.max_context = _serving_context(self.manifest, max_context)
+        self.mode = f"{name}: loaded on demand"
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.folder, self.manifest.tokenizer)
+
+    def submit(self, prompt, **settings):
+        with self.pool.use(self.name) as scheduler:
+            return scheduler.submit(prompt, **settings)
+
+
+class PooledModels:
+    """The models of `pool`, each a PooledBackend."""
+
+    def __init__(self, pool: ModelPool, max_context: int | None = None):
+        self.pool = pool
+        self.backends = {s["name"]: PooledBackend(pool, s["name"], Path(s["folder"]), max_context) for s in pool.status()}
+        limit = "no memory limit" if pool.memory_limit is None else f"a memory limit of {pool.memory_limit / 2**20:.0f} MiB"
+        self.mode = f"{len(self.backends)} models loaded on demand within {limit}"
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.backends)
+
+    def backend(self, name: str) -> PooledBackend:
+        if name not in self.backends:
+            raise RequestError(
+                f"the model '{name}' is not served here: this server serves {', '.join(repr(n) for n in self.backends)}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+        return self.backends[name]
+
+    def listing(self) -> list[dict]:
+        """/v1/models' entries: each model, whether it is loaded and whether it is pinned."""
+        return [
+            {"id": s["name"], "object": "model", "created": 0, "owned_by": "edgeinfer", "loaded": s["loaded"], "pinned": s["pinned"]}
+            for s in self.pool.status()
+        ]
+
+    def files(self) -> list[str]:
+        """Every model's files and hashes, for the system fingerprint."""
+        return [
+            f"{b.name}/{name} {info.get('sha256')}" for b in self.backends.values() for name, info in sorted(b.manifest.files.items())
+        ]
+
+    def stats(self) -> dict[str, float]:
+        """The pool's figures, and the loaded models' queues and rows summed."""
+        totals = dict(self.pool.stats())
+        for scheduler in self.pool.loaded_schedulers():
+            for key, value in scheduler.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def close(self, grace: float | None = None) -> None:
+        self.pool.close(grace)

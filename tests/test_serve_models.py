@@ -1,0 +1,128 @@
+"""`edgeinfer serve` with several models (issue 31): a real server subprocess over three tiny exports
+and a memory limit that holds two, driven by the openai client. Models load on their first
+request, the least recently used idle one goes to make room (/v1/models and /metrics say so), a
+pinned model stays, and every answer equals the SDK's for that model alone."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+from conftest import linked_copy
+from test_serve import metric, poll, server_log, start
+
+from edgeinfer import Engine
+from edgeinfer.sdk.pool import _planned_bytes
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_llama, chain_llama, tmp_path_factory):
+    """A folder of three exports (--models): the tiny llama twice over (a and c) and the chain llama (b)."""
+    root = tmp_path_factory.mktemp("models")
+    linked_copy(tiny_llama[1], root / "a")
+    linked_copy(chain_llama[0], root / "b")
+    linked_copy(tiny_llama[1], root / "c")
+    return root
+
+
+def _limit_mib(folder) -> int:
+    """MiB that hold any two of the three models' plans (max batch 2) but not all three."""
+    sizes = sorted(_planned_bytes(folder / n, {"max_batch": 2}) for n in "abc")
+    return (sizes[-1] + sizes[-2] + sizes[0] // 2) // 2**20 + (1 if (sizes[-1] + sizes[-2]) % 2**20 else 0)
+
+
+def _start(*flags):
+    return start(None, "--provider", "cpu", "--max-batch", "2", *flags)
+
+
+def _stop(process):
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+    process.log.close()
+
+
+def _loaded(url) -> dict:
+    return {m["id"]: m["loaded"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+
+def _alone(export, tokens=8) -> str:
+    return Engine.load(export, provider="cpu").generate(PROMPT, max_new_tokens=tokens, ignore_eos=True).text
+
+
+def test_models_load_on_request_and_the_least_recently_used_goes(folder):
+    process, url = _start("--models", str(folder), "--memory-limit", str(_limit_mib(folder)), "--pin", "a")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert _loaded(url) == {"a": True, "b": False, "c": False}  # the pinned one loads at start
+        expected = {name: _alone(folder / name) for name in "abc"}
+        for name in ["b", "a", "c"]:  # c needs room: b, the least recently used unpinned, goes
+            done = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+            assert (done.model, done.choices[0].text) == (name, expected[name])
+        assert _loaded(url) == {"a": True, "b": False, "c": True}
+        assert metric(url, "edgeinfer_model_unloads_total") == 1 and metric(url, "edgeinfer_models_loaded") == 2
+        assert metric(url, "edgeinfer_model_loads_total") == 3
+        log = server_log(process)
+        assert "loading model 'b' for a request" in log and "unloaded model 'b', the least recently used idle one" in log
+
+        answers = {}
+
+        def ask(name):
+            done = client.completions.create(model=name, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+            answers.setdefault(name, []).append(done.choices[0].text)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ["a", "c", "a", "c"]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert answers == {"a": [expected["a"]] * 2, "c": [expected["c"]] * 2}
+
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.completions.create(model="d", prompt=PROMPT, max_tokens=2)
+        assert "the model 'd' is not served here: this server serves 'a', 'b', 'c'" in str(refused.value)
+    finally:
+        _stop(process)
+
+
+def test_keep_alive_zero_unloads_idle_models(folder):
+    process, url = _start("--model", str(folder / "a"), "--model", str(folder / "b"), "--keep-alive", "0")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client.completions.create(model="b", prompt=PROMPT, max_tokens=4)
+        poll(url, lambda: _loaded(url) == {"a": False, "b": False}, seconds=10)
+        assert "unloaded model 'b': idle for 0 s" in server_log(process)
+    finally:
+        _stop(process)
+
+
+def test_a_model_larger_than_the_limit_is_a_400_with_the_figures(folder, tmp_path):
+    process, url = _start("--models", str(folder), "--memory-limit", "1", "--max-batch", "1024")  # 1,024 rows of KV cache
+    try:
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 400
+        assert (
+            "model 'a' needs" in refused.json()["error"]["message"]
+            and "the memory limit is 1.0 MiB" in refused.json()["error"]["message"]
+        )
+    finally:
+        _stop(process)
+
+
+def test_bad_model_sets_are_refused_in_one_line(folder, tmp_path):
+    shutil.copytree(folder / "a", tmp_path / "one" / "a")
+    for flags, message in [
+        (["--models", str(tmp_path / "none")], "is not a folder"),
+        (["--models", str(tmp_path / "one"), "--model", str(folder / "a")], "two models are named 'a'"),
+        (["--models", str(folder), "--pin", "x"], "'x' is not among the models served (a, b, c)"),
+        (["--model", str(folder / "a"), "--pin", "a"], "--keep-alive and --pin apply to several models"),
+        (["--models", str(folder), "--draft", str(folder / "a")], "serve one model"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", *flags], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr
