@@ -21,8 +21,9 @@ in too, its cos and sin caches evaluated from the graph's own computation of the
 position of the context; a norm over each head before it (Gemma 3's q_norm and k_norm) is applied
 to the projection reshaped to [batch, seq, heads, head], and the projections stay apart. Elsewhere
 the rotated tensors are fed as they are. The layers' norms and the MLP are left as they were.
-attention_pattern.py finds what each layer computes; this module builds the new nodes. Every layer is matched before the graph is changed, and
-a rewritten graph is kept only if it passes the export's checks.
+attention_pattern.py finds what each layer computes; this module builds the new nodes. Every layer
+is matched before the graph is changed, and a rewritten graph is kept only if it passes the
+export's checks.
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ def _positions_run(model, view: GraphView, outputs: list[str], positions: int) -
             raise PatternError(f"the rotation's cos and sin depend on {tensor}, not on the positions alone")
     if "position_ids" not in needed:
         raise PatternError("the rotation's cos and sin do not depend on position_ids")
-    unique = list({id(node): node for node in nodes}.values())
-    order = [node for node in model.graph.node if any(node is n for n in unique)]
+    chosen = {id(node) for node in nodes}
+    order = [node for node in model.graph.node if id(node) in chosen]  # the graph's own (topological) order
     constants = [
         numpy_helper.from_array(view.array(view.constants[t]), t) for t in needed if t in view.constants and t not in view.producer
     ]

@@ -248,7 +248,7 @@ def _rotated_half(view: GraphView, mul) -> tuple[str, str] | None:
     """(x, the other factor) where one factor of `mul` is rotate_half(x)."""
     for index, name in enumerate(mul.input):
         concat = view.producer.get(name)
-        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or not _on_last_axis(view, concat):
+        if concat is None or concat.op_type != "Concat" or len(concat.input) != 2 or not _on_last_axis(concat):
             continue
         neg, first = (view.producer.get(t) for t in concat.input)
         second = view.producer.get(neg.input[0]) if neg is not None and neg.op_type == "Neg" else None
@@ -259,7 +259,7 @@ def _rotated_half(view: GraphView, mul) -> tuple[str, str] | None:
     return None
 
 
-def _on_last_axis(view: GraphView, node) -> bool:
+def _on_last_axis(node) -> bool:
     return any(a.name == "axis" and a.i in (-1, 3) for a in node.attribute)
 
 

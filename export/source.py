@@ -105,8 +105,7 @@ def load_model(source: Source, with_tokenizer: bool = True):
 
 def _special_tokens_as_gguf(tokenizer, gguf_path: Path) -> None:
     """Whether a text starts with BOS and ends with EOS, as the GGUF says (`tokenizer.ggml.add_bos_token`,
-    `add_eos_token`), which llama.cpp follows and transformers' conversion does not: it gave
-    SmolLM2's tokenizer a leading <|im_start|> on every text where its GGUF says no BOS.
+    `add_eos_token`) and llama.cpp reads it; transformers' conversion does not read them.
     Tokenizer classes with no such setting keep their own."""
     from gguf import GGUFReader
 

@@ -47,7 +47,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.folder = Path(folder)
         self.manifest = manifest
-        self.max_context = _serving_context(manifest, limits.max_context)
+        self.max_context = serving_context(manifest, limits.max_context)
         self.default_config = _model_defaults(manifest)
         self.provider, self.provider_reason = choose_provider(options.provider)
         available = available_bytes(self.provider, limits.memory_limit)
@@ -308,7 +308,7 @@ def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, m
     return default if available is None else max(0, min(default, available - plan.total))
 
 
-def _serving_context(manifest: Manifest, requested: int | None) -> int:
+def serving_context(manifest: Manifest, requested: int | None) -> int:
     if requested is not None and requested > manifest.max_context:
         raise SettingsError(
             f"max_context {requested} is more than the export's context of {manifest.max_context} tokens: "

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engine import Engine, serving_context
 from .errors import BusyError, ModelNotFoundError, SettingsError
 from .manifest import load_manifest
 from .memory import MemoryPlan, give_back_freed_memory, size_text
@@ -49,10 +50,9 @@ class _Model:
 
 class ModelPool:
     """Models by name (`models`: name -> export folder), loaded on demand within `memory_limit`
-    bytes (None: no limit but what each load checks against free memory). `load(folder)` makes a
-    model's Scheduler (default: `Engine.load` with `engine_options`, then a Scheduler of
-    `max_batch` rows and `max_queue` waiting requests); `planned(folder)` says what it will hold
-    (default: the engine's memory plan). `pin` names models never unloaded. `on_event` is told of
+    bytes (None: no limit but what each load checks against free memory): each by `Engine.load`
+    with `engine_options` (provider, threads, max_context, prefix_cache in MiB) and a Scheduler of
+    `max_batch` rows and `max_queue` waiting requests. `pin` names models never unloaded. `on_event` is told of
     each load and unload, in words (a server logs them)."""
 
     def __init__(
@@ -63,9 +63,6 @@ class ModelPool:
         pin: tuple[str, ...] = (),
         max_batch: int = 8,
         max_queue: int = 64,
-        load: Callable[[Path], Scheduler] | None = None,
-        planned: Callable[[Path], int] | None = None,
-        clock: Callable[[], float] = time.monotonic,
         on_event: Callable[[str], None] = lambda message: None,
         **engine_options,
     ):
@@ -76,18 +73,16 @@ class ModelPool:
         unknown = [name for name in pin if name not in models]
         if unknown:
             raise ModelNotFoundError(f"cannot pin {', '.join(unknown)}: the models are {', '.join(models)}")
-        self.memory_limit, self.keep_alive, self._clock, self._say = memory_limit, keep_alive, clock, on_event
+        self.memory_limit, self.keep_alive, self._say = memory_limit, keep_alive, on_event
         self._models = {name: _Model(name, Path(folder), name in pin) for name, folder in models.items()}
         self._lock = threading.Lock()
         self._unloads = 0
-        engine_options = {**engine_options, "max_batch": max_batch}
-        self._load = load or (lambda folder: _scheduler(folder, engine_options, memory_limit, max_batch, max_queue))
-        self._planned = planned or (lambda folder: _planned_bytes(folder, engine_options))
+        # no prefix cache unless asked for, so that the plan a load is checked by is what it holds
+        self._engine = {**engine_options, "max_batch": max_batch, "prefix_cache": engine_options.get("prefix_cache") or 0}
+        self._max_queue = max_queue
         self._stop = threading.Event()
-        self._reaper = None
         if keep_alive is not None:
-            self._reaper = threading.Thread(target=self._reap, name="edgeinfer-pool-keep-alive", daemon=True)
-            self._reaper.start()
+            threading.Thread(target=self._reap, name="edgeinfer-pool-keep-alive", daemon=True).start()
 
     @property
     def names(self) -> list[str]:
@@ -118,7 +113,7 @@ class ModelPool:
         finally:
             with self._lock:
                 model.users -= 1
-                model.last_used = self._clock()
+                model.last_used = time.monotonic()
 
     def load(self, name: str) -> None:
         """Load a model now, as its first request would."""
@@ -179,14 +174,15 @@ class ModelPool:
         return model
 
     def _load_model(self, model: _Model) -> None:
-        need = self._planned(model.folder)
+        need = _planned_bytes(model.folder, self._engine)
         with self._lock:
             self._make_room(model, need)
             model.held = need  # reserved while it loads, so that a concurrent load counts it
         self._say(f"loading model {model.name!r} for a request")
         start = time.perf_counter()
         try:
-            scheduler = self._load(model.folder)
+            engine = Engine.load(model.folder, memory_limit=self.memory_limit, **self._engine)
+            scheduler = Scheduler(engine, max_batch=self._engine["max_batch"], max_queue=self._max_queue)
         except BaseException:
             with self._lock:
                 model.held = 0
@@ -220,7 +216,6 @@ class ModelPool:
             unloaded = candidates.pop(0)
             self._unload(unloaded)
             self._say(f"unloaded model {unloaded.name!r}, the least recently used idle one, to make room for {model.name!r}")
-        if self._unloads:
             give_back_freed_memory()
 
     def _unload(self, model: _Model) -> None:
@@ -233,7 +228,7 @@ class ModelPool:
         """Unload idle models `keep_alive` seconds after their last use."""
         period = min(1.0, max(self.keep_alive / 4, 0.05))
         while not self._stop.wait(period):
-            now = self._clock()
+            now = time.monotonic()
             with self._lock:
                 expired = [
                     m
@@ -251,17 +246,8 @@ class ModelPool:
 def _planned_bytes(folder: Path, engine_options: dict) -> int:
     """What `Engine.load(folder, **engine_options)` will hold: its memory plan's weights, KV cache
     and prefix cache, worked out from the manifest before anything is read."""
-    from .engine import _serving_context
-
     manifest = load_manifest(folder)
-    context = _serving_context(manifest, engine_options.get("max_context"))
-    plan = MemoryPlan.of(manifest, context, engine_options.get("max_batch", 1))
-    return plan.total + (engine_options.get("prefix_cache") or 0) * 2**20
-
-
-def _scheduler(folder: Path, engine_options: dict, memory_limit: int | None, max_batch: int, max_queue: int) -> Scheduler:
-    from .engine import Engine
-
-    options = {"prefix_cache": 0, **engine_options}  # the pool's plan counts a prefix cache only where one is asked for
-    engine = Engine.load(folder, memory_limit=memory_limit, **options)
-    return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
+    context = serving_context(manifest, engine_options.get("max_context"))
+    return (
+        MemoryPlan.of(manifest, context, engine_options.get("max_batch", 1)).total + (engine_options.get("prefix_cache") or 0) * 2**20
+    )

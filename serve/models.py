@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from edgeinfer.sdk.engine import _serving_context
+from edgeinfer.sdk.engine import serving_context
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.pool import ModelPool
 from edgeinfer.sdk.tokenizer import Tokenizer
@@ -21,7 +21,7 @@ class PooledBackend:
     def __init__(self, pool: ModelPool, name: str, folder: Path, max_context: int | None):
         self.pool, self.name, self.folder = pool, name, Path(folder)
         self.manifest = load_manifest(folder)
-        self.max_context = _serving_context(self.manifest, max_context)
+        self.max_context = serving_context(self.manifest, max_context)
         self.mode = f"{name}: loaded on demand"
 
     @functools.cached_property

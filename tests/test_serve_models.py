@@ -34,7 +34,9 @@ def folder(tiny_llama, chain_llama, tmp_path_factory):
 def _limit_mib(folder) -> int:
     """MiB that hold any two of the three models' plans (max batch 2) but not all three."""
     sizes = sorted(_planned_bytes(folder / n, {"max_batch": 2}) for n in "abc")
-    return (sizes[-1] + sizes[-2] + sizes[0] // 2) // 2**20 + (1 if (sizes[-1] + sizes[-2]) % 2**20 else 0)
+    mib = -(-(sizes[-1] + sizes[-2]) // 2**20)  # rounded up
+    assert mib * 2**20 < sum(sizes), "a limit in whole MiB cannot tell two of these models from three"
+    return mib
 
 
 def _start(*flags):
