@@ -92,6 +92,34 @@ def _parsed(arguments: str):
     default=None,
     help="With --graphs split: the decode graph's fixed KV cache capacity, one token per pass [default: any].",
 )
+@click.option(
+    "--task",
+    type=click.Choice(["generation", "embedding"]),
+    default="generation",
+    show_default=True,
+    help="embedding: the model's hidden states, pooled into one vector per text (/v1/embeddings, Engine.load(...).embed).",
+)
+@click.option(
+    "--pooling",
+    type=click.Choice(["last", "mean"]),
+    default=None,
+    help="With --task embedding: a text's vector is its last token's state or the mean [default: the model's "
+    "sentence-transformers config, else last].",
+)
+@click.option(
+    "--matryoshka",
+    default=None,
+    metavar="WIDTHS",
+    help="With --task embedding: the shorter widths the model was trained to give (64,128,256), so that requests may ask "
+    "for `dimensions` [default: none].",
+)
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="A PEFT LoRA adapter folder to serve as NAME (requests ask for MODEL:NAME); repeatable.",
+)
 def export(
     model,
     output,
@@ -108,6 +136,10 @@ def export(
     graphs,
     prefill_length,
     static_context,
+    task,
+    pooling,
+    matryoshka,
+    adapters,
 ):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
     (--graphs split) a prefill graph and a decode graph."""
@@ -139,9 +171,38 @@ def export(
         graphs=graphs,
         prefill_length=prefill_length,
         static_context=static_context,
+        adapters=tuple(_adapter_option(a) for a in adapters),
+        task=task,
+        pooling=pooling,
+        matryoshka=_widths(matryoshka),
     )
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
+
+
+def _widths(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip()) if text else ()
+    except ValueError:
+        raise click.BadParameter(f"takes widths separated by commas (64,128,256), got {text!r}", param_hint="--matryoshka") from None
+
+
+def _adapter_option(value: str) -> tuple[str, str]:
+    name, _, folder = value.partition("=")
+    if not name or not folder:
+        raise click.UsageError(f"--adapter takes NAME=DIR (a name and a PEFT adapter folder), got {value!r}")
+    return name, folder
+
+
+@cli.command("export-adapter")
+@click.argument("adapter", type=click.Path())
+@click.option("--base", required=True, type=click.Path(), help="The export folder to add the adapter to.")
+@click.option("--name", required=True, help="The adapter's name: requests ask for BASE:NAME.")
+@click.option("--model", default=None, help="The PyTorch model the export came from, for the check [default: the manifest's source].")
+def export_adapter(adapter, base, name, model):
+    """Add the PEFT LoRA adapter folder ADAPTER to an existing export, checked against PEFT."""
+    manifest = _exporter().export_adapter(adapter, base, name, model, say)
+    say(f"added adapter {name} to {base}: it has {', '.join(sorted(manifest.adapters))}")
 
 
 @cli.command()

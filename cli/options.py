@@ -87,6 +87,9 @@ GENERATION_OPTIONS = [
         default=None,
         help="End a reasoning model's thought after N tokens (0: at once) [default: no limit].",
     ),
+    click.option(
+        "--adapter", default=None, help="Run with this LoRA adapter of the export (edgeinfer export --adapter) [default: none]."
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ import click
 
 from edgeinfer.models import DEFAULT_MODEL
 from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.manifest import load_manifest
 
 from .resolve import load_engine, resolve_export, say
 
@@ -149,15 +150,11 @@ def serve(
     name = Path(model).expanduser().name if model and Path(model).expanduser().exists() else (model or DEFAULT_MODEL)
     mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
     if on_ray:
-        from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
-
-        folder = str(resolve_export(model, say).resolve())
-        draft_folder = None if draft is None else str(resolve_export(draft, say).resolve())
         limit = memory_limit * 2**20 if memory_limit else None
-        settings = ReplicaSettings(
-            folder, name, provider, threads, max_context, max_batch, max_queue, limit, prefix_cache, api_key, draft_folder, mode
+        engine = (provider, threads, max_context, max_batch, max_queue, limit, prefix_cache, api_key)
+        _serve_on_ray(
+            model, name, draft, mode, engine, (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus), host, port, options
         )
-        run_replicas(settings, host, port, replicas, _min_max(autoscale), address, replica_cpus, replica_gpus, options)
         return
     if (replicas, autoscale, address) != (1, None, None):
         raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
@@ -166,10 +163,23 @@ def serve(
     run_server(functools.partial(_one_model, engine, mode, max_batch, max_queue), name, host, port, options)
 
 
+def _serve_on_ray(model, name: str, draft, mode, engine: tuple, ray: tuple, host: str, port: int, options) -> None:
+    """`serve --ray`: one model's engines as Ray Serve replicas (serve/replicas.py)."""
+    from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
+
+    folder = str(resolve_export(model, say).resolve())
+    if load_manifest(folder).task == "embedding":
+        raise click.UsageError("--ray serves generation models: serve an embedding model (--task embedding) without --ray")
+    draft_folder = None if draft is None else str(resolve_export(draft, say).resolve())
+    run_replicas(ReplicaSettings(folder, name, *engine, draft_folder, mode), host, port, *ray, options)
+
+
 def _one_model(engine_args: tuple, mode: str | None, max_batch: int, max_queue: int):
-    from edgeinfer.sdk import Scheduler
+    from edgeinfer.sdk import Embedder, Scheduler
 
     engine = load_engine(*engine_args)
+    if isinstance(engine, Embedder):  # an embedding model serves /v1/embeddings itself
+        return engine
     if mode:  # the default of requests that do not say
         engine.speculate_by_default(mode)
     return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)

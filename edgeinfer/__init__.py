@@ -9,6 +9,8 @@ from edgeinfer.sdk import (
     ConstraintError,
     ContextLengthError,
     EdgeInferError,
+    Embedder,
+    Embeddings,
     Engine,
     ExportError,
     GenerationConfig,
@@ -29,6 +31,8 @@ from edgeinfer.sdk import (
 
 __version__ = "0.1.0"
 __all__ = [
+    "Embedder",
+    "Embeddings",
     "Engine",
     "ModelPool",
     "Scheduler",

@@ -1,7 +1,7 @@
 """Export: a Hugging Face causal LM → model.onnx (prefill and decode) + edgeinfer.json.
 Needs the `edgeinfer[export]` extra (torch, transformers, optimum-onnx)."""
 
-from .pipeline import ExportOptions, export_model
+from .pipeline import ExportOptions, export_adapter, export_model
 from .quantize import Quantization
 
-__all__ = ["ExportOptions", "Quantization", "export_model"]
+__all__ = ["ExportOptions", "Quantization", "export_adapter", "export_model"]

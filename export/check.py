@@ -47,13 +47,14 @@ def check_export(
     return check_against(engine, torch_reference(model, engine.prompt_ids(prompt), new_tokens))
 
 
-def check_against(engine: Engine | str | Path, reference: Reference, provider: str = "cpu") -> CheckResult:
+def check_against(engine: Engine | str | Path, reference: Reference, provider: str = "cpu", adapter: str | None = None) -> CheckResult:
     """Compare an export (an engine, or its folder) with PyTorch's `reference`: the greedy tokens
-    after its prompt, the logits, and a batch of the prompt and its first quarter against each alone."""
+    after its prompt, the logits, and a batch of the prompt and its first quarter against each
+    alone; with LoRA adapter `adapter` (the reference is then PEFT's)."""
     if not isinstance(engine, Engine):
         engine = Engine.load(engine, provider=provider)
     ids = engine.prompt_ids(reference.ids)
-    greedy = GenerationConfig(max_new_tokens=len(reference.greedy), ignore_eos=True)
+    greedy = GenerationConfig(max_new_tokens=len(reference.greedy), ignore_eos=True, adapter=adapter)
     tokens = engine.generate(ids, greedy).token_ids
     fixed = engine.manifest.prefill_length  # a batch must fit a prefill graph of fixed length
     full = ids[:fixed] if fixed else ids
@@ -64,6 +65,6 @@ def check_against(engine: Engine | str | Path, reference: Reference, provider: s
         prompt_tokens=len(ids),
         expected_tokens=reference.greedy,
         tokens=tokens,
-        **logits_differences(engine, reference),
+        **logits_differences(engine, reference, adapter),
         batch_rows_equal_single=[r.token_ids for r in rows] == singles,
     )

@@ -72,6 +72,33 @@ def export_graph(model, folder: Path) -> GraphSpec:
     return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
 
 
+def export_hidden_graph(base, folder: Path) -> GraphSpec:
+    """Export the graph of `base` (a model without its lm_head) into `folder` as model.onnx: token
+    ids, attention mask (and positions) in, `last_hidden_state` [batch, positions, hidden] out, no
+    KV cache (an embedding model reads each text once)."""
+    from optimum.exporters.onnx.convert import export
+    from optimum.exporters.tasks import TasksManager
+
+    constructor = TasksManager.get_exporter_config_constructor("onnx", base, task="feature-extraction", library_name="transformers")
+    scratch = folder / ".scratch"
+    scratch.mkdir()
+    try:
+        with warnings.catch_warnings(), weights_apart() as weights:
+            warnings.simplefilter("ignore")
+            export(base, constructor(base.config), scratch / GRAPH_FILE, disable_dynamic_axes_fix=True)
+            write_weights(scratch / GRAPH_FILE, weights)
+            weights.clear()
+        graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)
+        save_graph(graph, folder, weights_from=scratch)
+    except (*_TRACE_ERRORS, KeyError) as e:
+        raise ExportError(
+            f"optimum-onnx could not export this {base.config.model_type} model's hidden states: {type(e).__name__}: {first_line(e)}"
+        ) from e
+    finally:
+        shutil.rmtree(scratch)
+    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
+
+
 def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
     """The output axes that optimum's `fix_dynamic_axes` would make static: those the tracer left
     dynamic under a name the config does not give. It finds them through an ONNX Runtime session

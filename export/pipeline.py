@@ -19,20 +19,24 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
-from edgeinfer.sdk.manifest import SINGLE_FORMAT_VERSION, Manifest, TokenizerSpec, describe_files
+from edgeinfer.sdk.manifest import ADAPTERS_FORMAT_VERSION, SINGLE_FORMAT_VERSION, KVSpec, Manifest, TokenizerSpec, describe_files
 from edgeinfer.sdk.memory import give_back_freed_memory, map_large_blocks, size_text
 
 from .fp16 import convert_to_fp16
 from .fuse import CHECK_PROMPT, CHECK_TOKENS, fuse_graph
-from .graphs import export_graph, kv_layout
+from .embedding import CHECK_TEXTS, base_model, pooling_config, torch_embeddings
+from .embedding import check as check_embeddings
+from .graphs import export_graph, export_hidden_graph, kv_layout
+from .lora import PeftAdapter, add_adapters, check_fits, peft_reference, read_peft
 from .quantize import Quantization, quality, quality_reference, quantize_graph
-from .source import first_line, load_model, resolve_source
+from .source import first_line, load_model, manifest_source, resolve_source
 from .split import split_export
 from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "write")
+STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "adapters", "write")
 DTYPES = ("fp32", "fp16")
+TASKS = ("generation", "embedding")
 LAYOUTS = ("single", "split")
 _PARTIAL = ".partial-"
 _OPTIONAL_STAGES = {
@@ -40,6 +44,7 @@ _OPTIONAL_STAGES = {
     "fp16": "an fp32 export skips this stage",
     "quantize": "an export without --quantize skips this stage",
     "split": "the default layout (--graphs single) skips this stage",
+    "adapters": "an export without --adapter skips this stage",
 }
 _TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
 
@@ -80,6 +85,10 @@ class ExportOptions:
     graphs: str = "single"  # or "split": prefill.onnx and decode.onnx on one weights file (export/split.py)
     prefill_length: int | None = None  # split: the prefill graph's fixed number of positions
     static_context: int | None = None  # split: the decode graph's fixed KV capacity (one token per pass)
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) of each LoRA adapter (export/lora.py)
+    task: str = "generation"  # or "embedding": the hidden states of an embedding model (export/embedding.py)
+    pooling: str | None = None  # embedding: "last" or "mean" [default: the model's sentence-transformers config]
+    matryoshka: tuple[int, ...] = ()  # embedding: the shorter widths the model was trained to give (Matryoshka)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -103,6 +112,30 @@ class ExportOptions:
                 f"--prefill-length {self.prefill_length} is more than --static-context {self.static_context}: "
                 "a prompt must fit the decode graph's cache; pass a shorter prefill length"
             )
+        if self.task not in TASKS:
+            raise ExportError(f"unknown task {self.task!r}: use 'generation' (the default) or 'embedding'")
+        if self.task == "embedding":
+            given = [
+                flag
+                for flag, value in (
+                    ("--quantize", self.quantization),
+                    ("--dtype fp16", self.dtype == "fp16"),
+                    ("--graphs split", self.graphs == "split"),
+                    ("--adapter", self.adapters),
+                )
+                if value
+            ]
+            if given:
+                raise ExportError(f"--task embedding exports fp32 hidden states for now: leave out {', '.join(given)}")
+        elif self.pooling is not None or self.matryoshka:
+            raise ExportError("--pooling and --matryoshka describe an embedding model: add --task embedding")
+        if self.adapters and self.graphs == "split":
+            raise ExportError("--adapter needs the default layout: the split layout (--graphs split) takes no adapters")
+        from .lora import checked_name
+
+        names = [checked_name(name) for name, _ in self.adapters]
+        if len(set(names)) != len(names):
+            raise ExportError(f"two --adapter options are named {max(names, key=names.count)!r}: give each adapter its own name")
         if self.max_context is not None and (
             isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2
         ):
@@ -205,24 +238,32 @@ def _free(folder: Path) -> str:
 
 def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
     map_large_blocks()  # process-wide: large buffers freed go back to the system (the export's peak memory)
+    if options.task == "embedding":
+        return _export_embedding(model, work, options, _Stages(say, ["load", "export graph", "tokenizer", "validate", "write"], live))
     wanted = {
         "quantize": bool(options.quantization),
         "fuse": options.fuse,
         "fp16": options.dtype == "fp16",
         "split": options.graphs == "split",
+        "adapters": bool(options.adapters),
     }
+    adapters = {name: read_peft(folder) for name, folder in options.adapters}  # a bad folder is refused before any work
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
-    torch_model, manifest, weights = _traced(model, work, options, stage)
+    torch_model, manifest, weights = _traced(model, work, options, stage, adapters)
     with stage("validate"):
         stage.progress("PyTorch's logits and tokens for the checks")
-        config, references = torch_model.config, _references(torch_model, work, options)
+        config, references = torch_model.config, _references(torch_model, work, options, adapters)
         del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
         gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
         give_back_freed_memory()
         validation = _validated(work, references["validate"], stage)
     manifest, quantization = _refined(work, manifest, config, references, options, stage, validation)
+    manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization)
+    if adapters:
+        with stage("adapters"):
+            manifest = _adapters(work, manifest, adapters, references["adapters"], stage)
     with stage("write"):
-        manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization, files=describe_files(work))
+        manifest = dataclasses.replace(manifest, files=describe_files(work))
         manifest.save(work)
     peak = peak_memory()
     if peak:
@@ -233,12 +274,14 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     return manifest
 
 
-def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages):
+def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adapters: dict[str, PeftAdapter]):
     """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32 bytes."""
     with stage("load"):
         source = resolve_source(model, stage.say)
         stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
         torch_model, tokenizer = load_model(source)
+        for adapter in adapters.values():
+            check_fits(adapter, torch_model)
     weights = fp32_weights(torch_model)
     check_free_space(work.parent, fp32_weights(torch_model, as_written=True))
     check_memory(weights)
@@ -251,6 +294,49 @@ def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages):
     manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     manifest.save(work)
     return torch_model, manifest, weights
+
+
+def _export_embedding(model: str, work: Path, options: ExportOptions, stage: _Stages) -> Manifest:
+    """An embedding model's export: its hidden states' graph, checked against transformers."""
+    with stage("load"):
+        source = resolve_source(model, stage.say)
+        stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
+        torch_model, tokenizer = load_model(source)
+        base = base_model(torch_model)
+        pooling = pooling_config(None if source.gguf_file else Path(source.path), options.pooling)
+    hidden = int(torch_model.config.hidden_size)
+    wrong = [d for d in options.matryoshka if isinstance(d, bool) or not isinstance(d, int) or not 0 < d < hidden]
+    if wrong:
+        raise ExportError(f"--matryoshka widths must be integers from 1 to {hidden - 1} (the model gives {hidden}), got {wrong[0]!r}")
+    check_free_space(work.parent, fp32_weights(base, as_written=True))
+    with stage("export graph"):
+        stage.progress("tracing the model's hidden states with torch.onnx")
+        graph = export_hidden_graph(base, work)
+    with stage("tokenizer"):
+        tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
+    context = max_context(torch_model.config, tokenizer, options.max_context)
+    manifest = dataclasses.replace(
+        _manifest(source.name, torch_model, graph, KVSpec(0, 0, 0, "float32", 2, [], []), tokenizer_spec, context),
+        format_version=ADAPTERS_FORMAT_VERSION,
+        task="embedding",
+        embedding={**pooling, "dimensions": hidden, "matryoshka": sorted(set(options.matryoshka))},
+    )
+    manifest.save(work)
+    with stage("validate"):
+        stage.progress("each check text's vector against transformers', alone and in a batch")
+        reference = torch_embeddings(base, tokenizer, CHECK_TEXTS, pooling["pooling"], pooling["normalize"])
+        del torch_model, base
+        gc.collect()
+        validation = check_embeddings(work, reference)
+        stage.say(
+            f"{pooling['pooling']} pooling{', normalized' if pooling['normalize'] else ''} ({pooling['from']}); against "
+            f"transformers: cosine at least {validation['cosine_min']:.7f} over {validation['texts']} texts, a batch against "
+            f"each alone {validation['batch_max_abs_diff']:.1e}"
+        )
+    with stage("write"):
+        manifest = dataclasses.replace(manifest, validation=validation, files=describe_files(work))
+        manifest.save(work)
+    return manifest
 
 
 def _validated(work: Path, reference, stage: _Stages) -> dict:
@@ -316,13 +402,33 @@ def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: _Stage
     return manifest, split
 
 
-def _references(model, work: Path, options: ExportOptions) -> dict:
-    """PyTorch's side of the checks the export's stages run, computed while the model is loaded."""
+def _adapters(work: Path, manifest: Manifest, adapters: dict[str, PeftAdapter], references: dict, stage: _Stages) -> Manifest:
+    stage.progress("the adapters' files and graph, then each adapter's tokens and logits against PEFT's")
+    manifest, checks = add_adapters(work, manifest, adapters, references)
+    for name, check in checks.items():
+        stage.say(adapter_summary(name, manifest.adapters[name], check))
+    return manifest
+
+
+def adapter_summary(name: str, entry: dict, check: dict) -> str:
+    worst = max(check["max_abs_diff_prefill"], check["max_abs_diff_decode"], check["max_abs_diff_extend"])
+    against = f"(tolerance {check['tolerance']:.2e})" if check["gated"] else "(a quantized base: recorded, not a pass mark)"
+    return (
+        f"adapter {name}: rank {entry['rank']} on {len(entry['modules'])} modules; against PEFT: largest logits "
+        f"difference {worst:.2e} {against}, greedy tokens {'equal' if check['tokens_equal'] else 'differ'}"
+    )
+
+
+def _references(model, work: Path, options: ExportOptions, adapters: dict[str, PeftAdapter] | None = None) -> dict:
+    """PyTorch's side of the checks the export's stages run, computed while the model is loaded
+    (each adapter's with PEFT, after the base's)."""
     references = {"validate": torch_reference(model, sample_ids(model.config.vocab_size))}
     if options.fuse or options.dtype == "fp16":
         references["check"] = torch_reference(model, CHECK_PROMPT, CHECK_TOKENS)
     if options.quantization:
         references["quality"] = quality_reference(model, work)
+    if adapters:
+        references["adapters"] = {name: peft_reference(model, a.folder, CHECK_PROMPT, CHECK_TOKENS) for name, a in adapters.items()}
     return references
 
 
@@ -542,3 +648,65 @@ class _Ticker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def export_adapter(
+    adapter_folder: str | Path, base: str | Path, name: str, model: str | None = None, say=lambda message: None
+) -> Manifest:
+    """Add the PEFT LoRA adapter in `adapter_folder` to the export `base` as `name`, checked against
+    PEFT on the PyTorch model the export came from (`model`, default: the manifest's source).
+
+    The export is changed in one step: the new files are written and checked in a folder of links
+    beside it, moved in under names the old manifest does not use, and the manifest is replaced
+    last; a failure leaves the export as it was."""
+    from edgeinfer.sdk.manifest import load_manifest
+
+    from .lora import checked_name
+
+    base = Path(base).expanduser()
+    manifest = load_manifest(base)
+    adapter = read_peft(adapter_folder)
+    checked_name(name)
+    if name in manifest.adapters:
+        raise ExportError(f"{base} already has an adapter named {name!r}: pick another --name")
+    model = model or manifest_source(manifest.source)
+    say(f"loading {model} for PEFT's reference")
+    source = resolve_source(model, say)
+    torch_model, _ = load_model(source, with_tokenizer=False)
+    check_fits(adapter, torch_model)
+    reference = peft_reference(torch_model, adapter.folder, CHECK_PROMPT, CHECK_TOKENS)
+    del torch_model
+    gc.collect()
+    work = base.parent / f".{base.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _link_tree(base, work)
+        updated, checks = add_adapters(work, manifest, {name: adapter}, {name: reference})
+        if manifest.lora is not None:
+            (work / manifest.lora.file).unlink()  # the graph of the adapters before
+        updated = dataclasses.replace(updated, files=describe_files(work))
+        updated.save(work)
+        say(adapter_summary(name, updated.adapters[name], checks[name]))
+        for file in (updated.adapters[name]["file"], updated.lora.file):
+            os.replace(work / file, base / file)
+        os.replace(work / "edgeinfer.json", base / "edgeinfer.json")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if manifest.lora is not None and manifest.lora.file != updated.lora.file:
+        (base / manifest.lora.file).unlink(missing_ok=True)
+    return updated
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """`target`: a folder of hard links to `source`'s files (copies across file systems), the
+    manifest copied so that writing it leaves `source`'s alone."""
+    target.mkdir()
+    for path in source.iterdir():
+        if not path.is_file():
+            continue
+        if path.name == "edgeinfer.json":
+            shutil.copy2(path, target / path.name)
+            continue
+        try:
+            os.link(path, target / path.name)
+        except OSError:
+            shutil.copy2(path, target / path.name)

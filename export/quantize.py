@@ -106,7 +106,7 @@ def kept_int8(graph, items) -> list[str]:
     /MatMul: o_proj, down_proj, ...; a fused attention input projection is qkv_proj, a packed gate and
     up projection gate_up_proj), optionally
     with layers: `down_proj:0-3` (0 to 3), `qkv_proj:0,29` is written `qkv_proj:0+29`."""
-    roles = {node.name: _role(node.name) for node in graph.node if node.op_type == "MatMul"}
+    roles = {node.name: matmul_role(node.name) for node in graph.node if node.op_type == "MatMul"}
     chosen = []
     for item in items:
         module, layers = _kept_pattern(item)
@@ -131,7 +131,7 @@ def _kept_pattern(item: str) -> tuple[str, set[int] | None]:
     return module, chosen
 
 
-def _role(name: str) -> tuple[int | None, str]:
+def matmul_role(name: str) -> tuple[int | None, str]:
     """(layer, module) of a MatMul by its name: /model/layers.3/mlp/down_proj/MatMul is (3,
     down_proj), edgeinfer_gqa_3_qkv_proj (3, qkv_proj), /lm_head/MatMul (None, lm_head)."""
     fused = re.fullmatch(r"edgeinfer_gqa_(\d+)_(\w+)", name)
@@ -183,7 +183,7 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
 
     manifest = load_manifest(folder)
     text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
-    return chosen(modules_by_cost(folder, Tokenizer(folder, manifest.tokenizer).encode(text), _role, rounded), block)
+    return chosen(modules_by_cost(folder, Tokenizer(folder, manifest.tokenizer).encode(text), matmul_role, rounded), block)
 
 
 def _calibrated(folder: Path, quantization: Quantization, scratch: Path):

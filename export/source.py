@@ -51,6 +51,13 @@ def resolve_source(model: str, say=lambda message: None) -> Source:
     raise ModelNotFoundError(f"{model!r} is not an existing path, a catalog name ({names}) or a hub id like org/name")
 
 
+def manifest_source(name: str) -> str:
+    """What `resolve_source` takes for a manifest's `source`: a catalog model's name without the
+    file it was fetched to ("smollm2-135m-instruct (/path/x.gguf)" is smollm2-135m-instruct)."""
+    match = re.fullmatch(r"(\S+) \((.+)\)", name)
+    return match.group(1) if match and is_catalog_name(match.group(1)) else name
+
+
 def _hub_source(hub_id: str) -> Source:
     folder = download_from_hub(hub_id)
     if folder is None:

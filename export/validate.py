@@ -85,12 +85,13 @@ def validate(reference: Reference, folder: Path) -> dict:
     return result
 
 
-def logits_differences(engine: Engine, reference: Reference) -> dict:
+def logits_differences(engine: Engine, reference: Reference, adapter: str | None = None) -> dict:
     """Largest absolute differences between the engine's logits and the reference's: at the
     prompt's last position (prefill), for PyTorch's first greedy token (decode), and for every
     position of a pass of EXTEND_TOKENS more; and the tolerance for them."""
     ids, token = reference.ids, reference.greedy[0]
     cache = engine.runner.new_batch()
+    engine.runner.assign(cache, 0, adapter)
     onnx_prefill = engine.runner.prefill(cache, [ids]).numpy()[0, -1].astype(np.float32)
     onnx_decode = engine.runner.decode(cache, [token]).numpy()[0, -1].astype(np.float32)
     onnx_extend = engine.runner.verify(cache, 0, ids[:EXTEND_TOKENS]).numpy()[0].astype(np.float32)

@@ -1,5 +1,6 @@
 """edgeinfer's runtime: load an export and generate with ONNX Runtime (no torch needed)."""
 
+from .embedder import Embedder, Embeddings
 from .engine import Engine
 from .errors import (
     BusyError,
@@ -24,6 +25,8 @@ from .settings import GenerationConfig
 
 __all__ = [
     "Engine",
+    "Embedder",
+    "Embeddings",
     "ModelPool",
     "Scheduler",
     "Request",

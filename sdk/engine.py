@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .constraints import Constraints
+from .embedder import Embedder
 from .errors import GenerationError, ManifestError, SettingsError
 from .generation import generate
 from .manifest import Manifest, load_manifest, verify_files
@@ -106,6 +107,8 @@ class Engine:
         manifest = load_manifest(path)
         if verify:
             verify_files(Path(path), manifest.files)
+        if manifest.task == "embedding":  # an embedding model: Embedder's embed() in place of generation
+            return Embedder(Path(path), manifest, options, max_batch if max_batch > 1 else 8, max_context)
         engine = cls(Path(path), manifest, options, prefill_chunk, limits)
         if draft is not None:
             context = load_manifest(draft).max_context
@@ -256,6 +259,14 @@ class Engine:
             constraint = chosen.response_format if thinking is None else thought_first(chosen.response_format, thinking)
             settings = {**settings, "response_format": constraint}
         return prompt, settings, ChatStream(self.tokenizer, chosen, thinking)
+
+    def embed(self, texts, dimensions: int | None = None, truncate: bool = False):
+        """Embeddings need an embedding export, which `Engine.load` gives as an Embedder."""
+        raise SettingsError(
+            "this export generates text; embeddings need an export of an embedding model's hidden states: "
+            "edgeinfer export MODEL -o OUT --task embedding, then load OUT",
+            "model",
+        )
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of a conversation rendered by the model's chat template, ready for a reply."""

@@ -15,6 +15,8 @@ from .speculative import step
 def generate(runner: ModelRunner, sequences: list[Sequence], capacity: int) -> Iterator[tuple[int, Piece]]:
     """(row, piece) as each sequence's output is made, from a batch of `capacity` tokens per row."""
     batch = runner.new_batch(len(sequences), capacity, reuses_logits=True)
+    for row, sequence in enumerate(sequences):
+        runner.assign(batch, row, sequence.adapter)
     logits = runner.prefill(batch, [s.prompt_ids for s in sequences])
     for sequence, num_cached in zip(sequences, batch.num_cached):
         sequence.num_cached = num_cached

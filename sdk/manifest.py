@@ -9,16 +9,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ManifestError, NotAnExportError
 
 # 2: one graph for prefill and decode (1 had a separate prefill graph); 3: the split layout (a
-# prefill graph without past inputs beside the decode graph), written only for `--graphs split`,
-# so that single-graph exports stay readable by edgeinfer versions that read 2.
-SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 3, 2
-FORMAT_VERSION = SPLIT_FORMAT_VERSION  # the newest this edgeinfer reads
+# prefill graph without past inputs beside the decode graph), written only for `--graphs split`;
+# 4: LoRA adapters (the adapters' graph and files) or an embedding model, written only for an
+# export with adapters or of an embedding model. So
+# exports stay readable by the edgeinfer versions that read what they use.
+ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 4, 3, 2
+FORMAT_VERSION = ADAPTERS_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -91,6 +94,16 @@ class Manifest:
     prefill: GraphSpec | None = None
     prefill_length: int | None = None
     static_context: int | None = None
+    # LoRA adapters (export/lora.py): `lora` is the graph with their inputs, on the same weights
+    # file; `adapters` maps each name to its file, rank, the modules it changes, and its check
+    # against PEFT.
+    lora: GraphSpec | None = None
+    adapters: dict[str, dict] = field(default_factory=dict)
+    # "generation", or "embedding" (format version 4): `graph` gives `last_hidden_state` and takes no
+    # KV cache (`kv` has no layers); `embedding` says how a text's vector is made: `pooling` ("last"
+    # or "mean"), `normalize`, `dimensions`, and `matryoshka` (the shorter widths it was trained for).
+    task: str = "generation"
+    embedding: dict = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -109,7 +122,7 @@ class Manifest:
             )
         if version == 1:  # its decode graph does both phases; its prefill graph is not needed
             data = {**{k: v for k, v in data.items() if k not in ("prefill", "decode")}, "graph": data.get("decode")}
-        nested = {"graph": GraphSpec, "prefill": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
+        nested = {"graph": GraphSpec, "prefill": GraphSpec, "lora": GraphSpec, "kv": KVSpec, "tokenizer": TokenizerSpec}
         try:
             values = {k: (nested[k](**v) if k in nested and v is not None else v) for k, v in data.items()}
             return cls(**values)
@@ -118,6 +131,26 @@ class Manifest:
 
     def save(self, folder: Path) -> None:
         (Path(folder) / MANIFEST_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def lora_graph_file(num_adapters: int) -> str:
+    """The adapters' graph (export/lora.py) of an export with `num_adapters`: a new name each time
+    an adapter is added, so the graph the manifest names is never overwritten in place."""
+    return f"model.lora.{num_adapters}.onnx"
+
+
+def adapter_file(name: str) -> str:
+    """The file that holds adapter `name`'s weights in an export folder."""
+    return f"adapter.{name}.npz"
+
+
+def check_adapter_name(name: str) -> str:
+    """Adapter names are what a request asks for (`"model": "BASE:ADAPTER"`) and part of a file name."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise ManifestError(
+            f"adapter name {name!r} is not usable: use letters, digits, '.', '_' and '-' (at most 64, starting with a letter or digit)"
+        )
+    return name
 
 
 def load_manifest(folder: str | Path) -> Manifest:

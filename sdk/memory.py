@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import GenerationError, SettingsError
+from .adapters import adapter_memory
 from .manifest import Manifest
 
 _GRAPH_FILES = (".onnx", ".data")
@@ -32,7 +33,7 @@ class MemoryPlan:
     def of(cls, manifest: Manifest, context: int, batch: int, weight_copies: int = 1) -> MemoryPlan:
         """`weight_copies`: sessions that each hold the weights (the split layout's two on the CPU)."""
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
-        return cls(weights * weight_copies, kv_bytes_per_token(manifest), context, batch)
+        return cls(weights * weight_copies + adapter_memory(manifest, batch), kv_bytes_per_token(manifest), context, batch)
 
     @property
     def kv(self) -> int:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .embedder import Embedder
 from .engine import Engine, serving_context
 from .errors import BusyError, ModelNotFoundError, SettingsError
 from .manifest import load_manifest
@@ -182,7 +183,11 @@ class ModelPool:
         start = time.perf_counter()
         try:
             engine = Engine.load(model.folder, memory_limit=self.memory_limit, **self._engine)
-            scheduler = Scheduler(engine, max_batch=self._engine["max_batch"], max_queue=self._max_queue)
+            scheduler = (
+                engine
+                if isinstance(engine, Embedder)
+                else Scheduler(engine, max_batch=self._engine["max_batch"], max_queue=self._max_queue)
+            )
         except BaseException:
             with self._lock:
                 model.held = 0

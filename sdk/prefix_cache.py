@@ -21,19 +21,19 @@ class RowCopier(Protocol):
     def read(self, buffer, row: int, tokens: int) -> np.ndarray: ...
 
 
-def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier) -> int:
-    """The cached blocks that start `ids` written into `row` of `buffers`; how many tokens they hold."""
-    num_cached, blocks = prefix.take(ids)
+def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0) -> int:
+    """The cached blocks that start `ids` (under `root`) written into `row` of `buffers`; how many tokens they hold."""
+    num_cached, blocks = prefix.take(ids, root)
     for name, values in blocks.items():
         copier.write(buffers[name], row, values)
     return num_cached
 
 
-def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier) -> None:
-    """Keep the whole blocks of `ids`, prefilled in `row` of `buffers`."""
+def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0) -> None:
+    """Keep the whole blocks of `ids` (under `root`), prefilled in `row` of `buffers`."""
     whole = len(ids) // prefix.block * prefix.block
     if prefix.budget and whole:
-        prefix.store(ids, {name: copier.read(buffer, row, whole) for name, buffer in buffers.items()})
+        prefix.store(ids, {name: copier.read(buffer, row, whole) for name, buffer in buffers.items()}, root)
 
 
 @dataclass
@@ -48,6 +48,9 @@ class PrefixCache:
     prompt that starts like an earlier one prefills only the rest (a system prompt, a document
     asked about again, a conversation's earlier turns). A block is found by its tokens and the
     block before it, so it stands for its tokens and every token before them, compared exactly.
+    A chain starts at a `root`: 0 for the base model, another value for each LoRA adapter, whose
+    keys and values differ for the same tokens, so that a prompt cached under one adapter is never
+    reused under another.
     Blocks used least recently leave first once `budget` bytes are held; 0 turns it off.
 
     `take` joins the blocks that start a prompt ([kv_heads, tokens, head_size] each); `store` keeps a
@@ -62,22 +65,22 @@ class PrefixCache:
     _next_id: int = 1
     _lock: threading.Lock = field(default_factory=threading.Lock)  # an engine serves many threads
 
-    def has_start(self, ids: list[int]) -> bool:
+    def has_start(self, ids: list[int], root=0) -> bool:
         """Whether the first block of `ids` is cached (counted neither as hit nor as miss)."""
         with self._lock:
-            return bool(self.budget) and len(ids) > self.block and (0, tuple(ids[: self.block])) in self._blocks
+            return bool(self.budget) and len(ids) > self.block and (root, tuple(ids[: self.block])) in self._blocks
 
-    def take(self, ids: list[int]) -> tuple[int, dict[str, np.ndarray]]:
+    def take(self, ids: list[int], root=0) -> tuple[int, dict[str, np.ndarray]]:
         """The cached blocks that start `ids`, joined: how many tokens, and each past input's keys
         or values of them [kv_heads, tokens, head_size] (a cache that grows from its past)."""
         with self._lock:
-            blocks = self._match(ids)
+            blocks = self._match(ids, root)
         if not blocks:
             return 0, {}
         return len(blocks) * self.block, {name: np.concatenate([b.kv[name] for b in blocks], axis=1) for name in blocks[0].kv}
 
-    def _match(self, ids: list[int]) -> list[_Block]:
-        found, parent = [], 0
+    def _match(self, ids: list[int], root) -> list[_Block]:
+        found, parent = [], root
         while self.budget and (len(found) + 1) * self.block < len(ids):
             key = (parent, tuple(ids[len(found) * self.block : (len(found) + 1) * self.block]))
             block = self._blocks.get(key)
@@ -90,13 +93,13 @@ class PrefixCache:
         self.missed_tokens += len(ids) - len(found) * self.block
         return found
 
-    def store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
+    def store(self, ids: list[int], rows: dict[str, np.ndarray], root=0) -> None:
         """Keep the whole blocks of `ids`, whose keys and values `rows` now hold."""
         with self._lock:
-            self._store(ids, rows)
+            self._store(ids, rows, root)
 
-    def _store(self, ids: list[int], rows: dict[str, np.ndarray]) -> None:
-        parent = 0
+    def _store(self, ids: list[int], rows: dict[str, np.ndarray], root) -> None:
+        parent = root
         for start in range(0, len(ids) - self.block + 1, self.block) if self.budget else ():
             key = (parent, tuple(ids[start : start + self.block]))
             if key not in self._blocks:

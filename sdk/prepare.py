@@ -26,6 +26,7 @@ def prepare(engine, prompts: list, config: GenerationConfig | list[GenerationCon
     configs = [resolve_settings(engine.default_config, c, settings) for c in configs]
     for c in configs:
         check_token_ids(c, engine.manifest.vocab_size)
+        engine.runner.adapters.check(c.adapter)  # an unknown adapter is refused here
     given = [engine.prompt_ids(p, c.truncate != "left") for p, c in zip(prompts, configs)]
     ids = [truncate(row, c, engine.max_context) for row, c in zip(given, configs)]
     room = room_left(ids, engine.max_context, engine.manifest.max_context)
@@ -79,6 +80,12 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
         raise SettingsError(
             "this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
             "prompt at a time: generate the prompts one by one",
+            "speculative",
+        )
+    if config.speculative == "draft" and config.adapter is not None:
+        raise SettingsError(
+            f"speculative='draft' proposes with the draft model's base weights, which know nothing of adapter "
+            f"{config.adapter!r}: use speculative='prompt_lookup' with an adapter",
             "speculative",
         )
     if config.speculative == "draft" and engine.draft is None:

@@ -7,10 +7,16 @@ sequence's next token from the logits). The caches (kv_cache.py) keep the books;
 them into `input_ids`, `attention_mask`, `position_ids` and `logits_to_keep`, runs the graph, and
 brings the books up to date. The split layout (a prefill graph beside the decode graph), a decode
 graph of fixed shapes and optimum-onnx's attention (a past that grows) are its business alone.
+
+LoRA adapters: each row of a batch runs an adapter or the base model (`assign`). The runner serves
+the base graph until a row first asks for an adapter; from then on it serves the adapters' graph
+(export/lora.py) in its place, with the rows' adapter tensors bound where the batch keeps them
+(adapters.py), so rows of different adapters share a pass and one copy of the weights.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
 from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, host_array
 from .manifest import GraphSpec, Manifest
@@ -40,6 +47,8 @@ class Batch:
     reuses_logits: bool = False
     bindings: Bindings = field(default_factory=Bindings)
     num_cached: list[int] = field(default_factory=list)
+    adapters: RowAdapters | None = None  # the rows' adapters, once one of them runs one
+    bound_to: object = None  # the graph `bindings` were made for
 
 
 class ModelRunner:
@@ -60,6 +69,7 @@ class ModelRunner:
         # The split layout's two sessions share one copy of the weights on a GPU; on the CPU each
         # keeps its own pre-packed copy.
         shared = load_weights(self.folder / manifest.graph.file, provider) if manifest.prefill and provider != "cpu" else None
+        self.options = options
         self.graph = self._open(manifest.graph, options, shared)
         self.prefill_graph = self._open(manifest.prefill, options, shared) if manifest.prefill is not None else None
         self._shared_weights = shared  # the sessions use these values: they live as long as the runner
@@ -71,11 +81,15 @@ class ModelRunner:
         usable = not self.is_static and self.kv.sequence_axis == 2 and (not self.kv.in_place or self.copier is not None)
         self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
         self._past_shapes = {name: self.graph.inputs[name].shape for name in self.kv.past}
+        self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
+        self._no_adapter: dict | None = None  # rank-0 tensors for passes of base rows alone, once the adapters' graph serves
+        self._switching = threading.Lock()
 
     def _open(self, spec: GraphSpec, options: RuntimeOptions, shared: dict | None) -> Graph:
         graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
         graph.check_names(spec.inputs, spec.outputs)
-        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past)
+        adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is self.manifest.lora else set()
+        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past) - adapters
         if unknown:
             raise ManifestError(
                 f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
@@ -110,7 +124,8 @@ class ModelRunner:
 
     def new_batch(self, num_rows: int = 1, capacity: int | None = None, reuses_logits: bool = False) -> Batch:
         """An empty batch of `num_rows` rows of at most `capacity` tokens each, prompt included
-        (default: the context served). A slot cache's buffers are allocated here, once."""
+        (default: the context served), every row on the base model. A slot cache's buffers are
+        allocated here, once."""
         if not self.kv.in_place:
             return Batch(GrowingCache(self.kv, {}, [0] * num_rows), reuses_logits)
         capacity = self.manifest.static_context if self.is_static else capacity or self.max_context
@@ -120,18 +135,64 @@ class ModelRunner:
         }
         return Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
 
+    def assign(self, batch: Batch, row: int, adapter: str | None) -> None:
+        """Run `row` with LoRA adapter `adapter` (None: the base model) from its next pass on."""
+        self.adapters.check(adapter)
+        if adapter is None and batch.adapters is None:
+            return
+        self._serve_adapters()
+        if batch.adapters is None:
+            rows = len(batch.cache.lengths)
+            shapes = self.adapters.shapes.items()
+            batch.adapters = RowAdapters({name: self.graph.allocate([rows, *shape], self.kv.dtype) for name, shape in shapes}, rows)
+            for other in range(rows):
+                if other != row:
+                    self._write_row(batch.adapters, other, None)
+        self._write_row(batch.adapters, row, adapter)
+
+    def _write_row(self, adapters: RowAdapters, row: int, adapter: str | None) -> None:
+        for name, values in self.adapters.arrays(adapter).items():
+            self.graph.write_row(adapters.buffers[name], row, values)
+        adapters.names[row] = adapter
+
+    def _serve_adapters(self) -> None:
+        """The adapters' graph in place of the base graph, once. A pass of base rows alone binds
+        tensors of rank 0 ([1, in, 0] and [1, 0, out]): the adapters' terms are then zeros that
+        read nothing."""
+        with self._switching:
+            if self._no_adapter is not None:
+                return
+            graph = self._open(self.manifest.lora, self.options, None)
+            shapes = self.adapters.shapes.items()  # A: [in, rank], B: [rank, out]
+            empty = {name: [1, rows, 0] if name.endswith(".a") else [1, 0, cols] for name, (rows, cols) in shapes}
+            self.graph, self._no_adapter = graph, {name: graph.allocate(shape, self.kv.dtype) for name, shape in empty.items()}
+
+    def _adapter_views(self, batch: Batch, first: int, rows: int) -> tuple[tuple, dict]:
+        """What a pass over rows first.. binds for the adapters: the batch's rows, or rank-0 tensors
+        where they all run the base model; nothing while the base graph serves."""
+        if self._no_adapter is None:
+            return (), {}
+        if batch.adapters is None or not any(batch.adapters.names[first : first + rows]):
+            return ("base",), self._no_adapter
+        return batch.adapters.views(first, rows)
+
+    def _root(self, batch: Batch, row: int):
+        """Where the prefix cache's chains for the row's adapter start."""
+        name = batch.adapters.names[row] if batch.adapters is not None else None
+        return 0 if name is None else ("adapter", name)
+
     def restore(self, batch: Batch, row: int, ids: list[int]) -> int:
         """Fill an empty row of a slot cache with the cached blocks that start `ids`; how many tokens they hold."""
         if not self._prefix_on:
             return 0
-        num_cached = restore_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier)
+        num_cached = restore_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row))
         batch.cache.append([row], num_cached)
         return num_cached
 
     def store(self, batch: Batch, row: int, ids: list[int]) -> None:
         """Keep the whole blocks of a prompt that a row of a slot cache holds, prefilled."""
         if self._prefix_on:
-            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier)
+            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row))
 
     # Prefill.
 
@@ -143,7 +204,9 @@ class ModelRunner:
             return self._prefill_growing(batch, prompts)
         rows = [batch.cache.acquire() for _ in prompts]
         assert rows == list(range(len(prompts))), "prefill fills a new batch"
-        if len(prompts) > 1 and not (self._prefix_on and any(self.prefix_cache.has_start(p) for p in prompts)):
+        if len(prompts) > 1 and not (
+            self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts))
+        ):
             logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
             batch.num_cached = [0] * len(prompts)
         elif len(prompts) > 1:  # rows from the prefix cache: each alone, then every last token in one pass
@@ -201,7 +264,7 @@ class ModelRunner:
         inputs = prepare_together(batch.cache, prompts, length, width)
         lengths = batch.cache.lengths[: len(prompts)]
         if self.prefill_graph is None:
-            binding = self.graph.bind_rows(batch.cache.pooled, 0, len(prompts))
+            binding = self._bind_rows(batch, 0, len(prompts))
             binding.run(inputs)
             return binding.outputs()[-1]
         graph = self.prefill_graph
@@ -219,14 +282,16 @@ class ModelRunner:
         width = max(max(len(p) for p in prompts), first or 0)
         shapes = {name: buffer_shape(self.kv, self._past_shapes[name], len(prompts), 0) for name in self.kv.past}
         buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
-        num_cached, blocks = self.prefix_cache.take(prompts[0]) if self._prefix_on and len(prompts) == 1 else (0, {})
+        root = self._root(batch, 0)
+        num_cached, blocks = self.prefix_cache.take(prompts[0], root) if self._prefix_on and len(prompts) == 1 else (0, {})
         buffers.update({name: value[None] for name, value in blocks.items()})
         cache.buffers, batch.num_cached = buffers, [num_cached] + [0] * (len(prompts) - 1)
         cache.fill(num_cached, np.full(len(prompts), num_cached, np.int64))
         for start, end, inputs in prepare_left_padded(cache, prompts, width, self.spans(num_cached, width)):
-            logits = self._run_growing(cache, inputs, self.prefill_graph if start == 0 and self.prefill_graph else self.graph)
+            graph = self.prefill_graph if start == 0 and self.prefill_graph else self.graph
+            logits = self._run_growing(batch, inputs, graph)
         if self._prefix_on and len(prompts) == 1:
-            self.prefix_cache.store(prompts[0], {name: host_array(value)[0] for name, value in cache.buffers.items()})
+            self.prefix_cache.store(prompts[0], {name: host_array(value)[0] for name, value in cache.buffers.items()}, root)
         return logits
 
     # Decode and verify.
@@ -238,7 +303,7 @@ class ModelRunner:
         keeps its binding (and, where the batch reuses logits, one logits value per number of rows)."""
         inputs = prepare_decode(batch.cache, tokens, self.is_static)
         if isinstance(batch.cache, GrowingCache):
-            return self._run_growing(batch.cache, inputs, self.graph)
+            return self._run_growing(batch, inputs, self.graph)
         binding, logits = self._decode_binding(batch, len(tokens))
         if not batch.reuses_logits:
             binding.run(inputs, fresh=("logits",))
@@ -265,7 +330,7 @@ class ModelRunner:
         }
         if isinstance(batch.cache, SlotCache):
             return self._run_row(batch, row, inputs)
-        return self._run_growing(batch.cache, inputs, self.graph)
+        return self._run_growing(batch, inputs, self.graph)
 
     # Choosing tokens.
 
@@ -285,22 +350,48 @@ class ModelRunner:
 
     def _run_row(self, batch: Batch, row: int, inputs: dict) -> ort.OrtValue:
         """One pass on one row of a slot cache, bound alone (the binding kept in the batch)."""
-        binding = batch.bindings.rows.get(row)
+        binding = self._bindings(batch).rows.get(row)
         if binding is None:
-            binding = batch.bindings.rows[row] = self.graph.bind_rows(batch.cache.pooled, row, 1)
+            binding = batch.bindings.rows[row] = self._bind_rows(batch, row, 1)
+        self._bind_adapters(binding, batch, row, 1)
         binding.run(inputs, fresh=("logits",))
         return binding.outputs()[-1]
 
     def _decode_binding(self, batch: Batch, num_rows: int):
         """The binding of a decode pass over rows 0..num_rows-1 and the logits value it overwrites."""
-        if num_rows not in batch.bindings.decode:
+        if num_rows not in self._bindings(batch).decode:
             logits = self.graph.allocate_output("logits", [num_rows, 1, self.manifest.vocab_size])
-            batch.bindings.decode[num_rows] = (self.graph.bind_rows(batch.cache.pooled, 0, num_rows, logits), logits)
-        return batch.bindings.decode[num_rows]
+            batch.bindings.decode[num_rows] = (self._bind_rows(batch, 0, num_rows, logits), logits)
+        binding, logits = batch.bindings.decode[num_rows]
+        self._bind_adapters(binding, batch, 0, num_rows)
+        return binding, logits
 
-    def _run_growing(self, cache: GrowingCache, inputs: dict, graph: Graph) -> ort.OrtValue:
+    def _bindings(self, batch: Batch) -> Bindings:
+        """The batch's bindings, made anew where the graph they were made for no longer serves."""
+        if batch.bound_to is not self.graph:
+            batch.bindings.decode.clear()
+            batch.bindings.rows.clear()
+            batch.bound_to = self.graph
+        return batch.bindings
+
+    def _bind_rows(self, batch: Batch, first: int, rows: int, logits: ort.OrtValue | None = None):
+        """`Graph.bind_rows` of the batch's cache on the graph that serves, its adapters bound too."""
+        binding = self.graph.bind_rows(batch.cache.pooled, first, rows, logits)
+        self._bind_adapters(binding, batch, first, rows)
+        return binding
+
+    def _bind_adapters(self, binding, batch: Batch, first: int, rows: int) -> None:
+        """The rows' adapter tensors on a kept binding, bound anew only where what they are changed."""
+        key, views = self._adapter_views(batch, first, rows)
+        if views and getattr(binding, "adapters", None) != (key, id(batch.adapters)):
+            binding.keep_rows(views)
+            binding.adapters = (key, id(batch.adapters))
+
+    def _run_growing(self, batch: Batch, inputs: dict, graph: Graph) -> ort.OrtValue:
         """One pass on a cache that grows: the past bound where it is, the presents kept on the device."""
-        inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
+        cache = batch.cache
+        adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
+        inputs = {name: value for name, value in {**inputs, **adapters}.items() if name in graph.inputs}
         past = cache.buffers if graph is self.graph else {}
         outputs, _ = graph.run({**inputs, **past}, on_device=[*self.kv.present, "logits"], to_host=[])
         cache.take(outputs)

@@ -166,6 +166,8 @@ class Graph:
         for name, value in inputs.items():
             if isinstance(value, ort.OrtValue):
                 binding.bind_ortvalue_input(name, value)
+            elif isinstance(value, tuple):  # (buffer, first row, rows): those rows, where they are
+                _bind_row_view(binding, name, *value, self.device)
             else:
                 binding.bind_cpu_input(name, value)
         for name, value in (into or {}).items():
@@ -187,6 +189,19 @@ class Graph:
     def allocate(self, shape: list[int], dtype: str) -> ort.OrtValue:
         """An uninitialised buffer on this graph's device."""
         return ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
+
+    def write_row(self, buffer: ort.OrtValue, row: int, values: np.ndarray) -> None:
+        """Write `values` (one row's shape) into row `row` of `buffer` [rows, ...] on this graph's device."""
+        if self.device == "cpu":
+            self.host_view(buffer)[row] = values
+            return
+        dtype = np.dtype(_NUMPY_TYPES[buffer.data_type()])
+        copy = _device_copy(dtype.name, self.device)
+        binding = copy.session.io_binding()
+        binding.bind_cpu_input("x", np.ascontiguousarray(values, dtype).reshape(-1, values.shape[-1]))
+        shape, row_bytes = buffer.shape(), int(np.prod(buffer.shape()[1:])) * dtype.itemsize
+        binding.bind_output("y", self.device, 0, dtype, [int(np.prod(shape[1:-1])), shape[-1]], buffer.data_ptr() + row * row_bytes)
+        _run(copy.session, binding, copy.name)
 
     def host_view(self, value: ort.OrtValue) -> np.ndarray:
         """A numpy array over a CPU value's own memory (writes go into the value); valid while the
@@ -265,6 +280,14 @@ class Binding:
         for name, value in outputs.items():
             self.io.bind_ortvalue_output(name, value)
 
+    def keep_rows(self, views: dict[str, tuple[ort.OrtValue, int, int] | ort.OrtValue]) -> None:
+        """Bind each input to rows of a buffer, (buffer, first row, rows), or to a value, for every run from now on."""
+        for name, view in views.items():
+            if isinstance(view, ort.OrtValue):
+                self.io.bind_ortvalue_input(name, view)
+            else:
+                _bind_row_view(self.io, name, *view, self._device)
+
     def run(self, inputs: dict[str, np.ndarray], fresh: tuple[str, ...] = ()) -> None:
         """Run with `inputs` bound anew. Outputs named in `fresh` get a new value of this run's
         shape (ONNX Runtime otherwise writes into the value the last run allocated)."""
@@ -278,6 +301,19 @@ class Binding:
     def outputs(self) -> list[ort.OrtValue]:
         """Every output of the last run, in the order they were bound."""
         return self.io.get_outputs()
+
+
+def _bind_row_view(binding, name: str, buffer: ort.OrtValue, first: int, rows: int, device: str) -> None:
+    """Bind input `name` to rows first..first+rows-1 of `buffer` [rows, ...], by address: nothing is copied."""
+    shape, dtype = buffer.shape(), np.dtype(_NUMPY_TYPES[buffer.data_type()])
+    row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+    binding.bind_input(name, device, 0, dtype, [rows, *shape[1:]], buffer.data_ptr() + first * row_bytes)
+
+
+@functools.cache
+def _device_copy(dtype: str, provider: str) -> Graph:
+    """The Identity graph that copies host values into a device buffer at an address."""
+    return Graph(load_head("copy", {"float32": 1, "float16": 10}[dtype]), provider, threads=1)
 
 
 def _run(session: ort.InferenceSession, binding, name: str) -> None:

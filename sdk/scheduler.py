@@ -236,6 +236,11 @@ class Scheduler:
             slot.row = self.batch.cache.acquire() if self.is_batched else 0
             slot.state = State.PREFILLING
             self._slots.append(slot)
+            if self.is_batched:
+                try:
+                    self.runner.assign(self.batch, slot.row, slot.sequence.adapter)
+                except Exception as error:  # noqa: BLE001 - the loop must outlive it: the request gets the error
+                    self._end(slot, error)
 
     def _drop_cancelled(self) -> None:
         """Requests whose caller cancelled them: running ones free their row, waiting ones leave the queue."""

@@ -105,6 +105,7 @@ class Sequence:
         self.sampler = Sampler(config)
         self.chooses_by_argmax = config.chooses_by_argmax  # the device's argmax is the choice
         self.speculation = None  # speculative.Speculation, where its settings ask for it
+        self.adapter = config.adapter  # the LoRA adapter its rows run with (None: the base model)
         self.constraint = constraint
         self.budget = budget  # a reasoning model's thought, ended after its budget of tokens
         if constraint is not None:  # the constraint's end is the output's end

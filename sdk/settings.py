@@ -53,7 +53,10 @@ class GenerationConfig:
     greedy output is the same tokens, sampled output the same distribution, usually sooner.
 
     `reasoning_budget` ends a reasoning model's thought after that many tokens: its closing marker
-    (`</think>`) is forced then, and the answer follows (reasoning.py)."""
+    (`</think>`) is forced then, and the answer follows (reasoning.py).
+
+    `adapter` names one of the export's LoRA adapters (`edgeinfer export --adapter`); None is the
+    base model."""
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
@@ -76,6 +79,7 @@ class GenerationConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 5
     reasoning_budget: int | None = None
+    adapter: str | None = None
 
     def __post_init__(self):
         checked = {
@@ -109,6 +113,8 @@ class GenerationConfig:
             raise SettingsError(f"truncate must be 'left' (keep the end of a long prompt) or None, got {self.truncate!r}", "truncate")
         if not isinstance(self.ignore_eos, bool):
             raise SettingsError(f"ignore_eos must be True or False, got {self.ignore_eos!r}", "ignore_eos")
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise SettingsError(f"adapter must be an adapter's name or None, got {self.adapter!r}", "adapter")
         if not isinstance(self.logprobs, bool):
             raise SettingsError(f"logprobs must be True or False, got {self.logprobs!r}", "logprobs")
         if self.speculative not in SPECULATIVE:

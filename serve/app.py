@@ -5,6 +5,7 @@ guard.py what every request passes before it reaches a route."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -32,11 +33,22 @@ from . import backend as backends
 from .backend import Backend
 from .guard import Guard, refusal
 from .metrics import CONTENT_TYPE, Metrics
-from .models import PooledModels
-from .protocol import ChatRequest, CompletionRequest, Reply, RequestError, check_room, error_body, fingerprint, from_edgeinfer
+from .models import PooledModels, adapter_entries, with_adapter
+from .protocol import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Reply,
+    RequestError,
+    check_room,
+    embedding_reply,
+    error_body,
+    fingerprint,
+    from_edgeinfer,
+)
 
 log = logging.getLogger("edgeinfer.serve")
-ROUTES = "/v1/chat/completions, /v1/completions and /v1/models"
+ROUTES = "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models"
 
 
 class _Loaded:
@@ -136,7 +148,9 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     async def models():
         if isinstance(loaded.backend, PooledModels):
             return {"object": "list", "data": loaded.backend.listing()}
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}]}
+        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}
+        adapters = adapter_entries(model_name, loaded.backend.manifest) if loaded.backend is not None else []
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
     async def chat(http: HTTPRequest):
@@ -147,6 +161,10 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     async def completions(http: HTTPRequest):
         body = await _read(http, CompletionRequest)
         return await routes.generate(body, http, body.prompts(), chat=False)
+
+    @app.post("/v1/embeddings", openapi_extra=_body_of(EmbeddingRequest))
+    async def embeddings(http: HTTPRequest):
+        return await routes.embeddings(await _read(http, EmbeddingRequest))
 
     @app.post("/v1/responses", openapi_extra=_body_of(responses.ResponsesRequest))
     async def create_response(http: HTTPRequest):
@@ -256,6 +274,9 @@ class _Routes:
         served = self.loaded.ready()
         if isinstance(served, PooledModels):
             return served.backend(model), model
+        base, _, adapter = model.rpartition(":")
+        if model != self.model_name and base == self.model_name:
+            return with_adapter(served, base, adapter), model
         self.check_model(model)
         return served, self.model_name
 
@@ -267,6 +288,23 @@ class _Routes:
                 status=404,
                 code="model_not_found",
             )
+
+    async def embeddings(self, body):
+        """OpenAI's embeddings, from a model exported with --task embedding; run on a worker thread."""
+        backend, model_name = self.served(body.model)
+        if getattr(backend, "manifest", None) is not None and backend.manifest.task != "embedding":
+            raise RequestError(
+                f"the model '{model_name}' generates text; it does not embed: serve a model exported with "
+                "`edgeinfer export MODEL -o OUT --task embedding`",
+                param="model",
+            )
+        try:
+            call = functools.partial(backend.embed, body.input, dimensions=body.dimensions, truncate=body.truncate)
+            embeddings = await asyncio.get_running_loop().run_in_executor(None, call)
+        except EdgeInferError as e:
+            status, error, headers = from_edgeinfer(e, "input")
+            return JSONResponse(error, status_code=status, headers=headers)
+        return embedding_reply(model_name, embeddings, body.encoding_format)
 
     async def messages(self, body, http: HTTPRequest):
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
@@ -424,11 +462,21 @@ def _openapi(app: FastAPI, model_names: list[str]) -> dict:
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         _, models = models_json_schema(
-            [(m, "validation") for m in (ChatRequest, CompletionRequest, responses.ResponsesRequest, *anthropic.REQUESTS)],
+            [
+                (m, "validation")
+                for m in (ChatRequest, CompletionRequest, EmbeddingRequest, responses.ResponsesRequest, *anthropic.REQUESTS)
+            ],
             ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
-        for name in ("ChatRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
+        for name in (
+            "ChatRequest",
+            "CompletionRequest",
+            "EmbeddingRequest",
+            "ResponsesRequest",
+            "MessagesRequest",
+            "CountTokensRequest",
+        ):
             schema["components"]["schemas"][name]["properties"]["model"]["enum"] = list(model_names)
     return app.openapi_schema
 

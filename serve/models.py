@@ -32,6 +32,11 @@ class PooledBackend:
         with self.pool.use(self.name) as scheduler:
             return scheduler.submit(prompt, **settings)
 
+    def embed(self, texts, **settings):
+        """An embedding model's vectors (the model stays loaded while it embeds)."""
+        with self.pool.use(self.name) as embedder:
+            return embedder.embed(texts, **settings)
+
 
 class PooledModels:
     """The models of `pool`, each a PooledBackend."""
@@ -46,7 +51,10 @@ class PooledModels:
     def names(self) -> list[str]:
         return list(self.backends)
 
-    def backend(self, name: str) -> PooledBackend:
+    def backend(self, name: str) -> PooledBackend | AdapterBackend:
+        base, _, adapter = name.rpartition(":")
+        if name not in self.backends and base in self.backends:
+            return with_adapter(self.backends[base], base, adapter)
         if name not in self.backends:
             raise RequestError(
                 f"the model '{name}' is not served here: this server serves {', '.join(repr(n) for n in self.backends)}",
@@ -58,10 +66,12 @@ class PooledModels:
 
     def listing(self) -> list[dict]:
         """/v1/models' entries: each model, whether it is loaded and whether it is pinned."""
-        return [
-            {"id": s["name"], "object": "model", "created": 0, "owned_by": "edgeinfer", "loaded": s["loaded"], "pinned": s["pinned"]}
-            for s in self.pool.status()
-        ]
+        entries = []
+        for s in self.pool.status():
+            shown = {"loaded": s["loaded"], "pinned": s["pinned"]}
+            entries.append({"id": s["name"], "object": "model", "created": 0, "owned_by": "edgeinfer", **shown})
+            entries += adapter_entries(s["name"], self.backends[s["name"]].manifest, **shown)
+        return entries
 
     def files(self) -> list[str]:
         """Every model's files and hashes, for the system fingerprint."""
@@ -79,3 +89,39 @@ class PooledModels:
 
     def close(self, grace: float | None = None) -> None:
         self.pool.close(grace)
+
+
+class AdapterBackend:
+    """A backend's base model with one of its LoRA adapters (`"model": "BASE:ADAPTER"`): every
+    request it takes runs with that adapter; all else is the base's."""
+
+    def __init__(self, backend, adapter: str):
+        self.backend, self.adapter = backend, adapter
+
+    def submit(self, prompt, **settings):
+        return self.backend.submit(prompt, **{**settings, "adapter": self.adapter})
+
+    def __getattr__(self, name: str):
+        return getattr(self.backend, name)
+
+
+def with_adapter(backend, base: str, adapter: str) -> AdapterBackend:
+    """`backend` (serving `base`) with `adapter`, or a 404 naming the adapters it has."""
+    names = sorted(backend.manifest.adapters)
+    if adapter not in names:
+        there = f"its adapters are {', '.join(repr(f'{base}:{n}') for n in names)}" if names else "it has no adapters"
+        raise RequestError(
+            f"the model '{base}:{adapter}' is not served here: '{base}' has no adapter '{adapter}'; {there}",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )
+    return AdapterBackend(backend, adapter)
+
+
+def adapter_entries(base: str, manifest, **fields) -> list[dict]:
+    """/v1/models' entries of a model's adapters: BASE:ADAPTER, with the base as parent."""
+    return [
+        {"id": f"{base}:{name}", "object": "model", "created": 0, "owned_by": "edgeinfer", "parent": base, **fields}
+        for name in sorted(manifest.adapters)
+    ]

@@ -389,6 +389,37 @@ def check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
         )
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request; `truncate` (edgeinfer's) embeds an input longer than the
+    context by its first tokens instead of refusing it."""
+
+    model: StrictStr
+    input: (
+        Annotated[StrictStr, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = Field(default=None, ge=1)
+    user: StrictStr | None = None  # accepted and ignored, as the OpenAI API allows
+    truncate: StrictBool = False
+
+
+def embedding_reply(model: str, embeddings, encoding_format: str) -> dict:
+    """OpenAI's embeddings response: one entry per input, in order, and the tokens read."""
+    vectors = embeddings.base64() if encoding_format == "base64" else [v.tolist() for v in embeddings.vectors]
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+        "model": model,
+        "usage": {"prompt_tokens": embeddings.prompt_tokens, "total_tokens": embeddings.prompt_tokens},
+    }
+
+
 def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tuple[int, dict, dict]:
     """(status, body, headers) of an edgeinfer error, its message carried through; `prompt_field`
     is the request field that holds the prompt."""

@@ -7,7 +7,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from edgeinfer.export.pack import pack_shared_inputs, packed_name
-from edgeinfer.export.quantize import _role, kept_int8
+from edgeinfer.export.quantize import matmul_role, kept_int8
 
 
 def _gated_mlp(hidden=8, inner=12, seed=0) -> onnx.ModelProto:
@@ -77,7 +77,7 @@ def test_the_packed_module_is_named_for_keep_int8():
     assert packed_name(["/h.0/mlp/fc_in/MatMul", "/h.0/mlp/fc_gate/MatMul"]) == "/h.0/mlp/fc_in_fc_gate/MatMul"
     names = [f"/model/layers.0/self_attn/{m}_proj/MatMul" for m in "qkv"]  # where attention.py leaves them apart
     assert packed_name(names) == "/model/layers.0/self_attn/qkv_proj/MatMul"
-    assert _role("/model/layers.3/mlp/gate_up_proj/MatMul") == (3, "gate_up_proj")
+    assert matmul_role("/model/layers.3/mlp/gate_up_proj/MatMul") == (3, "gate_up_proj")
     model = _gated_mlp()
     pack_shared_inputs(model)
     assert kept_int8(model.graph, ["gate_up_proj:3"]) == ["/model/layers.3/mlp/gate_up_proj/MatMul"]

@@ -380,15 +380,17 @@ def test_calibrated_exports_keep_the_named_matmuls_at_int8(tiny_llama, tmp_path,
 def test_the_auto_choice_measures_each_module_by_its_own_weights(tmp_path, tiny_llama):
     """A module whose weights the rounding wrecks (zeroed) costs the most, and only it: the others,
     left exact, cost nothing; a tied table follows its lm_head."""
-    from edgeinfer.export.quantize import _role
+    from edgeinfer.export.quantize import matmul_role
     from edgeinfer.export.sensitivity import modules_by_cost
 
     _, tied, _ = two_copies(tmp_path, tiny_llama, tied=True)
     ids = list(range(5, 200))
     for export, wrecked in ((tiny_llama[1], "down_proj"), (tied, "lm_head")):
         graph = onnx.load(str(Path(export) / "model.onnx"), load_external_data=False).graph
-        modules = {n.input[1]: _role(n.name)[1] for n in graph.node if n.op_type == "MatMul"}
-        costs = modules_by_cost(export, ids, _role, lambda weight, _input, name: weight * 0 if modules[name] == wrecked else weight)
+        modules = {n.input[1]: matmul_role(n.name)[1] for n in graph.node if n.op_type == "MatMul"}
+        costs = modules_by_cost(
+            export, ids, matmul_role, lambda weight, _input, name: weight * 0 if modules[name] == wrecked else weight
+        )
         by_module = {module: kld for module, kld, _ in costs}
         assert costs[0][0] == wrecked and by_module[wrecked] > 0.01, costs
         assert all(abs(kld) < 1e-6 for module, kld in by_module.items() if module != wrecked), costs
@@ -427,9 +429,9 @@ def test_keep_int8_auto_writes_what_naming_its_choice_writes(tmp_path, tiny_llam
 
 
 def _role_of_node(name):
-    from edgeinfer.export.quantize import _role
+    from edgeinfer.export.quantize import matmul_role
 
-    return _role(name.removesuffix("_Q8").removesuffix("_Q4"))[1]
+    return matmul_role(name.removesuffix("_Q8").removesuffix("_Q4"))[1]
 
 
 def test_windows_start_with_bos_where_the_tokenizer_starts_a_text_with_it():

@@ -75,14 +75,15 @@ def test_rows_decode_together_in_one_pass(engine):
 
 def test_a_short_request_joins_the_running_batch_and_leaves_first(engine):
     with Scheduler(engine, max_batch=4) as scheduler:
-        long = iter(scheduler.submit(PROMPTS[0], max_new_tokens=50, ignore_eos=True))
+        # a short prompt and most of the context: the long one is still decoding when the short one ends
+        long = iter(scheduler.submit(PROMPTS[1], max_new_tokens=240, ignore_eos=True))
         first = [next(long) for _ in range(3)]  # the long one is decoding
         short = scheduler.submit("Hi", max_new_tokens=4).result()
         assert scheduler.running == 1  # the short one has come and gone while the long one runs
         rest = list(long)
     assert short.token_ids == engine.generate("Hi", max_new_tokens=4).token_ids
     tokens = [t for piece in first + rest for t in piece.token_ids]
-    assert tokens == engine.generate(PROMPTS[0], max_new_tokens=50, ignore_eos=True).token_ids
+    assert tokens == engine.generate(PROMPTS[1], max_new_tokens=240, ignore_eos=True).token_ids
 
 
 def test_a_cancelled_request_frees_its_row_and_the_others_go_on(engine):

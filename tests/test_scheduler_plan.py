@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from edgeinfer import BusyError, GenerationConfig, Scheduler
+from edgeinfer import BusyError, GenerationConfig, GraphError, Scheduler
 from edgeinfer.sdk.kv_cache import SlotCache
 from edgeinfer.sdk.manifest import KVSpec
 from edgeinfer.sdk.runner import Batch, prepare_decode, prepare_row
@@ -28,6 +28,10 @@ class StandInRunner:
 
     def restore(self, batch, row, ids):
         return 0
+
+    def assign(self, batch, row, adapter):
+        if adapter == "broken":  # as where an adapter's graph cannot be loaded
+            raise GraphError("the adapters' graph failed to load")
 
     def store(self, batch, row, ids):
         pass
@@ -147,3 +151,13 @@ def test_waiting_requests_take_rows_in_the_order_they_came_and_prefill_one_at_a_
     passes = engine.runner.passes
     chunked = [i for i, p in enumerate(passes) if p[0] == "prefill" and p[1] == 1 and p[2] == 4]
     assert passes[chunked[0] - 1] == ("decode", 0)  # row 0 decoded between the two chunks
+
+
+def test_a_row_whose_adapter_cannot_be_served_gets_the_error_and_the_others_run_on():
+    engine = StandInEngine()
+    with Scheduler(engine, max_batch=2) as scheduler:
+        broken, fine = scheduler.submit([1], max_new_tokens=2, adapter="broken"), scheduler.submit([5], max_new_tokens=2)
+        with pytest.raises(GraphError, match="the adapters' graph failed to load"):
+            broken.result()
+        assert fine.result().token_ids == [6, 7]
+        assert scheduler.submit([9], max_new_tokens=1).result().token_ids == [10]

@@ -128,3 +128,41 @@ def test_bad_model_sets_are_refused_in_one_line(folder, tmp_path):
         done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", *flags], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def _rss(process) -> int:
+    """The server process's resident memory, in bytes (Linux's /proc)."""
+    for line in open(f"/proc/{process.pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's resident memory from /proc")
+def test_resident_memory_returns_near_its_start_once_every_model_is_unloaded(tmp_path):
+    """Two models of 42 MB of fp32 weights each: loading them raises the server's RSS by about their
+    size, and once both are unloaded (keep-alive) it comes back to within a quarter of one model."""
+    from conftest import build_llama
+
+    from edgeinfer.export import ExportOptions, export_model
+
+    wide = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    for seed, name in enumerate("xy"):
+        build_llama(tmp_path / f"hf-{name}", seed=seed, **wide)
+        export_model(str(tmp_path / f"hf-{name}"), tmp_path / "models" / name, ExportOptions())
+    weights = _planned_bytes(tmp_path / "models" / "x", {"max_batch": 2})
+    process, url = _start("--models", str(tmp_path / "models"), "--keep-alive", "3", "--prefix-cache", "0")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client.completions.create(model="x", prompt=PROMPT, max_tokens=2)  # the first request's own allocations
+        poll(url, lambda: not any(_loaded(url).values()), seconds=30)
+        start = _rss(process)
+        for name in "xy":
+            client.completions.create(model=name, prompt=PROMPT, max_tokens=2)
+        loaded = _rss(process)
+        poll(url, lambda: not any(_loaded(url).values()), seconds=30)
+        assert loaded - start > weights  # the two models were in memory
+        # a request's last objects (and with them its model) may outlive the unload by a moment
+        poll(url, lambda: _rss(process) - start < weights / 4, seconds=10)
+    finally:
+        _stop(process)
