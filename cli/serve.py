@@ -143,7 +143,8 @@ def serve(
     if len(models) > 1 or models_dir is not None:
         engine = dict(provider=provider, threads=threads, max_context=max_context, prefix_cache=prefix_cache)
         pool = _PoolSettings(memory_limit * 2**20 if memory_limit else None, keep_alive, pin, max_batch, max_queue, engine)
-        return _serve_several(models, models_dir, pool, bool(on_ray or draft or speculative), host, port, options)
+        ray = (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus) if on_ray else None
+        return _serve_several(models, models_dir, pool, bool(draft or speculative), ray, host, port, options)
     if keep_alive is not None or pin:
         raise click.UsageError("--keep-alive and --pin apply to several models (--model repeated, or --models)")
     model = models[0] if models else None
@@ -218,28 +219,57 @@ class _PoolSettings:
     engine: dict
 
 
-def _serve_several(models, models_dir, settings: _PoolSettings, one_model_options: bool, host: str, port: int, options) -> None:
+def _serve_several(models, models_dir, settings: _PoolSettings, draft: bool, ray: tuple | None, host: str, port: int, options) -> None:
+    """Several models from one pool; with `ray` (replicas, autoscale, address, cpus, gpus), each Ray
+    Serve replica serves them all from its own pool."""
     from edgeinfer.serve import run_server
 
-    if one_model_options:
-        raise click.UsageError("--ray, --draft and --speculative serve one model: give one --model")
+    if draft:
+        raise click.UsageError("--draft and --speculative serve one model: give one --model")
     served = _named_exports(models, models_dir)
     for name in settings.pin:
         if name not in served:
             raise click.BadParameter(f"{name!r} is not among the models served ({', '.join(served)})", param_hint="--pin")
-    run_server(lambda: _pool(served, settings), ", ".join(served), host, port, options)
+    if ray is None:
+        run_server(lambda: _pool(served, settings), ", ".join(served), host, port, options)
+        return
+    from edgeinfer.serve.replicas import ReplicaSettings, run_replicas
+
+    engine = settings.engine
+    replica = ReplicaSettings(
+        folder="",
+        provider=engine["provider"],
+        threads=engine["threads"],
+        max_context=engine["max_context"],
+        max_batch=settings.max_batch,
+        max_queue=settings.max_queue,
+        memory_limit=settings.limit,
+        prefix_cache=engine["prefix_cache"],
+        api_key=options.api_key,
+        models=tuple((name, str(folder.resolve())) for name, folder in served.items()),
+        keep_alive=_keep_alive(settings),
+        pin=tuple(settings.pin),
+    )
+    run_replicas(replica, host, port, *ray, options)
+
+
+def _keep_alive(settings: _PoolSettings) -> float | None:
+    """--keep-alive as the pool takes it: the default where not given, None (never) where negative."""
+    from edgeinfer.sdk.pool import DEFAULT_KEEP_ALIVE_S
+
+    return DEFAULT_KEEP_ALIVE_S if settings.keep_alive is None else None if settings.keep_alive < 0 else settings.keep_alive
 
 
 def _pool(served: dict[str, Path], settings: _PoolSettings):
     """The served models as a pool, the pinned ones loaded."""
     from edgeinfer.sdk.memory import available_bytes
-    from edgeinfer.sdk.pool import DEFAULT_KEEP_ALIVE_S, ModelPool
+    from edgeinfer.sdk.pool import ModelPool
     from edgeinfer.serve.models import PooledModels
 
     limit = settings.limit
     if limit is None:
         limit, _ = available_bytes("cuda" if settings.engine["provider"] == "cuda" else "cpu", None)
-    keep = DEFAULT_KEEP_ALIVE_S if settings.keep_alive is None else None if settings.keep_alive < 0 else settings.keep_alive
+    keep = _keep_alive(settings)
     log = logging.getLogger("edgeinfer.serve")
     pool = ModelPool(
         served, limit, keep, tuple(settings.pin), settings.max_batch, settings.max_queue, on_event=log.info, **settings.engine

@@ -33,7 +33,7 @@ from . import backend as backends
 from .backend import Backend
 from .guard import Guard, refusal
 from .metrics import CONTENT_TYPE, Metrics
-from .models import PooledModels, adapter_entries, with_adapter
+from .models import ModelSet, adapter_entries, with_adapter
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -64,7 +64,7 @@ class _Loaded:
             backend = load()
             files = (
                 backend.files()
-                if isinstance(backend, PooledModels)
+                if isinstance(backend, ModelSet)
                 else [f"{name} {info.get('sha256')}" for name, info in sorted(backend.manifest.files.items())]
             )
             self.fingerprint = fingerprint(__version__, *files)
@@ -115,7 +115,7 @@ def create_app(
         description="OpenAI-compatible chat and text completions over an edgeinfer export, with continuous batching.",
     )
     app.state.loaded = loaded
-    app.openapi = lambda: _openapi(app, loaded.backend.names if isinstance(loaded.backend, PooledModels) else [model_name])
+    app.openapi = lambda: _openapi(app, loaded.backend.names if isinstance(loaded.backend, ModelSet) else [model_name])
     app.add_middleware(
         Guard,
         api_key=api_key,
@@ -136,7 +136,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     @app.get("/health")
     async def health():
         served = loaded.ready()
-        if isinstance(served, PooledModels):
+        if isinstance(served, ModelSet):
             return {"status": "ok", "models": served.names, "mode": served.mode}
         return {"status": "ok", "model": model_name, "mode": served.mode}
 
@@ -146,7 +146,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.get("/v1/models")
     async def models():
-        if isinstance(loaded.backend, PooledModels):
+        if isinstance(loaded.backend, ModelSet):
             return {"object": "list", "data": loaded.backend.listing()}
         base = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}
         adapters = adapter_entries(model_name, loaded.backend.manifest) if loaded.backend is not None else []
@@ -272,7 +272,7 @@ class _Routes:
         """The backend that serves `model`, and the name replies carry: the one model served, or
         the pool's model of that name (404 naming the models otherwise)."""
         served = self.loaded.ready()
-        if isinstance(served, PooledModels):
+        if isinstance(served, ModelSet):
             return served.backend(model), model
         base, _, adapter = model.rpartition(":")
         if model != self.model_name and base == self.model_name:
@@ -292,7 +292,13 @@ class _Routes:
     async def embeddings(self, body):
         """OpenAI's embeddings, from a model exported with --task embedding; run on a worker thread."""
         backend, model_name = self.served(body.model)
-        if getattr(backend, "manifest", None) is not None and backend.manifest.task != "embedding":
+        if backend.manifest.task == "embedding" and not hasattr(backend, "embed"):
+            raise RequestError(
+                f"the model '{model_name}' embeds, and this server's Ray Serve replicas serve generation: serve embedding "
+                "models without --ray",
+                param="model",
+            )
+        if backend.manifest.task != "embedding":
             raise RequestError(
                 f"the model '{model_name}' generates text; it does not embed: serve a model exported with "
                 "`edgeinfer export MODEL -o OUT --task embedding`",

@@ -38,20 +38,18 @@ class PooledBackend:
             return embedder.embed(texts, **settings)
 
 
-class PooledModels:
-    """The models of `pool`, each a PooledBackend."""
+class ModelSet:
+    """Several models behind one server: `backends` by name, each what the routes serve a request
+    for that `model` from (an adapter's name, BASE:ADAPTER, is its base's backend with it)."""
 
-    def __init__(self, pool: ModelPool, max_context: int | None = None):
-        self.pool = pool
-        self.backends = {s["name"]: PooledBackend(pool, s["name"], Path(s["folder"]), max_context) for s in pool.status()}
-        limit = "no memory limit" if pool.memory_limit is None else f"a memory limit of {pool.memory_limit / 2**20:.0f} MiB"
-        self.mode = f"{len(self.backends)} models loaded on demand within {limit}"
+    backends: dict
+    mode: str
 
     @property
     def names(self) -> list[str]:
         return list(self.backends)
 
-    def backend(self, name: str) -> PooledBackend | AdapterBackend:
+    def backend(self, name: str):
         base, _, adapter = name.rpartition(":")
         if name not in self.backends and base in self.backends:
             return with_adapter(self.backends[base], base, adapter)
@@ -65,19 +63,43 @@ class PooledModels:
         return self.backends[name]
 
     def listing(self) -> list[dict]:
-        """/v1/models' entries: each model, whether it is loaded and whether it is pinned."""
+        """/v1/models' entries: each model and its adapters, with what `shown` says of it."""
         entries = []
-        for s in self.pool.status():
-            shown = {"loaded": s["loaded"], "pinned": s["pinned"]}
-            entries.append({"id": s["name"], "object": "model", "created": 0, "owned_by": "edgeinfer", **shown})
-            entries += adapter_entries(s["name"], self.backends[s["name"]].manifest, **shown)
+        for name, backend in self.backends.items():
+            shown = self.shown(name)
+            entries.append({"id": name, "object": "model", "created": 0, "owned_by": "edgeinfer", **shown})
+            entries += adapter_entries(name, backend.manifest, **shown)
         return entries
+
+    def shown(self, name: str) -> dict:
+        """What /v1/models says of a model besides its name."""
+        return {}
 
     def files(self) -> list[str]:
         """Every model's files and hashes, for the system fingerprint."""
-        return [
-            f"{b.name}/{name} {info.get('sha256')}" for b in self.backends.values() for name, info in sorted(b.manifest.files.items())
-        ]
+        return [f"{n}/{name} {info.get('sha256')}" for n, b in self.backends.items() for name, info in sorted(b.manifest.files.items())]
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self, grace: float | None = None) -> None:
+        for backend in self.backends.values():
+            backend.close(grace)
+
+
+class PooledModels(ModelSet):
+    """The models of `pool`, each a PooledBackend."""
+
+    def __init__(self, pool: ModelPool, max_context: int | None = None):
+        self.pool = pool
+        self.backends = {s["name"]: PooledBackend(pool, s["name"], Path(s["folder"]), max_context) for s in pool.status()}
+        limit = "no memory limit" if pool.memory_limit is None else f"a memory limit of {pool.memory_limit / 2**20:.0f} MiB"
+        self.mode = f"{len(self.backends)} models loaded on demand within {limit}"
+
+    def shown(self, name: str) -> dict:
+        """Whether the model is loaded and whether it is pinned."""
+        status = next(s for s in self.pool.status() if s["name"] == name)
+        return {"loaded": status["loaded"], "pinned": status["pinned"]}
 
     def stats(self) -> dict[str, float]:
         """The pool's figures, and the loaded models' queues and rows summed."""

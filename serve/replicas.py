@@ -38,6 +38,8 @@ from edgeinfer.sdk.errors import BusyError, EdgeInferError, SettingsError, Unava
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
 
+from .models import ModelSet
+
 REPLICA_HEADER = "x-edgeinfer-replica"
 # Seconds of load above the target before another replica starts (Ray's default is 30: a burst of
 # requests on an edge box is over by then). Ray keeps its own 10-minute delay before scaling down.
@@ -64,6 +66,11 @@ class ReplicaSettings:
     api_key: str | None = None
     draft: str | None = None
     speculative: str | None = None  # "prompt_lookup" or "draft": the default of requests that do not say
+    # Several models (name, folder): each replica serves them all from one ModelPool within
+    # `memory_limit`, loading each on its first request there (`folder` is then unused).
+    models: tuple[tuple[str, str], ...] = ()
+    keep_alive: float | None = 300.0  # seconds an idle model stays loaded in a replica (None: always)
+    pin: tuple[str, ...] = ()  # models every replica loads at start and keeps
 
 
 def application(
@@ -136,13 +143,15 @@ def _replica_class():
         def mode(self) -> str:
             return self.scheduler.mode
 
-        async def generate(self, prompt, settings: dict):
+        async def generate(self, prompt, settings: dict, model: str | None = None):
             """First this replica's name, or the EdgeInferError that refused the request; then the
-            request's pieces, and an error of the step loop as an item (sent whole, its type kept)."""
+            request's pieces, and an error of the step loop as an item (sent whole, its type kept).
+            `model` names one of several models (ReplicaSettings.models)."""
             from .backend import pieces, submit_all
 
+            backend = self.scheduler if model is None else self.scheduler.backend(model)
             try:
-                (request,) = await submit_all(self.scheduler, lambda: [prompt], [settings])
+                (request,) = await submit_all(backend, lambda: [prompt], [settings])
             except EdgeInferError as e:
                 yield e
                 return
@@ -160,7 +169,8 @@ def _replica_class():
                     request.cancel()
 
         def check_health(self) -> None:
-            if not self.scheduler.is_alive:
+            schedulers = self.scheduler.pool.loaded_schedulers() if self.engine is None else [self.scheduler]
+            if not all(s.is_alive for s in schedulers if hasattr(s, "is_alive")):
                 raise RuntimeError("the scheduler's step loop has stopped")
 
     return EngineReplica
@@ -186,8 +196,26 @@ def _front_class():
 
 
 def load_replica(settings: ReplicaSettings, cpus: float = 1.0):
-    """The engine and scheduler of one replica."""
-    from edgeinfer.sdk import Engine, Scheduler
+    """The engine and scheduler of one replica; with several models, None and their PooledModels."""
+    from edgeinfer.sdk import Engine, ModelPool, Scheduler
+
+    from .models import PooledModels
+
+    if settings.models:
+        engine = dict(provider=settings.provider, threads=settings.threads or max(1, int(cpus)), max_context=settings.max_context)
+        pool = ModelPool(
+            dict(settings.models),
+            settings.memory_limit,
+            settings.keep_alive,
+            settings.pin,
+            settings.max_batch,
+            settings.max_queue,
+            prefix_cache=settings.prefix_cache,
+            **engine,
+        )
+        for name in settings.pin:
+            pool.load(name)
+        return None, PooledModels(pool, settings.max_context)
 
     engine = Engine.load(
         settings.folder,
@@ -211,7 +239,8 @@ class Replicas:
     taking requests and gives those in flight `grace` seconds. The tokenizer of the export at
     `folder` renders and encodes the prompts here; no graph is loaded."""
 
-    def __init__(self, handle, folder: str | Path, max_context: int | None = None):
+    def __init__(self, handle, folder: str | Path, max_context: int | None = None, model: str | None = None):
+        self.model = model  # which of the replicas' several models (None: their one model)
         self.manifest = load_manifest(folder)
         self.tokenizer = Tokenizer(Path(folder), self.manifest.tokenizer)
         self.max_context = max_context or self.manifest.max_context
@@ -223,7 +252,7 @@ class Replicas:
     def submit(self, prompt, **settings) -> RemoteRequest:
         if self.closing:
             raise BusyError("the server is stopping: send the request again once it is back")
-        request = RemoteRequest(self.handle.options(stream=True).generate.remote(prompt, settings), self)
+        request = RemoteRequest(self.handle.options(stream=True).generate.remote(prompt, settings, self.model), self)
         first = request.next()
         if isinstance(first, BaseException):
             raise first
@@ -241,6 +270,16 @@ class Replicas:
             time.sleep(0.1)
         for request in list(self.running):
             request.stop()
+
+
+class ReplicaModels(ModelSet):
+    """The front's backend for several models: one Replicas per model, on the same deployment (each
+    replica serves every model from its own pool). Which models a replica has loaded is its own
+    business, so /v1/models does not say."""
+
+    def __init__(self, handle, models: tuple[tuple[str, str], ...], max_context: int | None = None):
+        self.backends = {name: Replicas(handle, folder, max_context, name) for name, folder in models}
+        self.mode = f"{len(self.backends)} models on Ray Serve replicas, each loaded on demand in each replica"
 
 
 class RemoteRequest:
@@ -329,12 +368,14 @@ def run_replicas(
             )
         except RuntimeError as e:
             raise EdgeInferError(f"the replicas could not start: {_replica_error(errors) or first_line(e)}") from None
-        log.info("%s of %s on Ray Serve", count, settings.folder)
+        log.info("%s of %s on Ray Serve", count, ", ".join(n for n, _ in settings.models) or settings.folder)
+        if settings.models:
+            return ReplicaModels(handle, settings.models, settings.max_context)
         return Replicas(handle, settings.folder, settings.max_context)
 
     try:  # no Ray HTTP proxy: this process is the front
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        name = settings.model_name or Path(settings.folder).name
+        name = ", ".join(n for n, _ in settings.models) or settings.model_name or Path(settings.folder).name
         run_server(load, name, host, port, options)
     finally:
         if APP in serve.status().applications:

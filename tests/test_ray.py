@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import in_threads
+from conftest import in_threads, linked_copy
 from test_serve import free_port, long_export, start  # noqa: F401 - long_export is a fixture
 
 from edgeinfer import Engine
@@ -396,5 +396,39 @@ def test_autoscaling_starts_a_second_replica_under_load(long_export):
             time.sleep(0.5)
         for thread in threads:
             thread.join()
+    finally:
+        assert stop(process) == 0
+
+
+def test_several_models_on_the_replicas_answer_each_as_alone(tiny_llama, chain_llama, tmp_path):
+    """`serve --ray --models DIR`: every replica serves every model from its own pool."""
+    import openai
+
+    linked_copy(tiny_llama[1], tmp_path / "models" / "a")
+    linked_copy(chain_llama[0], tmp_path / "models" / "b")
+    port = free_port()
+    log = open(tmp_path / "ray-several.log", "w+")
+    command = [sys.executable, "-m", "edgeinfer.cli", "serve", "--ray", "--models", str(tmp_path / "models"), "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--provider", "cpu", "--pin", "a"], stdout=log, stderr=log, text=True, start_new_session=True
+    )
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, Path(log.name).read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        for name in "ab":
+            alone = Engine.load(tmp_path / "models" / name, provider="cpu").generate("Hi", max_new_tokens=8, ignore_eos=True).text
+            done = client.completions.create(model=name, prompt="Hi", max_tokens=8, extra_body={"ignore_eos": True})
+            assert (done.model, done.choices[0].text) == (name, alone)
+        with pytest.raises(openai.NotFoundError, match="this server serves 'a', 'b'"):
+            client.completions.create(model="c", prompt="Hi", max_tokens=2)
     finally:
         assert stop(process) == 0
