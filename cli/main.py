@@ -294,6 +294,14 @@ def info(folder, architectures):
     manifest = load_manifest(folder)
     click.echo(json.dumps(manifest.to_dict(), indent=2))
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
+    if manifest.task == "embedding":
+        embedding = manifest.embedding
+        click.echo(
+            f"embedding model: {embedding['dimensions']} dimensions, {embedding['pooling']} pooling"
+            + (", normalized" if embedding["normalize"] else "")
+            + f"; weights {size_text(plan.weights)}; Engine.load(...).embed(texts), or POST /v1/embeddings under edgeinfer serve"
+        )
+        return
     click.echo(
         f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
         f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens"
@@ -317,6 +325,8 @@ def info(folder, architectures):
         click.echo("speculative decoding: yes (--speculative prompt-lookup, or --draft MODEL)")
     else:
         click.echo("speculative decoding: no, the graph gives the last position's logits only (export it again)")
+    if manifest.adapters:
+        click.echo(f"LoRA adapters: {', '.join(sorted(manifest.adapters))} (--adapter NAME; MODEL:NAME under edgeinfer serve)")
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

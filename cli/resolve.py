@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from edgeinfer.models import DEFAULT_MODEL, cache_lock, entries, exported_model_dir, is_catalog_name
-from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError
+from edgeinfer.sdk.embedder import NOT_GENERATING
+from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError, SettingsError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
 
@@ -43,9 +44,11 @@ def load_engine(
     prefix_cache: int | None = None,
     max_batch: int = 1,
     draft: str | None = None,
+    embeddings: bool = False,
 ):
     """The engine for `--model` (and its `--draft`), saying which provider runs it and why.
-    `memory_limit` and `prefix_cache` are in MiB."""
+    `memory_limit` and `prefix_cache` are in MiB. An embedding export is refused unless
+    `embeddings` (the server, which serves /v1/embeddings)."""
     from edgeinfer.sdk import Engine
 
     limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
@@ -60,6 +63,8 @@ def load_engine(
         draft=None if draft is None else resolve_export(draft, say),
     )
     say(f"provider: {engine.provider} ({engine.provider_reason})")
+    if getattr(engine, "embeds", False) and not embeddings:
+        raise SettingsError(NOT_GENERATING, "model")
     return engine
 
 

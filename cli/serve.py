@@ -178,7 +178,7 @@ def _serve_on_ray(model, name: str, draft, mode, engine: tuple, ray: tuple, host
 def _one_model(engine_args: tuple, mode: str | None, max_batch: int, max_queue: int):
     from edgeinfer.sdk import Embedder, Scheduler
 
-    engine = load_engine(*engine_args)
+    engine = load_engine(*engine_args, embeddings=True)
     if isinstance(engine, Embedder):  # an embedding model serves /v1/embeddings itself
         return engine
     if mode:  # the default of requests that do not say

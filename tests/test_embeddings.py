@@ -203,3 +203,14 @@ def test_an_embedding_model_beside_a_chat_model_in_one_server(embedding_models, 
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def test_the_command_line_says_what_an_embedding_export_is_and_refuses_to_generate_with_it(embedding_models):
+    import subprocess
+    import sys
+
+    _, export = embedding_models[("last", True)]
+    info = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "info", str(export)], capture_output=True, text=True)
+    assert info.returncode == 0 and "embedding model: 64 dimensions, last pooling, normalized" in info.stdout
+    run = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "Hi", "--model", str(export)], capture_output=True, text=True)
+    assert run.returncode == 1 and "error: --model: this model embeds text" in run.stderr
