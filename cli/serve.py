@@ -99,6 +99,7 @@ from .resolve import load_engine, resolve_export, say
 @click.option(
     "--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM."
 )
+@click.option("--no-ui", is_flag=True, help="Serve no chat page at / (the API alone).")
 @click.option("--ray", "on_ray", is_flag=True, help="Run the server as Ray Serve replicas (the ray extra; see --replicas).")
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(1), help="With --ray: replicas, each its own engine.")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="With --ray: as many replicas as the load asks for, MIN to MAX.")
@@ -127,6 +128,7 @@ def serve(
     draft,
     speculative,
     grace,
+    no_ui,
     on_ray,
     replicas,
     autoscale,
@@ -136,7 +138,7 @@ def serve(
 ):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
-    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace)
+    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui)
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -279,7 +281,7 @@ def _pool(served: dict[str, Path], settings: _PoolSettings):
     return PooledModels(pool, settings.engine["max_context"])
 
 
-def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace):
+def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True):
     """The server's options, once the serve extra is known to be installed and the flags are sound."""
     try:
         from edgeinfer.serve import ServerOptions
@@ -287,7 +289,7 @@ def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_tim
         raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
     _check_keys(api_key, metrics_key)
     _check_origins(cors_origins)
-    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace)
+    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui)
 
 
 def _check_keys(api_key: str | None, metrics_key: str | None) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import threading
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
@@ -92,12 +93,13 @@ def create_app(
     metrics_key: str | None = None,
     cors_origins: tuple[str, ...] = (),
     body_timeout: float = 30.0,
+    ui: bool = True,
 ) -> FastAPI:
     """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
     in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
     server stops on it). A request's `response_headers` go on its response. `api_key` guards /v1/,
     `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
-    within `body_timeout` seconds (guard.py)."""
+    within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
 
     async def lifespan(app):
@@ -127,7 +129,40 @@ def create_app(
     )
     _add_error_handlers(app)
     _add_routes(app, _Routes(loaded, metrics, model_name))
+    if ui:
+        _add_page(app)
     return app
+
+
+UI = Path(__file__).parent / "ui"
+UI_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+# The page loads only its own files, talks only to this server, and runs no inline script or
+# style: what a model writes cannot run even if it reached the page as markup.
+UI_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _add_page(app: FastAPI) -> None:
+    """GET / (the chat page) and /ui/ (its script and style), files of the package: no CDN, no build step."""
+    page = (UI / "index.html").read_bytes()
+    assets = {name: (UI / name).read_bytes() for name in UI_ASSETS}
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return Response(page, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def chat_page_asset(name: str):
+        if name not in assets:
+            raise StarletteHTTPException(404)
+        return Response(assets[name], media_type=UI_ASSETS[name], headers=UI_HEADERS)
 
 
 def _add_routes(app: FastAPI, routes: _Routes) -> None:

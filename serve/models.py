@@ -77,7 +77,9 @@ class ModelSet:
 
     def files(self) -> list[str]:
         """Every model's files and hashes, for the system fingerprint."""
-        return [f"{n}/{name} {info.get('sha256')}" for n, b in self.backends.items() for name, info in sorted(b.manifest.files.items())]
+        return [
+            f"{n}/{name} {info.get('sha256')}" for n, b in self.backends.items() for name, info in sorted(b.manifest.files.items())
+        ]
 
     def stats(self) -> dict[str, float]:
         return {}

@@ -34,6 +34,7 @@ class ServerOptions:
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     grace: float = 30.0
+    ui: bool = True  # the chat page at / (serve/ui)
 
 
 class _Server(uvicorn.Server):
@@ -63,7 +64,9 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         failed.append(error)
         server.should_exit = True
 
-    app = create_app(load, model_name, options.api_key, stop, options.metrics_key, options.cors_origins, options.body_timeout)
+    app = create_app(
+        load, model_name, options.api_key, stop, options.metrics_key, options.cors_origins, options.body_timeout, options.ui
+    )
     config = uvicorn.Config(
         app,
         host=host,

@@ -397,3 +397,22 @@ def test_a_model_that_cannot_load_ends_the_server_with_its_error(tmp_path):
         env={**os.environ},
     )
     assert done.returncode == 1 and "error: model path" in done.stderr and "does not exist" in done.stderr
+
+
+def test_the_chat_page_and_its_files_are_served_with_a_strict_policy_and_no_ui_turns_it_off(server, tiny_llama):
+    url, _ = server
+    page = httpx.get(f"{url}/")
+    policy = page.headers["content-security-policy"]
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html") and '<script src="/ui/app.js"' in page.text
+    assert "script-src 'self';" in policy and "default-src 'none';" in policy and "unsafe" not in policy
+    script = httpx.get(f"{url}/ui/app.js")
+    assert (
+        script.status_code == 200 and script.headers["content-type"].startswith("text/javascript") and "renderMarkdown" in script.text
+    )
+    assert httpx.get(f"{url}/ui/../app.py").status_code == 404 and httpx.get(f"{url}/ui/nope.js").status_code == 404
+    process, plain = start(tiny_llama[1], "--provider", "cpu", "--no-ui")
+    try:
+        assert httpx.get(f"{plain}/").status_code == 404 and httpx.get(f"{plain}/ui/app.js").status_code == 404
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

@@ -1,0 +1,427 @@
+// edgeinfer's chat page: the server's own /v1 API from the browser. Conversations, settings and the
+// API key are kept in this browser's localStorage; nothing is kept on the server. What the model
+// writes is put in the page as text nodes (a small Markdown subset builds elements around them), so
+// its HTML and scripts never run.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "schema", "tools"];
+
+const store = {
+  get(key, fallback) {
+    try {
+      const value = localStorage.getItem("edgeinfer." + key);
+      return value === null ? fallback : JSON.parse(value);
+    } catch {
+      return fallback;
+    }
+  },
+  set(key, value) {
+    localStorage.setItem("edgeinfer." + key, JSON.stringify(value));
+  },
+};
+
+let conversations = store.get("conversations", []);
+let currentId = store.get("current", null);
+let running = null; // the reply being streamed: {controller, conversation}
+
+function save() {
+  store.set("conversations", conversations);
+  store.set("current", currentId);
+}
+
+function current() {
+  return conversations.find((c) => c.id === currentId) || null;
+}
+
+// The API key, asked for once (on the first 401) and kept in this browser.
+
+function headers() {
+  const key = store.get("apiKey", "");
+  return key ? { "Content-Type": "application/json", Authorization: "Bearer " + key } : { "Content-Type": "application/json" };
+}
+
+function askKey(message) {
+  const dialog = $("key-dialog");
+  $("key-error").hidden = !message;
+  $("key-error").textContent = message || "";
+  $("key").value = "";
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => {
+      store.set("apiKey", $("key").value.trim());
+      resolve();
+    }, { once: true });
+    dialog.showModal();
+  });
+}
+
+async function api(path, options = {}) {
+  for (;;) {
+    const response = await fetch(path, { ...options, headers: headers() });
+    if (response.status !== 401) {
+      return response;
+    }
+    const body = await response.json().catch(() => ({}));
+    await askKey(store.get("apiKey", "") ? (body.error && body.error.message) || "That key was refused." : "");
+  }
+}
+
+// Models.
+
+async function loadModels() {
+  const response = await api("/v1/models");
+  const models = response.ok ? (await response.json()).data.map((m) => m.id) : [];
+  const picker = $("model");
+  picker.replaceChildren(...models.map((id) => new Option(id, id)));
+  const wanted = (current() && current().model) || store.get("model", models[0]);
+  if (models.includes(wanted)) {
+    picker.value = wanted;
+  }
+}
+
+// Markdown: fenced code, headings, lists, paragraphs; code spans, bold and italic inside them.
+// Every piece of the model's text becomes a text node.
+
+function element(tag, className) {
+  const node = document.createElement(tag);
+  if (className) {
+    node.className = className;
+  }
+  return node;
+}
+
+const LIST_ITEM = /^\s*([-*+]|\d+[.)])\s+/;
+
+function renderMarkdown(text, into) {
+  into.replaceChildren();
+  const lines = text.split("\n");
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    const fence = line.match(/^```\s*([\w+-]*)\s*$/);
+    if (fence) {
+      const code = [];
+      for (i++; i < lines.length && !/^```\s*$/.test(lines[i]); i++) {
+        code.push(lines[i]);
+      }
+      i++;
+      const pre = element("pre");
+      const block = element("code", fence[1] ? "language-" + fence[1] : "");
+      block.textContent = code.join("\n");
+      pre.append(block);
+      into.append(pre);
+      continue;
+    }
+    const heading = line.match(/^(#{1,6})\s+(.*)$/);
+    if (heading) {
+      const title = element("h" + Math.min(6, heading[1].length + 2));
+      inline(title, heading[2]);
+      into.append(title);
+      i++;
+      continue;
+    }
+    if (LIST_ITEM.test(line)) {
+      const list = element(/^\s*\d/.test(line) ? "ol" : "ul");
+      for (; i < lines.length && LIST_ITEM.test(lines[i]); i++) {
+        const item = element("li");
+        inline(item, lines[i].replace(LIST_ITEM, ""));
+        list.append(item);
+      }
+      into.append(list);
+      continue;
+    }
+    if (!line.trim()) {
+      i++;
+      continue;
+    }
+    const paragraph = element("p");
+    for (let first = true; i < lines.length && lines[i].trim() && !/^```|^#{1,6}\s/.test(lines[i]) && !LIST_ITEM.test(lines[i]); i++) {
+      if (!first) {
+        paragraph.append(element("br"));
+      }
+      inline(paragraph, lines[i]);
+      first = false;
+    }
+    into.append(paragraph);
+  }
+}
+
+function inline(parent, text) {
+  const pattern = /(`[^`]+`)|(\*\*[^*]+\*\*)|(\*[^*\s][^*]*\*)/g;
+  let last = 0;
+  for (let match; (match = pattern.exec(text)); ) {
+    parent.append(document.createTextNode(text.slice(last, match.index)));
+    const [token] = match;
+    const node = element(match[1] ? "code" : match[2] ? "strong" : "em");
+    node.textContent = match[1] ? token.slice(1, -1) : match[2] ? token.slice(2, -2) : token.slice(1, -1);
+    parent.append(node);
+    last = match.index + token.length;
+  }
+  parent.append(document.createTextNode(text.slice(last)));
+}
+
+// The page.
+
+function render() {
+  const list = $("conversations");
+  list.replaceChildren(
+    ...conversations.map((c) => {
+      const item = element("li", c.id === currentId ? "current" : "");
+      item.textContent = c.title || "New chat";
+      item.dataset.id = c.id;
+      return item;
+    }),
+  );
+  const messages = $("messages");
+  messages.replaceChildren(...(current() ? current().messages.map(renderMessage) : []));
+  messages.scrollTop = messages.scrollHeight;
+}
+
+function renderMessage(message) {
+  const box = element("div", `message ${message.role}${message.error ? " error" : ""}`);
+  const role = element("div", "role");
+  role.textContent = message.role === "user" ? "You" : message.model || "assistant";
+  const body = element("div", "body");
+  renderMarkdown(message.content, body);
+  box.append(role, body);
+  for (const call of message.tool_calls || []) {
+    const line = element("div", "tool-call");
+    line.textContent = `${call.name}(${call.arguments})`;
+    box.append(line);
+  }
+  const notes = [];
+  if (message.stats) {
+    const s = message.stats;
+    notes.push(`${s.tokens} tokens`, `TTFT ${Math.round(s.ttft_ms)} ms`);
+    if (s.tokens_per_s) {
+      notes.push(`${s.tokens_per_s.toFixed(1)} tok/s`);
+    }
+  }
+  if (message.stopped) {
+    notes.push("stopped");
+  }
+  if (message.error) {
+    notes.push(message.error);
+  }
+  if (notes.length) {
+    const stats = element("div", "stats");
+    stats.textContent = notes.join(" · ");
+    box.append(stats);
+  }
+  return box;
+}
+
+function newConversation() {
+  const conversation = { id: Date.now().toString(36) + Math.random().toString(36).slice(2, 6), title: "", model: $("model").value, messages: [] };
+  conversations.unshift(conversation);
+  currentId = conversation.id;
+  save();
+  return conversation;
+}
+
+function readSettings() {
+  const settings = Object.fromEntries(SETTINGS.map((name) => [name, $(name).value]));
+  store.set("settings", settings);
+  return settings;
+}
+
+function requestBody(conversation, settings) {
+  const history = conversation.messages.filter((m) => !m.error && !m.pending).map((m) => ({ role: m.role, content: m.content }));
+  const body = { model: conversation.model, messages: settings.system.trim() ? [{ role: "system", content: settings.system }, ...history] : history };
+  Object.assign(body, { stream: true, stream_options: { include_usage: true } });
+  for (const [name, parse] of [["temperature", Number], ["top_p", Number], ["max_tokens", (v) => parseInt(v, 10)]]) {
+    if (settings[name].trim()) {
+      body[name] = parse(settings[name]);
+    }
+  }
+  if (settings.schema.trim()) {
+    body.response_format = { type: "json_schema", json_schema: { name: "reply", schema: JSON.parse(settings.schema) } };
+  }
+  if (settings.tools.trim()) {
+    body.tools = JSON.parse(settings.tools);
+  }
+  return body;
+}
+
+async function send(event) {
+  event.preventDefault();
+  const text = $("input").value;
+  if (!text.trim() || running) {
+    return;
+  }
+  let body;
+  const conversation = current() || newConversation();
+  conversation.model = $("model").value;
+  conversation.messages.push({ role: "user", content: text });
+  try {
+    body = requestBody(conversation, readSettings());
+    $("settings-error").hidden = true;
+  } catch (error) {
+    conversation.messages.pop();
+    $("settings-error").textContent = "Settings: " + error.message;
+    $("settings-error").hidden = false;
+    $("settings").hidden = false;
+    return;
+  }
+  conversation.title = conversation.title || text.slice(0, 48);
+  $("input").value = "";
+  const reply = { role: "assistant", content: "", model: conversation.model, pending: true };
+  conversation.messages.push(reply);
+  save();
+  render();
+  await stream(conversation, reply, body);
+}
+
+async function stream(conversation, reply, body) {
+  running = { controller: new AbortController(), conversation };
+  $("send").hidden = true;
+  $("stop").hidden = false;
+  const start = performance.now();
+  let first = null;
+  let last = null;
+  let chunks = 0;
+  let usage = null;
+  const calls = [];
+  try {
+    const response = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body), signal: running.controller.signal });
+    if (!response.ok) {
+      const error = await response.json().catch(() => ({}));
+      throw new Error((error.error && error.error.message) || `${response.status} ${response.statusText}`);
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffered = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) {
+        break;
+      }
+      buffered += decoder.decode(value, { stream: true });
+      const events = buffered.split("\n\n");
+      buffered = events.pop();
+      for (const event of events) {
+        const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+        if (!data || data === "[DONE]") {
+          continue;
+        }
+        const chunk = JSON.parse(data);
+        if (chunk.error) {
+          throw new Error(chunk.error.message);
+        }
+        usage = chunk.usage || usage;
+        const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+        for (const call of delta.tool_calls || []) {
+          calls[call.index] = calls[call.index] || { name: "", arguments: "" };
+          calls[call.index].name += (call.function && call.function.name) || "";
+          calls[call.index].arguments += (call.function && call.function.arguments) || "";
+        }
+        if (delta.content || delta.tool_calls) {
+          const now = performance.now();
+          first = first === null ? now : first;
+          last = now;
+          chunks += 1;
+          reply.content += delta.content || "";
+          reply.tool_calls = calls.filter(Boolean);
+          showSoon(reply);
+        }
+      }
+    }
+  } catch (error) {
+    if (error.name === "AbortError") {
+      reply.stopped = true;
+    } else {
+      reply.error = error.message;
+    }
+  } finally {
+    const tokens = usage ? usage.completion_tokens : chunks;
+    if (first !== null) {
+      // the decode rate as this browser saw the tokens come; too short a stream (its chunks arriving
+      // together) gives none
+      const rate = tokens > 1 && last - first >= 50 ? (tokens - 1) / ((last - first) / 1000) : null;
+      reply.stats = { tokens, ttft_ms: first - start, tokens_per_s: rate };
+    }
+    delete reply.pending;
+    running = null;
+    if (frame !== null) {
+      cancelAnimationFrame(frame);
+      frame = null;
+    }
+    $("send").hidden = false;
+    $("stop").hidden = true;
+    save();
+    render();
+  }
+}
+
+// A stream's chunks come faster than a page can be drawn: the reply is drawn once a frame, so that the
+// page (its Stop button) stays responsive however fast the model writes.
+let frame = null;
+
+function showSoon(reply) {
+  if (frame === null) {
+    frame = requestAnimationFrame(() => {
+      frame = null;
+      showReply(reply);
+    });
+  }
+}
+
+function showReply(reply) {
+  const boxes = $("messages").querySelectorAll(".message");
+  const box = boxes[boxes.length - 1];
+  if (box) {
+    box.replaceWith(renderMessage(reply));
+  }
+  $("messages").scrollTop = $("messages").scrollHeight;
+}
+
+function stop() {
+  if (running) {
+    running.controller.abort();
+  }
+}
+
+function start() {
+  for (const message of conversations.flatMap((c) => c.messages).filter((m) => m.pending)) {
+    delete message.pending; // the page was left while it streamed
+    message.stopped = true;
+  }
+  const settings = store.get("settings", {});
+  for (const name of SETTINGS) {
+    $(name).value = settings[name] || "";
+    $(name).addEventListener("change", readSettings);
+  }
+  $("composer").addEventListener("submit", send);
+  $("input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      send(event);
+    }
+  });
+  $("stop").addEventListener("click", stop);
+  $("new-chat").addEventListener("click", () => {
+    if (!running) {
+      currentId = null;
+      save();
+      render();
+    }
+  });
+  $("conversations").addEventListener("click", (event) => {
+    const item = event.target.closest("li");
+    if (item && !running) {
+      currentId = item.dataset.id;
+      save();
+      render();
+      if (current() && [...$("model").options].some((o) => o.value === current().model)) {
+        $("model").value = current().model;
+      }
+      $("sidebar").classList.remove("open");
+    }
+  });
+  $("model").addEventListener("change", () => store.set("model", $("model").value));
+  $("toggle-settings").addEventListener("click", () => ($("settings").hidden = !$("settings").hidden));
+  $("toggle-sidebar").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  render();
+  loadModels();
+}
+
+start();

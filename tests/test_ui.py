@@ -1,0 +1,225 @@
+"""The chat page (serve/ui) in a real headless Chromium (Debian's, driven by Playwright) against real
+`edgeinfer serve` subprocesses on tiny models: a streamed reply equal to the API's, stop, model
+switch, conversations kept across a reload, the API-key prompt, a reply's markup shown as text,
+and screenshots at desktop and phone size."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import linked_copy
+from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
+
+pytestmark = pytest.mark.browser
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip("no Chromium to drive: apt-get install chromium (.ci/run installs it)", allow_module_level=True)
+KEY = "ui-test-key"
+DESKTOP, PHONE = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
+# the current conversation's last message is a reply the page has finished
+REPLY_DONE = """() => {
+  const conversation = JSON.parse(localStorage.getItem('edgeinfer.conversations') || '[]')[0];
+  const last = conversation && conversation.messages.at(-1);
+  return Boolean(last && last.role === 'assistant' && !last.pending);
+}"""
+MARKDOWN = "Here is code:\n\n```python\nprint('edge')\n```\n\n- one\n- **two** and `three`"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        )
+        yield launched
+        launched.close()
+
+
+def serving(*args):
+    process, url = start(*args)
+    return process, url
+
+
+def stop_server(process) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_models(tiny_llama, chain_llama, tmp_path_factory):
+    """A server of two models: the tiny llama (a) and the chain llama (b)."""
+    folder = tmp_path_factory.mktemp("ui-models")
+    linked_copy(tiny_llama[1], folder / "a")
+    linked_copy(chain_llama[0], folder / "b")
+    process, url = serving(None, "--models", str(folder), "--provider", "cpu", "--keep-alive", "-1")
+    yield url
+    stop_server(process)
+
+
+class Page:
+    """A fresh browser context (its own localStorage) on the page, failing the test on any script
+    error or Content-Security-Policy report."""
+
+    def __init__(self, browser, url: str, viewport=DESKTOP):
+        self.context = browser.new_context(viewport=viewport)
+        self.page = self.context.new_page()
+        self.problems = []
+        self.page.on("pageerror", lambda error: self.problems.append(f"page error: {error}"))
+        self.page.on("console", lambda m: self.problems.append(m.text) if m.type == "error" and "Security Policy" in m.text else None)
+        self.page.goto(url)
+
+    def setting(self, name: str, value: str) -> None:
+        if self.page.is_hidden("#settings"):
+            self.page.click("#toggle-settings")
+        self.page.fill(f"#{name}", value)
+        self.page.dispatch_event(f"#{name}", "change")
+
+    def send(self, text: str) -> dict:
+        """Send `text` and wait for the whole reply; the reply as the page stored it."""
+        self.page.fill("#input", text)
+        self.page.click("#send")
+        self.page.wait_for_function(REPLY_DONE, timeout=60_000)
+        return self.conversations()[0]["messages"][-1]
+
+    def conversations(self) -> list:
+        return json.loads(self.page.evaluate("localStorage.getItem('edgeinfer.conversations') || '[]'"))
+
+    def close(self) -> None:
+        self.context.close()
+        assert self.problems == []
+
+
+def api_answer(url: str, model: str, text: str, **settings) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    return (
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **settings)
+        .choices[0]
+        .message.content
+    )
+
+
+def test_a_message_streams_the_reply_the_api_gives_and_switching_model_answers_as_that_model(browser, two_models):
+    page = Page(browser, two_models)
+    page.page.wait_for_selector("#model option[value=b]", state="attached")
+    assert page.page.eval_on_selector_all("#model option", "options => options.map(o => o.value)") == ["a", "b"]
+    page.setting("max_tokens", "12")
+    reply = page.send("Hello there")
+    assert reply["content"] == api_answer(two_models, "a", "Hello there", max_tokens=12) and reply["content"]
+    assert reply["stats"]["tokens"] == 12 and reply["stats"]["ttft_ms"] > 0
+    stats = page.page.inner_text(".message.assistant .stats")
+    assert stats.startswith("12 tokens · TTFT ") and " ms" in stats
+    page.page.click("#new-chat")
+    page.page.select_option("#model", "b")
+    reply = page.send("Hi")
+    assert reply["model"] == "b" and reply["content"] == api_answer(two_models, "b", "Hi", max_tokens=12)
+    assert page.page.locator(".message.assistant .body").last.inner_text() == reply["content"]  # plain text: shown as it is
+    assert len(page.conversations()) == 2
+    page.close()
+
+
+def test_conversations_are_kept_in_the_browser_across_a_reload(browser, two_models):
+    page = Page(browser, two_models)
+    page.setting("max_tokens", "6")
+    first = page.send("Remember me")
+    page.page.reload()
+    page.page.wait_for_selector("#conversations li")
+    assert page.page.inner_text("#conversations li") == "Remember me"
+    page.page.click("#conversations li")
+    assert page.page.inner_text(".message.user .body") == "Remember me"
+    assert page.conversations()[0]["messages"][-1] == first
+    assert page.page.input_value("#max_tokens") == "6"  # the settings too
+    page.close()
+
+
+def test_stop_cancels_the_request_and_the_server_frees_its_row(browser, long_export):
+    process, url = serving(long_export, "--provider", "cpu", "--max-batch", "2")
+    try:
+        page = Page(browser, url)
+        page.setting("max_tokens", "16000")
+        page.page.fill("#input", "Go on and on")
+        page.page.click("#send")
+        page.page.wait_for_function("() => document.querySelector('.message.assistant .body').textContent.length > 20")
+        assert metric(url, "edgeinfer_running_rows") == 1
+        page.page.click("#stop")
+        page.page.wait_for_selector("#send", state="visible")
+        poll(url, lambda: metric(url, "edgeinfer_running_rows") == 0, seconds=10)
+        reply = page.conversations()[0]["messages"][-1]
+        assert reply["stopped"] and 0 < reply["stats"]["tokens"] < 16000
+        assert page.page.inner_text(".message.assistant .stats").endswith("stopped")
+        page.close()
+    finally:
+        stop_server(process)
+
+
+def test_the_api_key_is_asked_for_once_and_kept(browser, tiny_llama):
+    process, url = serving(tiny_llama[1], "--provider", "cpu", "--api-key", KEY)
+    try:
+        page = Page(browser, url)
+        page.page.wait_for_selector("#key-dialog[open]")
+        page.page.fill("#key", "wrong")
+        page.page.click("#key-form button")
+        page.page.wait_for_selector("#key-error:not([hidden])")
+        assert "valid API key is needed" in page.page.inner_text("#key-error")
+        page.page.fill("#key", KEY)
+        page.page.click("#key-form button")
+        page.page.wait_for_selector(f"#model option[value='{tiny_llama[1].name}']", state="attached")
+        page.page.reload()
+        page.page.wait_for_selector(f"#model option[value='{tiny_llama[1].name}']", state="attached")
+        assert not page.page.is_visible("#key-dialog")
+        page.setting("max_tokens", "4")
+        assert page.send("Hi")["content"] == api_answer(url, tiny_llama[1].name, "Hi", max_tokens=4)
+        page.close()
+    finally:
+        stop_server(process)
+
+
+def test_markup_a_model_writes_shows_as_text_and_never_runs(browser, two_models):
+    """A reply constrained to one JSON string made of a script and an image with an onerror handler."""
+    markup = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
+    page = Page(browser, two_models)
+    page.setting("schema", json.dumps({"enum": [markup]}))
+    page.setting("max_tokens", "200")
+    reply = page.send("Say it")
+    assert json.loads(reply["content"]) == markup
+    body = page.page.locator(".message.assistant .body")
+    assert "<script>window.pwned = 1</script>" in body.inner_text()
+    assert body.locator("script").count() == 0 and body.locator("img").count() == 0
+    assert body.locator("strong").inner_text() == "bold"  # Markdown still renders around the text
+    assert page.page.evaluate("window.pwned") is None
+    page.close()
+
+
+def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path):
+    """Saved where EDGEINFER_ARTIFACTS says (else the test's folder); on a phone the conversations
+    fold away and nothing is wider than the screen."""
+    folder = Path(os.environ.get("EDGEINFER_ARTIFACTS") or tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+        page = Page(browser, two_models, viewport)
+        page.setting("max_tokens", "24")
+        page.send("Hello")
+        page.page.click("#toggle-settings")
+        stored = page.conversations()  # a reply in Markdown beside the model's own, shown after a reload
+        stored[0]["messages"] += [
+            {"role": "user", "content": "Show me some code"},
+            {"role": "assistant", "content": MARKDOWN, "model": "a"},
+        ]
+        page.page.evaluate("c => localStorage.setItem('edgeinfer.conversations', JSON.stringify(c))", stored)
+        page.page.reload()
+        page.page.wait_for_selector(".message.assistant pre code")
+        shot = folder / f"chat-{name}.png"
+        page.page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
+        assert page.page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+        assert page.page.locator(".message.assistant pre code").count() == 1
+        sidebar = page.page.locator("#sidebar").bounding_box()
+        assert (sidebar["x"] + sidebar["width"] <= 0) == (name == "phone")
+        page.close()
