@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from chat_page import KEY, MARKDOWN, MARKUP, REPLY_DONE, api_answer
 from conftest import linked_copy
 from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
 
@@ -22,15 +23,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
     pytest.skip("no Chromium to drive: apt-get install chromium (.ci/run installs it)", allow_module_level=True)
-KEY = "ui-test-key"
 DESKTOP, PHONE = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
-# the current conversation's last message is a reply the page has finished
-REPLY_DONE = """() => {
-  const conversation = JSON.parse(localStorage.getItem('edgeinfer.conversations') || '[]')[0];
-  const last = conversation && conversation.messages.at(-1);
-  return Boolean(last && last.role === 'assistant' && !last.pending);
-}"""
-MARKDOWN = "Here is code:\n\n```python\nprint('edge')\n```\n\n- one\n- **two** and `three`"
 
 
 @pytest.fixture(scope="module")
@@ -95,15 +88,6 @@ class Page:
     def close(self) -> None:
         self.context.close()
         assert self.problems == []
-
-
-def api_answer(url: str, model: str, text: str, **settings) -> str:
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    return (
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **settings)
-        .choices[0]
-        .message.content
-    )
 
 
 def test_a_message_streams_the_reply_the_api_gives_and_switching_model_answers_as_that_model(browser, two_models):
@@ -183,12 +167,11 @@ def test_the_api_key_is_asked_for_once_and_kept(browser, tiny_llama):
 
 def test_markup_a_model_writes_shows_as_text_and_never_runs(browser, two_models):
     """A reply constrained to one JSON string made of a script and an image with an onerror handler."""
-    markup = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
     page = Page(browser, two_models)
-    page.setting("schema", json.dumps({"enum": [markup]}))
+    page.setting("schema", json.dumps({"enum": [MARKUP]}))
     page.setting("max_tokens", "200")
     reply = page.send("Say it")
-    assert json.loads(reply["content"]) == markup
+    assert json.loads(reply["content"]) == MARKUP
     body = page.page.locator(".message.assistant .body")
     assert "<script>window.pwned = 1</script>" in body.inner_text()
     assert body.locator("script").count() == 0 and body.locator("img").count() == 0
@@ -223,3 +206,37 @@ def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path):
         sidebar = page.page.locator("#sidebar").bounding_box()
         assert (sidebar["x"] + sidebar["width"] <= 0) == (name == "phone")
         page.close()
+
+
+def test_a_tool_call_shows_under_the_reply_as_the_api_makes_it(browser, long_export):
+    """On the long-context tiny model: the tools' description in the prompt outgrows a 256-token context."""
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    process, url = serving(long_export, "--provider", "cpu")
+    try:
+        page = Page(browser, url)
+        page.setting("tools", json.dumps(tools))
+        page.page.select_option("#tool_choice", "required")
+        page.page.dispatch_event("#tool_choice", "change")
+        page.setting("max_tokens", "60")
+        reply = page.send("Weather in Paris?")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        asked = {
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": tools,
+            "tool_choice": "required",
+            "max_tokens": 60,
+        }
+        call = client.chat.completions.create(model=long_export.name, **asked).choices[0].message.tool_calls[0].function
+        assert reply["tool_calls"] == [{"name": call.name, "arguments": call.arguments}] and call.name == "get_weather"
+        assert page.page.inner_text(".message.assistant .tool-call") == f"get_weather({call.arguments})"
+        page.close()
+    finally:
+        stop_server(process)

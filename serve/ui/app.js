@@ -5,7 +5,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "schema", "tools"];
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "schema", "tools", "tool_choice"];
 
 const store = {
   get(key, fallback) {
@@ -239,6 +239,9 @@ function requestBody(conversation, settings) {
   }
   if (settings.tools.trim()) {
     body.tools = JSON.parse(settings.tools);
+    if (settings.tool_choice) {
+      body.tool_choice = settings.tool_choice;
+    }
   }
   return body;
 }
