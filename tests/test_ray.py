@@ -432,3 +432,9 @@ def test_several_models_on_the_replicas_answer_each_as_alone(tiny_llama, chain_l
             client.completions.create(model="c", prompt="Hi", max_tokens=2)
     finally:
         assert stop(process) == 0
+
+
+def test_the_front_serves_the_chat_page_too(replicas):
+    url, _, _ = replicas
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and "/ui/app.js" in page.text and "script-src 'self'" in page.headers["content-security-policy"]

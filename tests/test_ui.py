@@ -136,8 +136,9 @@ def test_stop_cancels_the_request_and_the_server_frees_its_row(browser, long_exp
         page.page.wait_for_selector("#send", state="visible")
         poll(url, lambda: metric(url, "edgeinfer_running_rows") == 0, seconds=10)
         reply = page.conversations()[0]["messages"][-1]
-        assert reply["stopped"] and 0 < reply["stats"]["tokens"] < 16000
-        assert page.page.inner_text(".message.assistant .stats").endswith("stopped")
+        assert reply["stopped"] and 0 < reply["stats"]["tokens"] < 16000 and reply["stats"]["tokens_per_s"] > 0
+        stats = page.page.inner_text(".message.assistant .stats")
+        assert " tok/s · stopped" in stats and stats.startswith(f"{reply['stats']['tokens']} tokens · TTFT ")
         page.close()
     finally:
         stop_server(process)
