@@ -216,7 +216,7 @@ def adapter_arrays(adapter: PeftAdapter, targets: dict[str, Target]) -> dict[str
     A side by side) and `KEY.b` [rank, out] (block-diagonal, the scale folded in)."""
     by_part = {}
     for target in targets.values():
-        for offset, (module, first, width) in enumerate(target.parts):
+        for module, first, width in target.parts:
             by_part[(target.layer, module)] = (target, first, width)
     chosen: dict[str, list] = {}
     for module, (a, b, scale) in adapter.modules.items():
@@ -285,12 +285,8 @@ def write_lora_graph(folder: Path, keys: list[str], dtype: str, file: str) -> Gr
             target = targets[key]
             graph.input.extend(
                 [
-                    helper.make_tensor_value_info(
-                        f"lora.{key}.a", element, ["adapter_rows", target.fan_in, f"rank_{len(graph.input)}"]
-                    ),
-                    helper.make_tensor_value_info(
-                        f"lora.{key}.b", element, ["adapter_rows", f"rank_{len(graph.input)}", target.fan_out]
-                    ),
+                    helper.make_tensor_value_info(f"lora.{key}.a", element, ["adapter_rows", target.fan_in, f"rank_{key}"]),
+                    helper.make_tensor_value_info(f"lora.{key}.b", element, ["adapter_rows", f"rank_{key}", target.fan_out]),
                 ]
             )
     missing = sorted(set(keys) - {target_key(n.name) for n in nodes if n.op_type in _PROJECTIONS})
