@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from edgeinfer.models import DEFAULT_MODEL, cache_lock, entries, exported_model_dir, is_catalog_name
-from edgeinfer.sdk.embedder import NOT_GENERATING
+from edgeinfer.sdk.embedder import NOT_GENERATING, Embedder
 from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError, SettingsError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
@@ -63,7 +63,7 @@ def load_engine(
         draft=None if draft is None else resolve_export(draft, say),
     )
     say(f"provider: {engine.provider} ({engine.provider_reason})")
-    if getattr(engine, "embeds", False) and not embeddings:
+    if isinstance(engine, Embedder) and not embeddings:
         raise SettingsError(NOT_GENERATING, "model")
     return engine
 

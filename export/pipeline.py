@@ -27,7 +27,7 @@ from .fuse import CHECK_PROMPT, CHECK_TOKENS, fuse_graph
 from .embedding import CHECK_TEXTS, base_model, pooling_config, torch_embeddings
 from .embedding import check as check_embeddings
 from .graphs import export_graph, export_hidden_graph, kv_layout
-from .lora import PeftAdapter, add_adapters, check_fits, peft_reference, read_peft
+from .lora import PeftAdapter, add_adapters, check_fits, checked_name, peft_reference, read_peft
 from .quantize import Quantization, quality, quality_reference, quantize_graph
 from .source import first_line, load_model, manifest_source, resolve_source
 from .split import split_export
@@ -131,8 +131,6 @@ class ExportOptions:
             raise ExportError("--pooling and --matryoshka describe an embedding model: add --task embedding")
         if self.adapters and self.graphs == "split":
             raise ExportError("--adapter needs the default layout: the split layout (--graphs split) takes no adapters")
-        from .lora import checked_name
-
         names = [checked_name(name) for name, _ in self.adapters]
         if len(set(names)) != len(names):
             raise ExportError(f"two --adapter options are named {max(names, key=names.count)!r}: give each adapter its own name")
@@ -277,9 +275,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
 def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adapters: dict[str, PeftAdapter]):
     """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32 bytes."""
     with stage("load"):
-        source = resolve_source(model, stage.say)
-        stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
-        torch_model, tokenizer = load_model(source)
+        source, torch_model, tokenizer = _loaded(model, stage)
         for adapter in adapters.values():
             check_fits(adapter, torch_model)
     weights = fp32_weights(torch_model)
@@ -296,12 +292,17 @@ def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adap
     return torch_model, manifest, weights
 
 
+def _loaded(model: str, stage: _Stages):
+    """The model's source, its PyTorch model and its tokenizer (the load stage's work)."""
+    source = resolve_source(model, stage.say)
+    stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
+    return source, *load_model(source)
+
+
 def _export_embedding(model: str, work: Path, options: ExportOptions, stage: _Stages) -> Manifest:
     """An embedding model's export: its hidden states' graph, checked against transformers."""
     with stage("load"):
-        source = resolve_source(model, stage.say)
-        stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
-        torch_model, tokenizer = load_model(source)
+        source, torch_model, tokenizer = _loaded(model, stage)
         base = base_model(torch_model)
         pooling = pooling_config(None if source.gguf_file else Path(source.path), options.pooling)
     hidden = int(torch_model.config.hidden_size)
@@ -660,8 +661,6 @@ def export_adapter(
     beside it, moved in under names the old manifest does not use, and the manifest is replaced
     last; a failure leaves the export as it was."""
     from edgeinfer.sdk.manifest import load_manifest
-
-    from .lora import checked_name
 
     base = Path(base).expanduser()
     manifest = load_manifest(base)

@@ -131,6 +131,9 @@ def _kept_pattern(item: str) -> tuple[str, set[int] | None]:
     return module, chosen
 
 
+LAYER = r"(?:layers|h|blocks|layer)\.(\d+)"  # a layer's place in a module path: layers.3, h.3, ...
+
+
 def matmul_role(name: str) -> tuple[int | None, str]:
     """(layer, module) of a MatMul by its name: /model/layers.3/mlp/down_proj/MatMul is (3,
     down_proj), edgeinfer_gqa_3_qkv_proj (3, qkv_proj), /lm_head/MatMul (None, lm_head)."""
@@ -138,7 +141,7 @@ def matmul_role(name: str) -> tuple[int | None, str]:
     if fused:
         return int(fused.group(1)), fused.group(2)
     parts = [part for part in name.split("/") if part and part != "MatMul"]
-    layer = next((int(m.group(1)) for part in parts if (m := re.fullmatch(r"(?:layers|h|blocks|layer)\.(\d+)", part))), None)
+    layer = next((int(m.group(1)) for part in parts if (m := re.fullmatch(LAYER, part))), None)
     return layer, (parts[-1] if parts else name)
 
 

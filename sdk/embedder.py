@@ -60,8 +60,6 @@ def normalized(vectors: np.ndarray) -> np.ndarray:
 class Embedder:
     """Runs an embedding export (see the module's text). `Engine.load` gives one for such an export."""
 
-    embeds = True
-
     def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, max_batch: int = 8, max_context: int | None = None):
         self.folder, self.manifest = Path(folder), manifest
         self.provider, self.provider_reason = choose_provider(options.provider)

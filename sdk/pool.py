@@ -100,8 +100,8 @@ class ModelPool:
 
     @contextmanager
     def use(self, name: str) -> Iterator[Scheduler]:
-        """The model's Scheduler, loaded first where it is not (the caller waits for the load):
-        submit within the block. The model is not unloaded while the block runs, nor while its
+        """The model's Scheduler (an Embedder for an embedding export), loaded first where it is not
+        (the caller waits for the load): submit within the block. The model is not unloaded while the block runs, nor while its
         requests run or wait."""
         model = self._model(name)
         with self._lock:

@@ -312,7 +312,8 @@ def _bind_row_view(binding, name: str, buffer: ort.OrtValue, first: int, rows: i
 
 @functools.cache
 def _device_copy(dtype: str, provider: str) -> Graph:
-    """The Identity graph that copies host values into a device buffer at an address."""
+    """The Identity graph that copies between the host and a device buffer at an address (one per
+    type and provider: runs with their own bindings share it)."""
     return Graph(load_head("copy", {"float32": 1, "float16": 10}[dtype]), provider, threads=1)
 
 
@@ -355,7 +356,7 @@ class RowCopy:
     server's pool where the buffers have no host view (CUDA)."""
 
     def __init__(self, dtype: str, provider: str):
-        self._graph = Graph(load_head("copy", {"float32": 1, "float16": 10}[dtype]), provider, threads=1)
+        self._graph = _device_copy(dtype, provider)
         self._dtype = np.dtype(dtype)
 
     def write(self, buffer: ort.OrtValue, row: int, values: np.ndarray) -> None:

@@ -240,3 +240,31 @@ def test_the_server_serves_each_adapter_as_base_colon_name(adapted, engine):
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
+
+
+def test_the_command_line_exports_adds_and_runs_adapters(adapted, engine, tmp_path):
+    """`edgeinfer export --adapter`, `edgeinfer export-adapter` and `edgeinfer run --adapter`, as a user runs them."""
+    import subprocess
+    import sys
+
+    hf, folders, _ = adapted
+    cli = [sys.executable, "-m", "edgeinfer.cli"]
+    done = subprocess.run(
+        [*cli, "export", str(hf), "-o", str(tmp_path / "e"), "--adapter", f"all={folders['all']}"], capture_output=True, text=True
+    )
+    assert (
+        done.returncode == 0
+        and "adapter all: rank 8 on 14 modules; against PEFT: largest logits difference" in done.stderr + done.stdout
+    )
+    done = subprocess.run(
+        [*cli, "export-adapter", str(folders["qv"]), "--base", str(tmp_path / "e"), "--name", "qv"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and f"added adapter qv to {tmp_path / 'e'}: it has all, qv" in done.stderr + done.stdout
+    for adapter in ("all", "qv"):
+        run = [*cli, "run", PROMPT, "--model", str(tmp_path / "e"), "--adapter", adapter, "--max-new-tokens", "8", "--json"]
+        done = subprocess.run(run, capture_output=True, text=True)
+        assert (
+            done.returncode == 0 and json.loads(done.stdout)["text"] == engine.generate(PROMPT, max_new_tokens=8, adapter=adapter).text
+        )
+    done = subprocess.run([*cli, "run", PROMPT, "--model", str(tmp_path / "e"), "--adapter", "nope"], capture_output=True, text=True)
+    assert done.returncode == 1 and "unknown adapter 'nope': this export has all, qv" in done.stderr

@@ -214,3 +214,22 @@ def test_the_command_line_says_what_an_embedding_export_is_and_refuses_to_genera
     assert info.returncode == 0 and "embedding model: 64 dimensions, last pooling, normalized" in info.stdout
     run = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "run", "Hi", "--model", str(export)], capture_output=True, text=True)
     assert run.returncode == 1 and "error: --model: this model embeds text" in run.stderr
+
+
+def test_the_command_line_exports_an_embedding_model(embedding_models, tmp_path):
+    """`edgeinfer export --task embedding --pooling --matryoshka`, as a user runs it."""
+    import subprocess
+    import sys
+
+    hf, export = embedding_models[("mean", False)]
+    command = [sys.executable, "-m", "edgeinfer.cli", "export", str(hf), "-o", str(tmp_path / "e"), "--task", "embedding"]
+    done = subprocess.run([*command, "--pooling", "last", "--matryoshka", "16,32"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "last pooling (--pooling last, normalize from the sentence-transformers config); against transformers: cosine" in done.stderr
+    )
+    embedder = Engine.load(tmp_path / "e", provider="cpu")
+    assert (embedder.pooling, embedder.normalize, embedder.matryoshka) == ("last", False, [16, 32])
+    np.testing.assert_allclose(embedder.embed(TEXTS).vectors, reference(hf, TEXTS, "last", False), atol=1e-4)
+    done = subprocess.run([*command, "--quantize", "int4"], capture_output=True, text=True)
+    assert done.returncode == 1 and "--task embedding exports fp32 hidden states for now: leave out --quantize" in done.stderr
