@@ -3,7 +3,7 @@
 An adapter adds `x @ A @ B * scale` to a projection's output. Export keeps the base graph as it is
 (`model.onnx`) and writes `model.lora.N.onnx` (N adapters) beside it, on the same weights file:
 each projection an adapter targets gains that term, with A and B graph inputs of one per row
-([rows, in, rank] and [rows, rank, out]) or one for every row ([1, ...], broadcast), so rows of
+([rows, in, rank] and [rows, rank, out]; [1, ...] broadcasts, for a pass of one row), so rows of
 different adapters run in one pass, and zeros are the base model (sdk/adapters.py). Projections
 the export packed into one MatMul (q, k and v; gate and up) take one term whose A is the parts' A
 side by side and whose B is block-diagonal. Each adapter is one small file, `adapter.NAME.npz`: for every target its A

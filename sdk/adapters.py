@@ -5,9 +5,12 @@ The adapters' graph (export/lora.py) takes, for every projection an adapter chan
 single one that every row of the pass shares (MatMul broadcasts it). A batch that runs adapters
 keeps one row of each for each of its rows (`RowAdapters`), written when a row is assigned its
 adapter (zeros for the base model), so a pass binds them where they are and copies nothing: rows
-0..n-1 where they differ, row 0 alone where they all run one adapter (each A and B is then read
-once for the whole pass). A target's rank is the largest of the adapters' ranks for it; a smaller
-rank is padded with zeros, which add nothing.
+0..n-1, each its own, even where they all run one adapter. A single shared A and B would be read
+once for the pass, but MatMul then multiplies the rows as one matrix, with another summation
+order than a row alone gets: the last bits differ, and on a quantized base, whose kernels round
+the activations to 8 bits, they grow into other tokens. Bound per row, a row's tokens are those
+it gets alone. A target's rank is the largest of the adapters' ranks for it; a smaller rank is
+padded with zeros, which add nothing.
 """
 
 from __future__ import annotations
@@ -89,11 +92,8 @@ class RowAdapters:
 
     def views(self, first: int, rows: int) -> tuple[tuple, dict]:
         """What a pass over rows first..first+rows-1 binds: (a key that changes when it does, and
-        each input's (buffer, first row, rows)): their own rows, or `first` alone where they all
-        run one adapter."""
-        shared = len(set(self.names[first : first + rows])) == 1
-        count = 1 if shared else rows
-        return (first, count), {name: (buffer, first, count) for name, buffer in self.buffers.items()}
+        each input's (buffer, first row, rows)), each row its own."""
+        return (first, rows), {name: (buffer, first, rows) for name, buffer in self.buffers.items()}
 
 
 def unknown_adapter(name: str, names: list[str]) -> str:

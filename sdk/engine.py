@@ -18,7 +18,7 @@ from .runner import ModelRunner
 from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, template_variables
 from .chat_stream import ChatDelta, ChatStream, chat_deltas
 from .reasoning import reasoning_format
 from .tools import plan, thought_first, tool_request
@@ -232,7 +232,7 @@ class Engine:
         """The model's reply to a conversation as it is generated, one ChatDelta per piece: its
         `text`, its `reasoning`, and its `parts` with the tool calls (a call's id and name, then its
         arguments as they come); the last delta has the whole turn as `result`, as `chat` returns it."""
-        kwargs = _template_kwargs(chat_template_kwargs)
+        kwargs = template_variables(chat_template_kwargs)
         if tools is None:
             prompt, stream = self._plain_turn(messages, tool_choice, kwargs)
         else:
@@ -244,13 +244,13 @@ class Engine:
         """(prompt ids, the ChatStream that splits the output) of a chat turn without tools."""
         if tool_choice is not None:
             raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
-        text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, **kwargs)
+        text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, None, kwargs)
         return prompt, ChatStream(self.tokenizer, None, reasoning_format(self.tokenizer, text))
 
     def _tool_turn(self, messages: list[dict], config, request, kwargs: dict, settings: dict) -> tuple[list[int], dict, ChatStream]:
         """(prompt ids, settings with the plan's constraint, the ChatStream) of a chat turn with tools."""
         chosen = plan(self.tokenizer, messages, request)
-        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, **kwargs)
+        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, kwargs)
         thinking = reasoning_format(self.tokenizer, text)
         if chosen.response_format is not None:
             asked = (settings.get("response_format"), settings.get("choice"), config and config.constraint)
@@ -297,14 +297,6 @@ class Engine:
     def _start(self, prompts: list[Prompt], config, settings: dict) -> Iterator[tuple[int, Piece]]:
         """Check everything, then hand back the generation loop (which does the work as it is iterated)."""
         return self.run(prepare(self, prompts, config, settings))
-
-
-def _template_kwargs(value) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise SettingsError(f"chat_template_kwargs must be a dict of the template's variables, got {value!r}", "chat_template_kwargs")
-    return value
 
 
 def _prefix_budget(asked: int | None, plan: MemoryPlan, available: int | None, memory_limit: int | None) -> int:

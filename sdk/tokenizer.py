@@ -15,7 +15,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Tokenizer
 
-from .errors import ContextLengthError, GenerationError, NotAnExportError
+from .errors import ContextLengthError, GenerationError, NotAnExportError, SettingsError
 from .manifest import TokenizerSpec
 
 
@@ -97,13 +97,13 @@ class Tokenizer:
         return None if text is None else self._tokenizer.token_to_id(text)
 
     def chat_ids(
-        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, **template_kwargs
+        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, template_kwargs: dict | None = None
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template (`chat_prompt`)."""
-        return self.chat_prompt(messages, context, tools, **template_kwargs)[1]
+        return self.chat_prompt(messages, context, tools, template_kwargs)[1]
 
     def chat_prompt(
-        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, **template_kwargs
+        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, template_kwargs: dict | None = None
     ) -> tuple[str, list[int]]:
         """(text, token ids) of a conversation rendered by the chat template, ready for a reply
         (refused at once where they cannot leave room in a context of `context` tokens), with
@@ -116,11 +116,15 @@ class Tokenizer:
                 "this model's chat template does not render tool calls, so an assistant message with "
                 "tool_calls cannot be shown to it: send the calls' text as the message's content"
             )
-        text = self.render_chat(messages, tools=tools, **template_kwargs)
+        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
         return text, (self.encode(text, False) if context is None else self.encode_within(text, context, False))
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **template_kwargs
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> str:
         """The conversation as the model's chat template writes it, with `tools` (OpenAI's function
         tools) given to the template as transformers gives them; a call's arguments sent as JSON
@@ -132,14 +136,15 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=[_with_argument_objects(m) for m in messages],
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.spec.bos_token or "",
-                eos_token=self.spec.eos_token or "",
-                **{k: v for k, v in template_kwargs.items() if k not in _RESERVED},
-            )
+            variables = {
+                **template_variables(template_kwargs),
+                "messages": [_with_argument_objects(m) for m in messages],
+                "tools": tools,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.spec.bos_token or "",
+                "eos_token": self.spec.eos_token or "",
+            }
+            return env.from_string(self.chat_template).render(variables)  # one dict: any name is a variable ("self" too)
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
 
@@ -171,7 +176,32 @@ def _with_argument_objects(message: dict) -> dict:
     return {**message, "tool_calls": converted}
 
 
-_RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # not a chat_template_kwarg
+TEMPLATE_INPUTS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+)  # set by edgeinfer, never by chat_template_kwargs
+
+
+def template_variables(value) -> dict:
+    """`chat_template_kwargs` checked: a dict of the template's own variables, none of which is one
+    that edgeinfer sets from the request (SettingsError naming the key otherwise)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise SettingsError(f"chat_template_kwargs must be a dict of the template's variables, got {value!r}", "chat_template_kwargs")
+    taken = [k for k in TEMPLATE_INPUTS if k in value]
+    if taken:
+        raise SettingsError(
+            f"chat_template_kwargs.{taken[0]} is set from the request itself ({', '.join(TEMPLATE_INPUTS)} are): "
+            f"send it as the request's own field, or leave it out of chat_template_kwargs",
+            "chat_template_kwargs",
+        )
+    return value
+
+
 _LONG_TEXT = 4096  # characters: shorter texts are encoded holding the GIL (the batch call costs more)
 
 

@@ -237,20 +237,26 @@ def _between(tokenizer, user: dict, prompt: str, is_list: bool) -> str | None:
 def call_schema(request: ToolRequest, format: ToolFormat) -> dict:
     """The JSON schema of one call of the offered tools: its name and its arguments. The arguments
     hold the declared properties only, unless the schema allows others (`additionalProperties`):
-    a model left free to add keys may never end its call."""
-    variants = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": tool["function"]["name"]},
-                format.arguments_key: _declared(tool["function"]["parameters"]),
-            },
-            "required": ["name", format.arguments_key],
-            "additionalProperties": False,
-        }
-        for tool in request.offered()
-    ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    a model left free to add keys may never end its call. A tool whose parameters refer within
+    themselves (`$ref`, as pydantic writes `$defs`) is kept whole under the root's `$defs` and its
+    references rebased there; a schema that nests this one lifts those `$defs` to its own root
+    (`_lifted`)."""
+    variants, definitions = [], {}
+    for i, tool in enumerate(request.offered()):
+        arguments = _declared(tool["function"]["parameters"])
+        if _refers(arguments):
+            definitions[f"edgeinfer_tool_{i}"] = _rebased(arguments, f"#/$defs/edgeinfer_tool_{i}")
+            arguments = {"$ref": f"#/$defs/edgeinfer_tool_{i}"}
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool["function"]["name"]}, format.arguments_key: arguments},
+                "required": ["name", format.arguments_key],
+                "additionalProperties": False,
+            }
+        )
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "$defs": definitions} if definitions else schema
 
 
 def _declared(parameters: dict) -> dict:
@@ -259,16 +265,44 @@ def _declared(parameters: dict) -> dict:
     return parameters
 
 
+def _refers(schema) -> bool:
+    """Whether `schema` holds a `$ref` within itself ("#..."), which breaks once it is nested."""
+    if isinstance(schema, dict):
+        return (isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#")) or any(_refers(v) for v in schema.values())
+    return isinstance(schema, list) and any(_refers(v) for v in schema)
+
+
+def _rebased(schema, root: str):
+    """`schema` with each reference within it ("#/$defs/Loc", "#") rebased onto `root`, where it now lives."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        rebased = {k: _rebased(v, root) for k, v in schema.items() if k != "$ref"}
+        if isinstance(ref, str) and ref.startswith("#"):
+            rebased["$ref"] = root + ref[1:]
+        elif ref is not None:
+            rebased["$ref"] = ref
+        return rebased
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    return schema
+
+
+def _lifted(outer: dict, inner: dict) -> dict:
+    """`outer`, a schema that nests `inner`, with `inner`'s `$defs` (call_schema's) at its root."""
+    return {**outer, "$defs": inner["$defs"]} if "$defs" in inner else outer
+
+
 def generic_schema(request: ToolRequest) -> dict:
     """The generic format's answer: the calls, or (where the choice allows a reply) a reply."""
-    calls = {"type": "array", "items": call_schema(request, ToolFormat(GENERIC)), "minItems": 1}
+    one = call_schema(request, ToolFormat(GENERIC))
+    calls = {"type": "array", "items": {k: v for k, v in one.items() if k != "$defs"}, "minItems": 1}
     if not request.parallel:
         calls["maxItems"] = 1
     call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
     if request.forced:
-        return call
+        return _lifted(call, one)
     reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
-    return {"anyOf": [call, reply]}
+    return _lifted({"anyOf": [call, reply]}, one)
 
 
 def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:
@@ -279,8 +313,9 @@ def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, in
     schema = json.dumps({**call_schema(request, format), **compact})
     if format.is_list:
         one = call_schema(request, format)
-        array = {"type": "array", "items": one, "minItems": 1, **({} if request.parallel else {"maxItems": 1}), **compact}
-        body = f"%json {json.dumps(array)}"
+        items = {k: v for k, v in one.items() if k != "$defs"}
+        array = {"type": "array", "items": items, "minItems": 1, **({} if request.parallel else {"maxItems": 1}), **compact}
+        body = f"%json {json.dumps(_lifted(array, one))}"
     elif request.parallel and format.between is not None:
         body = f"call ({_literal(format.between, special)} call)*"
     else:
@@ -305,7 +340,7 @@ def pythonic_rules(request: ToolRequest) -> list[str]:
         properties = parameters.get("properties") or {}
         required = [k for k in properties if k in set(parameters.get("required") or [])]
         optional = [k for k in properties if k not in required]
-        value = lambda key: f"{json.dumps(key + '=')} %json {json.dumps({**properties[key], 'x-guidance': JSON_DEFAULTS})}"  # noqa: E731
+        value = lambda key: f"{json.dumps(key + '=')} %json {json.dumps(_argument_schema(parameters, key))}"  # noqa: E731
         head = ' ", " '.join(value(k) for k in required)
         rules.append(f'call_{i}: {json.dumps(name + "(")} {f"{head} " if head else ""}rest_{i}_0 ")"')
         for at in range(len(optional) + 1):  # rest_i_at: any of the optional arguments from `at` on, in order
@@ -313,6 +348,15 @@ def pythonic_rules(request: ToolRequest) -> list[str]:
             later = [f"{comma}{value(optional[j])} rest_{i}_{j + 1}" for j in range(at, len(optional))]
             rules.append(f"rest_{i}_{at}: " + " | ".join(['""', *later]))
     return rules
+
+
+def _argument_schema(parameters: dict, key: str) -> dict:
+    """The schema of one argument of a pythonic call, standing alone: references within the
+    tool's parameters are rebased onto a copy of them under its `$defs`."""
+    schema = {**parameters["properties"][key], "x-guidance": JSON_DEFAULTS}
+    if not _refers(parameters):
+        return schema
+    return {**_rebased(schema, "#/$defs/parameters"), "$defs": {"parameters": _rebased(parameters, "#/$defs/parameters")}}
 
 
 def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:

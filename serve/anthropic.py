@@ -287,7 +287,9 @@ def _input(arguments: str) -> dict:
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    """Anthropic's error: a client's error (4xx) is never typed as the server's (api_error)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class CountTokensRequest(MessagesRequest):

@@ -549,12 +549,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         status, body, headers = from_edgeinfer(error)
         return _answer(request, body, status, headers)
 
-    @app.exception_handler(Exception)
-    async def bug(request: HTTPRequest, error: Exception):  # a bug: still OpenAI's shape, and the log has the traceback
-        log.error("%s %s failed", request.method, request.url.path, exc_info=error)
-        message = f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please report it with the server's log"
-        return _answer(request, error_body(message, "server_error"), 500)
-
 
 def _answer(request: HTTPRequest, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
     """An error in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
@@ -616,7 +610,7 @@ def _prompt_ids(
     think first, sdk/tools.py thought_first). `kwargs`: the chat template's own variables."""
     tokenizer, context = backend.tokenizer, backend.max_context
     if chat:
-        rendered = [tokenizer.chat_prompt(p, context, plan and plan.tools, **(kwargs or {})) for p in prompts]
+        rendered = [tokenizer.chat_prompt(p, context, plan and plan.tools, kwargs) for p in prompts]
         ids = [r[1] for r in rendered]
         if texts is not None:
             texts.extend(r[0] for r in rendered)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 
 from fastapi.responses import JSONResponse, Response
 
 from .metrics import Metrics
 from .protocol import RequestError, error_body
 
+log = logging.getLogger("edgeinfer.serve")
 MAX_BODY = 4 * 1024 * 1024  # bytes of a request body
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may keep a preflight's answer
 EXPOSED = "retry-after, x-edgeinfer-replica"  # response headers a page may read
@@ -59,9 +61,10 @@ class Guard:
 
         try:
             await self._serve(scope, receive, counted, headers, origin)
-        except BaseException:
-            status.append(500)  # the server's error handler answers it
-            raise
+        except Exception as error:  # noqa: BLE001 - a bug anywhere below: answered here, in the API's shape
+            if status:  # a response had begun (a stream): it cannot be finished, so the connection goes
+                raise
+            await self._bug(scope, error)(scope, receive, counted)
         finally:  # no response at all: the client went away first (nginx's 499)
             self.metrics.requests.labels(self._label(scope["path"]), str(status[0] if status else 499)).inc()
 
@@ -83,6 +86,15 @@ class Guard:
         if body is None:  # the client went away while sending it
             return None
         await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    def _bug(scope, error: Exception) -> JSONResponse:
+        """The 500 of an exception no handler took, answered here rather than by Starlette's outer
+        handler, which re-raises it after answering, so that the server drops a kept-alive
+        connection without a word; the log has the traceback."""
+        log.error("%s %s failed", scope["method"], scope["path"], exc_info=error)
+        message = f"the server failed ({type(error).__name__}): this is a bug in edgeinfer, please report it with the server's log"
+        return refusal(RequestError(message, status=500, code="server_error"), path=scope["path"])
 
     def _refusal(self, path: str, headers: dict) -> RequestError | None:
         for prefix, expected in self.keys.items():

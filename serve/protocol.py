@@ -29,6 +29,7 @@ from edgeinfer.sdk.errors import (
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
+from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
@@ -279,7 +280,7 @@ class ChatRequest(_Request):
 
     def template_kwargs(self) -> dict:
         off = {"enable_thinking": False} if self.reasoning_effort == "none" else {}
-        return {**off, **(self.chat_template_kwargs or {})}
+        return {**off, **template_variables(self.chat_template_kwargs)}
 
     def settings(self) -> dict:
         budget = {} if self.thinking_token_budget is None else {"reasoning_budget": self.thinking_token_budget}

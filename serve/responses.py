@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
+from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .protocol import Real, RequestError, check_json
@@ -142,7 +143,7 @@ class ResponsesRequest(_Strict):
 
     def template_kwargs(self) -> dict:
         off = {"enable_thinking": False} if self.reasoning is not None and self.reasoning.effort == "none" else {}
-        return {**off, **(self.chat_template_kwargs or {})}
+        return {**off, **template_variables(self.chat_template_kwargs)}
 
     def settings(self) -> dict:
         chosen = {

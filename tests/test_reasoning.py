@@ -56,7 +56,7 @@ def test_chat_splits_the_reasoning_and_passes_the_templates_switch(with_template
         [{"role": "user", "content": "Weather?"}], choice=["It is sunny."], chat_template_kwargs={"enable_thinking": False}
     )
     assert off.reasoning is None and off.text == "It is sunny."
-    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "Weather?"}], enable_thinking=False)
+    prompt = engine.tokenizer.render_chat([{"role": "user", "content": "Weather?"}], template_kwargs={"enable_thinking": False})
     assert prompt.endswith("<think>\n\n</think>\n\n")
     plain = with_template(CHATML).chat([{"role": "user", "content": "Weather?"}], choice=[OUTPUT], max_new_tokens=60)
     assert plain.reasoning is None and plain.text == OUTPUT  # a template that names no markers: nothing is split

@@ -415,3 +415,47 @@ def test_a_calls_arguments_hold_the_declared_properties_unless_the_schema_allows
         call_schema(tool_request([allowing], "required"), ToolFormat(GENERIC))["properties"]["arguments"]["additionalProperties"]
         is True
     )
+
+
+# The parameters pydantic writes for a tool: the nested model under $defs, referred to from a property.
+PYDANTIC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "$defs": {
+                "Loc": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                    "title": "Loc",
+                }
+            },
+            "type": "object",
+            "properties": {"where": {"$ref": "#/$defs/Loc"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["where", "days"],
+            "title": "GetWeather",
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("template", ALL, ids=ALL_IDS)
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_tool_parameters_with_defs_and_refs_constrain_the_call_on_every_format(with_template, template, choice):
+    """References within a tool's parameters are resolved against the parameters the client sent,
+    wherever the call's grammar nests them; every call made is valid for them."""
+    engine = with_template(template)
+    schema = PYDANTIC_TOOL["function"]["parameters"]
+    calls = 0
+    for seed in range(6):
+        result = engine.chat(
+            ASK, tools=[PYDANTIC_TOOL], tool_choice=choice, parallel_tool_calls=False, temperature=1.0, seed=seed, max_new_tokens=160
+        )
+        for call in result.tool_calls:
+            arguments = json.loads(call.arguments)
+            jsonschema.validate(arguments, schema)
+            assert set(arguments["where"]) == {"city", "unit"}
+            calls += 1
+    assert calls >= (6 if choice == "required" else 0)
