@@ -33,7 +33,9 @@ class BusyError(EdgeInferError):
 
 class UnavailableError(EdgeInferError):
     """The engine serving a request stopped before the request ended (a Ray Serve replica that
-    died): the request can be sent again, and another engine will serve it."""
+    died), or a model of a pool cannot be loaded now (its folder is missing or damaged): the
+    request can be sent again, and another engine, or the model once its folder is whole, will
+    serve it."""
 
 
 class GenerationError(EdgeInferError):

@@ -65,6 +65,15 @@ class MemoryPlan:
         )
 
 
+TOKENIZER_BYTES_PER_FILE_BYTE = 9  # a loaded tokenizer over its tokenizer.json: 8.6 for SmolLM2's, 8.8 for Gemma 3's
+
+
+def tokenizer_bytes(manifest: Manifest) -> int:
+    """Host memory a loaded tokenizer holds (its vocabulary, merges and lookup tables), from the
+    size of its tokenizer.json."""
+    return TOKENIZER_BYTES_PER_FILE_BYTE * manifest.files.get("tokenizer.json", {}).get("size", 0)
+
+
 def kv_bytes_per_token(manifest: Manifest) -> int:
     """Bytes of keys and values one token adds to one row of the cache."""
     kv = manifest.kv

@@ -6,8 +6,16 @@ pass `memory_limit`, unloads the least recently used idle models until it fits. 
 request running or waiting on it and no caller between `use` and its submit; models serving
 requests are never unloaded, so a load never cuts a running request: where only busy models
 hold the memory, the load is refused with BusyError (retry later). A model that would not fit
-even alone is refused with the figures. Idle models are unloaded `keep_alive` seconds after
-their last use (0: as soon as they are idle; None: never); pinned models stay loaded."""
+even alone is refused with the figures, and nothing is unloaded for a load that is then refused.
+Idle models are unloaded `keep_alive` seconds after their last use (0: as soon as they are idle;
+None: never); pinned models stay loaded. An unloaded model keeps nothing: its tokenizer goes with
+its engine, and the plan counts it.
+
+Each load reads the folder whole as it is then, its small files (manifest, tokenizer, template,
+graphs) checked against the manifest's SHA-256, so a folder replaced while the pool runs (a new
+export) is served whole and new, never with the old tokenizer. A folder that is missing or damaged
+makes its model unavailable (UnavailableError, naming the model and the reason; `status` says it),
+and the other models serve on; the next request for it tries the load again."""
 
 from __future__ import annotations
 
@@ -20,12 +28,13 @@ from pathlib import Path
 
 from .embedder import Embedder
 from .engine import Engine, serving_context
-from .errors import BusyError, ModelNotFoundError, SettingsError
-from .manifest import load_manifest
-from .memory import MemoryPlan, give_back_freed_memory, size_text
+from .errors import BusyError, EdgeInferError, ModelNotFoundError, SettingsError, UnavailableError
+from .manifest import load_manifest, verify_files
+from .memory import MemoryPlan, give_back_freed_memory, size_text, tokenizer_bytes
 from .scheduler import Scheduler
 
 DEFAULT_KEEP_ALIVE_S = 300.0
+VERIFIED_FILE_BYTES = 64 * 2**20  # a load checks the SHA-256 of every file up to this size (not the weights)
 
 
 @dataclass
@@ -42,6 +51,7 @@ class _Model:
     last_used: float = 0.0
     loads: int = 0
     load_seconds: float = 0.0
+    error: str | None = None  # why its last load failed; None once one succeeds
     loading: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -151,7 +161,14 @@ class ModelPool:
         """Per model: its name, folder, whether it is loaded and pinned, and the bytes it holds."""
         with self._lock:
             return [
-                {"name": m.name, "folder": str(m.folder), "loaded": m.scheduler is not None, "pinned": m.pinned, "bytes": m.held}
+                {
+                    "name": m.name,
+                    "folder": str(m.folder),
+                    "loaded": m.scheduler is not None,
+                    "pinned": m.pinned,
+                    "bytes": m.held,
+                    "error": m.error,
+                }
                 for m in self._models.values()
             ]
 
@@ -175,28 +192,47 @@ class ModelPool:
         return model
 
     def _load_model(self, model: _Model) -> None:
-        need = _planned_bytes(model.folder, self._engine)
+        need = self._unless_damaged(model, lambda: _planned_bytes(model.folder, self._engine))
         with self._lock:
             self._make_room(model, need)
             model.held = need  # reserved while it loads, so that a concurrent load counts it
         self._say(f"loading model {model.name!r} for a request")
         start = time.perf_counter()
         try:
-            engine = Engine.load(model.folder, memory_limit=self.memory_limit, **self._engine)
-            scheduler = (
-                engine
-                if isinstance(engine, Embedder)
-                else Scheduler(engine, max_batch=self._engine["max_batch"], max_queue=self._max_queue)
-            )
+            scheduler = self._unless_damaged(model, lambda: self._open(model.folder))
         except BaseException:
             with self._lock:
                 model.held = 0
             raise
         seconds = time.perf_counter() - start
         with self._lock:
-            model.scheduler, model.loads = scheduler, model.loads + 1
+            model.scheduler, model.loads, model.error = scheduler, model.loads + 1, None
             model.load_seconds += seconds
         self._say(f"loaded model {model.name!r} in {seconds:.2f} s ({size_text(need)})")
+
+    def _open(self, folder: Path):
+        """The folder's engine as it is now, its small files checked against the manifest first,
+        and the Scheduler that serves it (an Embedder serves itself)."""
+        verify_files(folder, load_manifest(folder).files, up_to=VERIFIED_FILE_BYTES)
+        engine = Engine.load(folder, memory_limit=self.memory_limit, **self._engine)
+        if isinstance(engine, Embedder):
+            return engine
+        return Scheduler(engine, max_batch=self._engine["max_batch"], max_queue=self._max_queue)
+
+    def _unless_damaged(self, model: _Model, step: Callable):
+        """`step()`, where a missing or damaged folder makes the model unavailable (UnavailableError
+        naming it and the reason); a refusal by settings or memory passes as it is."""
+        try:
+            return step()
+        except (SettingsError, BusyError):
+            raise
+        except (EdgeInferError, OSError, ValueError) as e:
+            model.error = f"{type(e).__name__}: {e}" if not isinstance(e, EdgeInferError) else str(e)
+            self._say(f"model {model.name!r} cannot be loaded: {model.error}")
+            raise UnavailableError(
+                f"the model {model.name!r} is unavailable: {model.error} (the other models are served; "
+                "the next request for it loads it again)"
+            ) from None
 
     def _make_room(self, model: _Model, need: int) -> None:
         """Unload idle models, least recently used first, until `need` bytes fit beside the rest."""
@@ -211,13 +247,14 @@ class ModelPool:
             (m for m in self._models.values() if m.scheduler is not None and m is not model and not m.pinned and m.idle),
             key=lambda m: m.last_used,
         )
+        held = sum(m.held for m in self._models.values())
+        if held - sum(m.held for m in candidates) + need > self.memory_limit:  # decided before anything is unloaded
+            busy = [m.name for m in self._models.values() if m.held and m is not model and m not in candidates]
+            raise BusyError(
+                f"model {model.name!r} needs {size_text(need)}, and the {size_text(self.memory_limit)} memory limit is held "
+                f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle"
+            )
         while sum(m.held for m in self._models.values()) + need > self.memory_limit:
-            if not candidates:
-                busy = [m.name for m in self._models.values() if m.held and m is not model]
-                raise BusyError(
-                    f"model {model.name!r} needs {size_text(need)}, and the {size_text(self.memory_limit)} memory limit is held "
-                    f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle"
-                )
             unloaded = candidates.pop(0)
             self._unload(unloaded)
             self._say(f"unloaded model {unloaded.name!r}, the least recently used idle one, to make room for {model.name!r}")
@@ -250,9 +287,8 @@ class ModelPool:
 
 def _planned_bytes(folder: Path, engine_options: dict) -> int:
     """What `Engine.load(folder, **engine_options)` will hold: its memory plan's weights, KV cache
-    and prefix cache, worked out from the manifest before anything is read."""
+    and prefix cache, and its tokenizer, worked out from the manifest before anything is read."""
     manifest = load_manifest(folder)
     context = serving_context(manifest, engine_options.get("max_context"))
-    return (
-        MemoryPlan.of(manifest, context, engine_options.get("max_batch", 1)).total + (engine_options.get("prefix_cache") or 0) * 2**20
-    )
+    plan = MemoryPlan.of(manifest, context, engine_options.get("max_batch", 1))
+    return plan.total + (engine_options.get("prefix_cache") or 0) * 2**20 + tokenizer_bytes(manifest)

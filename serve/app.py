@@ -212,7 +212,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     @app.post("/v1/messages/count_tokens", openapi_extra=_body_of(anthropic.CountTokensRequest))
     async def count_tokens(http: HTTPRequest):
         body = await _read(http, anthropic.CountTokensRequest)
-        backend, _ = routes.served(body.model)
+        backend, _ = await routes.served(body.model)
         try:
             prompts, _, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
             ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, backend, prompts, None, True, plan)
@@ -230,7 +230,7 @@ class _Routes:
 
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
-        backend, model_name = self.served(body.model)
+        backend, model_name = await self.served(body.model)
         items, texts = [*self.stored.history(body.previous_response_id), *body.items()], []
         try:
             conversation = [responses.conversation(body.instructions, items)]
@@ -303,12 +303,12 @@ class _Routes:
             if not done:
                 self.cancelled([request], reply_id, generated)
 
-    def served(self, model: str) -> tuple[Backend, str]:
+    async def served(self, model: str) -> tuple[Backend, str]:
         """The backend that serves `model`, and the name replies carry: the one model served, or
-        the pool's model of that name (404 naming the models otherwise)."""
+        the pool's model of that name, loaded on a worker thread (404 naming the models otherwise)."""
         served = self.loaded.ready()
         if isinstance(served, ModelSet):
-            return served.backend(model), model
+            return await asyncio.get_running_loop().run_in_executor(None, served.prepared, model), model
         base, _, adapter = model.rpartition(":")
         if model != self.model_name and base == self.model_name:
             return with_adapter(served, base, adapter), model
@@ -326,7 +326,7 @@ class _Routes:
 
     async def embeddings(self, body):
         """OpenAI's embeddings, from a model exported with --task embedding; run on a worker thread."""
-        backend, model_name = self.served(body.model)
+        backend, model_name = await self.served(body.model)
         if backend.manifest.task == "embedding" and not hasattr(backend, "embed"):
             raise RequestError(
                 f"the model '{model_name}' embeds, and this server's Ray Serve replicas serve generation: serve embedding "
@@ -349,7 +349,7 @@ class _Routes:
 
     async def messages(self, body, http: HTTPRequest):
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
-        backend, model_name = self.served(body.model)
+        backend, model_name = await self.served(body.model)
         rendered, texts = [], []  # the prompt's ids (for the stream's opening usage) and text
         try:
             prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
@@ -381,7 +381,7 @@ class _Routes:
         return JSONResponse(reply.whole(result))
 
     async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
-        backend, model_name = self.served(body.model)
+        backend, model_name = await self.served(body.model)
         choices, plan, texts = body.choice_settings(), None, []
         try:
             if chat:

@@ -3,20 +3,20 @@ budget, and each model is a Backend to the routes, named by the request's `model
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from edgeinfer.sdk.engine import serving_context
+from edgeinfer.sdk.errors import UnavailableError
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.pool import ModelPool
-from edgeinfer.sdk.tokenizer import Tokenizer
 
 from .protocol import RequestError
 
 
 class PooledBackend:
-    """One model of the pool as the routes see it: its manifest and tokenizer (read without
-    loading the model) and a submit that loads it first where it is not loaded."""
+    """One model of the pool: its manifest as last read (for listings), `loaded()` for what a
+    request renders and submits with, and a submit of prompt ids (a replica's) that loads it
+    first where it is not loaded."""
 
     def __init__(self, pool: ModelPool, name: str, folder: Path, max_context: int | None):
         self.pool, self.name, self.folder = pool, name, Path(folder)
@@ -24,9 +24,12 @@ class PooledBackend:
         self.max_context = serving_context(self.manifest, max_context)
         self.mode = f"{name}: loaded on demand"
 
-    @functools.cached_property
-    def tokenizer(self) -> Tokenizer:
-        return Tokenizer(self.folder, self.manifest.tokenizer)
+    def loaded(self) -> LoadedModel:
+        """The model as its engine loaded it (loading it first where it is not loaded; off the event loop)."""
+        with self.pool.use(self.name) as served:
+            engine = getattr(served, "engine", served)  # a Scheduler's engine; an Embedder serves itself
+            self.manifest = engine.manifest
+            return LoadedModel(self, engine)
 
     def submit(self, prompt, **settings):
         with self.pool.use(self.name) as scheduler:
@@ -36,6 +39,28 @@ class PooledBackend:
         """An embedding model's vectors (the model stays loaded while it embeds)."""
         with self.pool.use(self.name) as embedder:
             return embedder.embed(texts, **settings)
+
+
+class LoadedModel:
+    """One load of a pooled model as a request sees it: the manifest, tokenizer and context of that
+    load, and a submit that refuses to pair them with another load of a folder that has changed
+    since (the prompt was rendered with this tokenizer). The tokenizer goes when the model is
+    unloaded and no request holds this."""
+
+    def __init__(self, backend: PooledBackend, engine):
+        self.backend, self.name, self.mode = backend, backend.name, backend.mode
+        self.manifest, self.tokenizer, self.max_context = engine.manifest, engine.tokenizer, engine.max_context
+
+    def submit(self, prompt, **settings):
+        with self.backend.pool.use(self.name) as scheduler:
+            if scheduler.engine.manifest.files != self.manifest.files:
+                raise UnavailableError(
+                    f"the model {self.name!r} was loaded again from a changed folder while this request was prepared: send it again"
+                )
+            return scheduler.submit(prompt, **settings)
+
+    def embed(self, texts, **settings):
+        return self.backend.embed(texts, **settings)
 
 
 class ModelSet:
@@ -61,6 +86,19 @@ class ModelSet:
                 code="model_not_found",
             )
         return self.backends[name]
+
+    def prepared(self, name: str):
+        """`backend(name)` as a request renders and submits with it: a pooled model loaded (this may
+        load it: call it off the event loop), with the adapter the name asks for."""
+        backend = self.backend(name)
+        if isinstance(backend, AdapterBackend):
+            base, _, adapter = name.rpartition(":")
+            return with_adapter(self.ready(backend.backend), base, adapter)
+        return self.ready(backend)
+
+    def ready(self, backend):
+        """The backend as a request uses it (PooledModels: loaded)."""
+        return backend
 
     def listing(self) -> list[dict]:
         """/v1/models' entries: each model and its adapters, with what `shown` says of it."""
@@ -98,10 +136,14 @@ class PooledModels(ModelSet):
         limit = "no memory limit" if pool.memory_limit is None else f"a memory limit of {pool.memory_limit / 2**20:.0f} MiB"
         self.mode = f"{len(self.backends)} models loaded on demand within {limit}"
 
+    def ready(self, backend: PooledBackend) -> LoadedModel:
+        return backend.loaded()
+
     def shown(self, name: str) -> dict:
-        """Whether the model is loaded and whether it is pinned."""
+        """Whether the model is loaded, pinned and available (not while its folder fails to load, with the reason)."""
         status = next(s for s in self.pool.status() if s["name"] == name)
-        return {"loaded": status["loaded"], "pinned": status["pinned"]}
+        reason = {} if status["error"] is None else {"unavailable_reason": status["error"]}
+        return {"loaded": status["loaded"], "pinned": status["pinned"], "available": status["error"] is None, **reason}
 
     def stats(self) -> dict[str, float]:
         """The pool's figures, and the loaded models' queues and rows summed."""

@@ -128,3 +128,44 @@ def test_unknown_names_and_bad_settings_are_refused(models):
         ModelPool(models, keep_alive=-1)
     with pytest.raises(SettingsError, match="at least one model"):
         ModelPool({})
+
+
+def test_a_load_that_cannot_fit_unloads_nothing(models, tmp_path):
+    """Busy models hold so much that even unloading every idle one would not make room: the load is
+    refused before anything is unloaded."""
+    big, small = sorted(["a", "b"], key=lambda n: -_planned_bytes(models[n], {"max_batch": 2}))
+    linked_copy(models[big], tmp_path / "big2")
+    chosen = {"big": models[big], "small": models[small], "big2": tmp_path / "big2"}
+    sizes = {n: _planned_bytes(f, {"max_batch": 2}) for n, f in chosen.items()}
+    assert sizes["big"] > sizes["small"]
+    with ModelPool(chosen, memory_limit=sizes["big"] + sizes["small"], keep_alive=None, max_batch=2, provider="cpu") as pool:
+        pool.load("small")
+        with pool.use("big"):  # busy; small idle, but big + big2 > the limit even without small
+            with pytest.raises(BusyError, match=r"model 'big2' needs .* held by models that are serving requests or pinned \(big\)"):
+                pool.load("big2")
+            assert pool.is_loaded("small") and pool.stats()["model_unloads_total"] == 0
+
+
+def test_an_unloaded_model_keeps_no_tokenizer_and_the_plan_counts_it(models):
+    """The server's view of a pooled model (serve/models.py) holds a load's tokenizer only while a
+    request holds that load."""
+    import gc
+    import weakref
+
+    from edgeinfer.sdk.manifest import load_manifest
+    from edgeinfer.sdk.memory import MemoryPlan, tokenizer_bytes
+    from edgeinfer.serve.models import PooledModels
+
+    manifest = load_manifest(models["a"])
+    assert tokenizer_bytes(manifest) == 9 * manifest.files["tokenizer.json"]["size"] > 0
+    plan = MemoryPlan.of(manifest, manifest.max_context, 2)
+    assert _planned_bytes(models["a"], {"max_batch": 2}) == plan.total + tokenizer_bytes(manifest)
+    with ModelPool(models, keep_alive=None, max_batch=2, provider="cpu") as pool:
+        served = PooledModels(pool)
+        loaded = served.prepared("a")
+        assert loaded.tokenizer.encode("Hi", False) and pool.is_loaded("a")
+        tokenizer = weakref.ref(loaded.tokenizer)
+        del loaded
+        assert pool.unload("a")
+        gc.collect()
+        assert tokenizer() is None

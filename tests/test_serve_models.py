@@ -166,3 +166,47 @@ def test_resident_memory_returns_near_its_start_once_every_model_is_unloaded(tmp
         poll(url, lambda: _rss(process) - start < weights / 4, seconds=10)
     finally:
         _stop(process)
+
+
+def test_a_replaced_folder_is_served_whole_and_new_and_a_damaged_one_is_a_503_naming_it(folder, tmp_path):
+    """--keep-alive 0: each request loads its model afresh from its folder as it is then."""
+    from test_serve_tools import tool_export
+    from test_tools import HERMES
+
+    for name in "ab":
+        linked_copy(folder / name, tmp_path / "models" / name)
+    other = tool_export(tmp_path / "other", HERMES)  # other weights, another chat template
+    chat = [{"role": "user", "content": "Hi"}]
+    process, url = _start("--models", str(tmp_path / "models"), "--keep-alive", "0")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        asked = dict(model="a", messages=chat, max_tokens=8)
+        first = client.chat.completions.create(**asked).choices[0].message.content
+        assert first == Engine.load(folder / "a", provider="cpu").chat(chat, max_new_tokens=8).text
+        poll(url, lambda: not _loaded(url)["a"], seconds=10)
+        shutil.rmtree(tmp_path / "models" / "a")
+        linked_copy(other, tmp_path / "models" / "a")  # a new export in its place
+        replaced = client.chat.completions.create(**asked).choices[0].message.content
+        assert replaced == Engine.load(other, provider="cpu").chat(chat, max_new_tokens=8).text != first
+        poll(url, lambda: not _loaded(url)["a"], seconds=10)
+
+        template = tmp_path / "models" / "a" / "chat_template.jinja"  # changed in place, the same size
+        text = template.read_text()
+        template.unlink()  # the linked copy shares the file with `other`: write a new one
+        template.write_text(text.replace("user", "USER"))
+        for damage, reason in [("template", "does not match the SHA-256"), ("weights", "is missing")]:
+            if damage == "weights":
+                (tmp_path / "models" / "a" / "model.onnx.data").unlink()
+            refused = httpx.post(f"{url}/v1/chat/completions", json=asked)
+            error = refused.json()["error"]
+            assert refused.status_code == 503 and "the model 'a' is unavailable" in error["message"] and reason in error["message"]
+            listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+            assert listed["a"]["available"] is False and reason in listed["a"]["unavailable_reason"]
+            assert listed["b"]["available"] is True
+            assert client.completions.create(model="b", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+        shutil.rmtree(tmp_path / "models" / "a")
+        linked_copy(folder / "a", tmp_path / "models" / "a")  # mended: served again
+        assert client.chat.completions.create(**asked).choices[0].message.content == first
+        assert {m["id"]: m["available"] for m in httpx.get(f"{url}/v1/models").json()["data"]}["a"] is True
+    finally:
+        _stop(process)
