@@ -100,6 +100,33 @@ from .resolve import load_engine, resolve_export, say
     "--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM."
 )
 @click.option("--no-ui", is_flag=True, help="Serve no chat page at / (the API alone).")
+@click.option(
+    "--responses-store",
+    "store_count",
+    default=256,
+    show_default=True,
+    type=click.IntRange(0),
+    metavar="N",
+    help="Responses API: responses kept for previous_response_id and GET (0: none).",
+)
+@click.option(
+    "--responses-store-mib",
+    "store_mib",
+    default=64,
+    show_default=True,
+    type=click.IntRange(0),
+    metavar="MIB",
+    help="Responses API: MiB the kept responses may hold.",
+)
+@click.option(
+    "--responses-store-ttl",
+    "store_ttl",
+    default=3600.0,
+    show_default=True,
+    type=float,
+    metavar="S",
+    help="Responses API: seconds a kept response stays after its last use (-1: until the count or MiB bound drops it).",
+)
 @click.option("--ray", "on_ray", is_flag=True, help="Run the server as Ray Serve replicas (the ray extra; see --replicas).")
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(1), help="With --ray: replicas, each its own engine.")
 @click.option("--autoscale", default=None, metavar="MIN:MAX", help="With --ray: as many replicas as the load asks for, MIN to MAX.")
@@ -129,6 +156,9 @@ def serve(
     speculative,
     grace,
     no_ui,
+    store_count,
+    store_mib,
+    store_ttl,
     on_ray,
     replicas,
     autoscale,
@@ -138,7 +168,8 @@ def serve(
 ):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
-    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui)
+    store = (store_count, store_mib * 2**20, None if store_ttl < 0 else store_ttl)
+    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui, store)
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -281,15 +312,18 @@ def _pool(served: dict[str, Path], settings: _PoolSettings):
     return PooledModels(pool, settings.engine["max_context"])
 
 
-def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True):
-    """The server's options, once the serve extra is known to be installed and the flags are sound."""
+def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True, store=None):
+    """The server's options, once the serve extra is known to be installed and the flags are sound;
+    `store`: the Responses store's (count, bytes, ttl or None)."""
     try:
         from edgeinfer.serve import ServerOptions
+        from edgeinfer.serve.responses import StoreLimits
     except ImportError as e:
         raise EdgeInferError(f"serving needs the serve extra ({e.name} is missing): pip install 'edgeinfer[serve]'") from None
     _check_keys(api_key, metrics_key)
     _check_origins(cors_origins)
-    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui)
+    limits = StoreLimits() if store is None else StoreLimits(*store)
+    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui, limits)
 
 
 def _check_keys(api_key: str | None, metrics_key: str | None) -> None:

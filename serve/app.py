@@ -94,12 +94,14 @@ def create_app(
     cors_origins: tuple[str, ...] = (),
     body_timeout: float = 30.0,
     ui: bool = True,
+    responses_store: responses.StoreLimits = responses.StoreLimits(),
 ) -> FastAPI:
     """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
     in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
     server stops on it). A request's `response_headers` go on its response. `api_key` guards /v1/,
     `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
-    within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui)."""
+    within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui).
+    `responses_store` bounds the Responses API's stored responses."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
 
     async def lifespan(app):
@@ -128,7 +130,7 @@ def create_app(
         routes=lambda: app.routes,
     )
     _add_error_handlers(app)
-    _add_routes(app, _Routes(loaded, metrics, model_name))
+    _add_routes(app, _Routes(loaded, metrics, model_name, responses_store))
     if ui:
         _add_page(app)
     return app
@@ -177,7 +179,8 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(loaded.backend.stats() if loaded.backend is not None else {}), media_type=CONTENT_TYPE)
+        served = loaded.backend.stats() if loaded.backend is not None else {}
+        return Response(metrics.render({**served, **routes.stored.stats()}), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -205,6 +208,15 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     async def create_response(http: HTTPRequest):
         return await routes.responses(await _read(http, responses.ResponsesRequest), http)
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return routes.stored.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        routes.stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     @app.post("/v1/messages", openapi_extra=_body_of(anthropic.MessagesRequest))
     async def messages(http: HTTPRequest):
         return await routes.messages(await _read(http, anthropic.MessagesRequest), http)
@@ -224,9 +236,9 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 class _Routes:
     """What the generation routes share: the backend once loaded, the metrics, the model's name."""
 
-    def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str):
+    def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits):
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
-        self.stored = responses.Store()  # the Responses API's recent responses, for previous_response_id
+        self.stored = responses.Store(store)  # the Responses API's stored responses, for previous_response_id and GET
 
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
@@ -246,7 +258,7 @@ class _Routes:
 
         def keep(whole: dict) -> None:
             if body.store:
-                self.stored.keep(reply.id, [*items, *responses.output_items(whole)])
+                self.stored.keep(reply.id, body.previous_response_id, [*body.items(), *responses.output_items(whole)], whole)
 
         if body.stream:
 

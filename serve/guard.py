@@ -136,7 +136,7 @@ class Guard:
         return Response(
             status_code=204,
             headers={
-                "access-control-allow-methods": "GET, POST, OPTIONS",
+                "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
                 "access-control-allow-headers": asked_headers,
                 "access-control-max-age": str(PREFLIGHT_MAX_AGE),
             },

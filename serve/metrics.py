@@ -12,6 +12,10 @@ GAUGES = {
     "prefix_cache_hit_tokens": "Prompt tokens taken from the prefix cache",
     "prefix_cache_miss_tokens": "Prompt tokens prefilled",
     "prefix_cache_bytes": "Bytes the prefix cache holds",
+    "responses_stored": "Responses API responses stored (store true)",
+    "responses_stored_bytes": "Bytes the stored responses hold, as compact JSON",
+    "responses_store_evicted": "Stored responses dropped for the count, bytes or TTL bound, so far",
+    "responses_store_refused": "Responses not stored for being larger than the whole store, so far",
 }
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -1,15 +1,17 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a translation onto the same conversation,
 settings and tool machinery as chat completions: input items become the SDK's messages, the result
 becomes output items and the stream's typed events. `previous_response_id` continues a stored
-response (a bounded in-memory store of recent ones; `store: false` keeps nothing). Nothing here
-knows of HTTP or of the scheduler."""
+response (an in-memory store of recent ones, bounded by count, bytes and time; `store: false`
+keeps nothing). Nothing here knows of HTTP or of the scheduler."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -22,6 +24,8 @@ from edgeinfer.sdk.tools import ToolRequest, tool_request
 from .protocol import Real, RequestError, check_json
 
 STORED = 256  # responses kept for previous_response_id, least recently used out first
+STORED_BYTES = 64 * 2**20  # ...and the bytes of their JSON
+STORED_TTL_S = 3600.0  # ...each for this long after its last use
 
 
 class _Strict(BaseModel):
@@ -200,36 +204,120 @@ def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
     return messages
 
 
-class Store:
-    """Recent responses' conversations (input and output items), for previous_response_id."""
+@dataclass(frozen=True)
+class StoreLimits:
+    """How much the Responses store keeps: at most `count` responses and `bytes` of them (each kept
+    as its compact JSON), each for `ttl` seconds after its last use (None: no TTL)."""
 
-    def __init__(self, size: int = STORED):
-        self.size, self._kept, self._lock = size, OrderedDict(), threading.Lock()
+    count: int = STORED
+    bytes: int = STORED_BYTES
+    ttl: float | None = STORED_TTL_S
+
+
+@dataclass
+class _Kept:
+    parent: str | None  # the response this one continued (previous_response_id)
+    turn: bytes  # this turn's input and output items, as compact JSON: what its prompt needs
+    response: bytes  # the response object as returned, for GET
+    used: float  # time.monotonic() of its last use
+
+
+class Store:
+    """Responses made with store true, for previous_response_id and GET /v1/responses/{id}. Each
+    keeps its own turn only (its input items and its output), with a link to the response it
+    continued, so a chain of N turns holds N turns, not N histories; reasoning items, which never
+    reach a prompt, are not kept in a turn. Bounded by count and bytes (least recently used out
+    first; a continued chain is used as a whole) and by a TTL."""
+
+    def __init__(self, limits: StoreLimits = StoreLimits(), clock=time.monotonic):
+        self.limits, self._clock = limits, clock
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes, self.evicted, self.refused = 0, 0, 0
 
     def history(self, response_id: str | None) -> list[dict]:
-        """The items of a stored response and everything before it (its instructions are not
-        carried over, as OpenAI's are not); RequestError (404) where it is gone."""
-        if response_id is None:
-            return []
+        """The items of a stored response and every turn before it (its instructions are not
+        carried over, as OpenAI's are not); RequestError (404) where it, or a turn it continues,
+        is gone."""
+        chain = []  # (id, kept), the newest first
         with self._lock:
-            kept = self._kept.get(response_id)
-            if kept is not None:
+            self._expire()
+            while response_id is not None:
+                kept = self._kept.get(response_id)
+                if kept is None:
+                    raise self._gone(response_id, first=not chain)
+                chain.append((response_id, kept))
+                response_id = kept.parent
+            for response_id, kept in reversed(chain):  # used as a whole, the newest turn the most recently
+                kept.used = self._clock()
                 self._kept.move_to_end(response_id)
-        if kept is None:
-            raise RequestError(
-                f"no stored response {response_id!r}: this server keeps the last {self.size} responses made with store "
-                "true, in memory: send the whole conversation as input instead",
-                "previous_response_id",
-                status=404,
-                code="not_found",
-            )
-        return kept
+        return [item for _, kept in reversed(chain) for item in json.loads(kept.turn)]
 
-    def keep(self, response_id: str, items: list[dict]) -> None:
+    def keep(self, response_id: str, parent: str | None, items: list[dict], response: dict) -> None:
+        """Keep a response's turn (`items`: its input and output items) and the response itself."""
+        turn = _compact([item for item in items if item.get("type") != "reasoning"])
+        kept = _Kept(parent, turn, _compact(response), self._clock())
+        size = len(kept.turn) + len(kept.response)
         with self._lock:
-            self._kept[response_id] = items
-            while len(self._kept) > self.size:
-                self._kept.popitem(last=False)
+            if size > self.limits.bytes:
+                self.refused += 1
+                return
+            self._kept[response_id] = kept
+            self.bytes += size
+            self._expire()
+            while len(self._kept) > self.limits.count or self.bytes > self.limits.bytes:
+                self._drop(next(iter(self._kept)))
+                self.evicted += 1
+
+    def get(self, response_id: str) -> dict:
+        """The stored response object; RequestError (404) where it is not stored."""
+        with self._lock:
+            self._expire()
+            kept = self._kept.get(response_id)
+            if kept is None:
+                raise self._gone(response_id, first=True, param=None)
+            return json.loads(kept.response)
+
+    def delete(self, response_id: str) -> None:
+        """Forget a response (those that continue it can no longer be continued); 404 where it is not stored."""
+        with self._lock:
+            if response_id not in self._kept:
+                raise self._gone(response_id, first=True, param=None)
+            self._drop(response_id)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            self._expire()
+            return {
+                "responses_stored": len(self._kept),
+                "responses_stored_bytes": self.bytes,
+                "responses_store_evicted": self.evicted,
+                "responses_store_refused": self.refused,
+            }
+
+    def _drop(self, response_id: str) -> None:
+        kept = self._kept.pop(response_id)
+        self.bytes -= len(kept.turn) + len(kept.response)
+
+    def _expire(self) -> None:
+        """Under the lock: drop the responses unused for the TTL (the least recently used come first)."""
+        if self.limits.ttl is None:
+            return
+        deadline = self._clock() - self.limits.ttl
+        while self._kept and next(iter(self._kept.values())).used < deadline:
+            self._drop(next(iter(self._kept)))
+            self.evicted += 1
+
+    def _gone(self, response_id: str, first: bool, param: str | None = "previous_response_id") -> RequestError:
+        kept = f"this server keeps up to {self.limits.count} responses made with store true ({self.limits.bytes // 2**20} MiB"
+        kept += f", each {self.limits.ttl:g} s after its last use)" if self.limits.ttl is not None else ")"
+        what = f"no stored response {response_id!r}" if first else f"the stored conversation lost its earlier response {response_id!r}"
+        way = ": send the whole conversation as input instead" if param else ""
+        return RequestError(f"{what}: {kept}, in memory{way}", param, status=404, code="not_found")
+
+
+def _compact(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class ResponsesReply:

@@ -18,6 +18,7 @@ import uvicorn
 
 from .app import create_app
 from .protocol import error_body
+from .responses import StoreLimits
 
 log = logging.getLogger("edgeinfer.serve")
 KEEP_ALIVE_S = 5  # an idle connection between requests
@@ -35,6 +36,7 @@ class ServerOptions:
     body_timeout: float = 30.0
     grace: float = 30.0
     ui: bool = True  # the chat page at / (serve/ui)
+    responses_store: StoreLimits = StoreLimits()  # the Responses API's stored responses
 
 
 class _Server(uvicorn.Server):
@@ -65,7 +67,15 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         server.should_exit = True
 
     app = create_app(
-        load, model_name, options.api_key, stop, options.metrics_key, options.cors_origins, options.body_timeout, options.ui
+        load,
+        model_name,
+        options.api_key,
+        stop,
+        options.metrics_key,
+        options.cors_origins,
+        options.body_timeout,
+        options.ui,
+        options.responses_store,
     )
     config = uvicorn.Config(
         app,

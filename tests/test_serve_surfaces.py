@@ -7,6 +7,7 @@ import signal
 import socket
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -25,7 +26,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def served(tmp_path_factory):
     """(url, export) of a server of the tiny llama with a tool-calling chat template."""
     export = tool_export(tmp_path_factory.mktemp("serve-surfaces"), HERMES)
-    process, url = start(export, "--provider", "cpu", "--max-batch", "2", "--api-key", KEY)
+    store = ("--responses-store", "12", "--responses-store-mib", "1")
+    process, url = start(export, "--provider", "cpu", "--max-batch", "2", "--api-key", KEY, *store)
     yield url, export
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=30)
@@ -146,3 +148,66 @@ def test_tool_parameters_with_defs_are_served_on_all_three_apis(served, client):
         model=model, max_tokens=160, messages=ASK, tools=[{"name": "get_weather", "input_schema": schema}], tool_choice={"type": "any"}
     )
     jsonschema.validate(messages.content[-1].input, schema)
+
+
+def stored(url: str) -> dict[str, float]:
+    """The Responses store's gauges on /metrics."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return {
+        line.split()[0].removeprefix("edgeinfer_"): float(line.split()[1]) for line in lines if line.startswith("edgeinfer_responses_")
+    }
+
+
+def test_a_chain_of_responses_stores_each_turn_once_and_reads_back(served, client):
+    model, filler, before = served[1].name, "word " * 50, stored(served[0])["responses_stored_bytes"]
+    first = client.responses.create(model=model, input=f"Remember {filler}", max_output_tokens=4)
+    one = stored(served[0])["responses_stored_bytes"] - before
+    previous = first.id
+    for turn in range(5):
+        previous = client.responses.create(
+            model=model, input=f"{turn} {filler}", previous_response_id=previous, max_output_tokens=4
+        ).id
+    after = stored(served[0])["responses_stored_bytes"] - before - one
+    assert 4.5 * one < after < 5.5 * one  # five more turns' worth, not their whole histories
+    again = client.responses.retrieve(previous)
+    assert again.id == previous and again.previous_response_id is not None and again.status in ("completed", "incomplete")
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_the_store_keeps_its_count_drops_reasoning_items_and_deletes(served, client):
+    model, before = served[1].name, stored(served[0])["responses_stored_bytes"]
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "s" * 50_000}]}
+    made = [
+        client.responses.create(model=model, input=[{**thought, "encrypted_content": "e" * 300_000}, *ASK], max_output_tokens=2).id
+    ]
+    assert stored(served[0])["responses_stored_bytes"] - before < 5_000  # the 350 kB thought is not kept
+    made += [client.responses.create(model=model, input=f"{i}", max_output_tokens=2).id for i in range(12)]  # the store keeps 12
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        client.responses.retrieve(made[0])
+    assert stored(served[0])["responses_stored"] == 12 and client.responses.retrieve(made[-1]).id == made[-1]
+    client.responses.delete(made[-1])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made[-1])
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.create(model=model, input="and then?", previous_response_id=made[-1], max_output_tokens=2)
+    assert gone.value.body["param"] == "previous_response_id" and "send the whole conversation" in gone.value.body["message"]
+
+
+def test_the_store_keeps_its_byte_bound_and_forgets_after_its_ttl():
+    from edgeinfer.serve.responses import Store, StoreLimits
+
+    now = [0.0]
+    store = Store(StoreLimits(count=100, bytes=10_000, ttl=60), clock=lambda: now[0])
+    for i in range(8):  # about 2 kB each: the last four fit
+        store.keep(f"r{i}", None, [{"type": "message", "role": "user", "content": "x" * 2000}], {"id": f"r{i}"})
+    assert store.bytes <= 10_000 and store.stats()["responses_stored"] == 4 and store.get("r7") == {"id": "r7"}
+    store.keep("huge", None, [{"type": "message", "role": "user", "content": "x" * 20_000}], {"id": "huge"})
+    assert store.stats()["responses_store_refused"] == 1 and store.stats()["responses_stored"] == 4  # nothing dropped for it
+    now[0] = 50
+    store.keep("next", "r7", [{"type": "message", "role": "user", "content": "b"}], {"id": "next"})
+    now[0] = 100  # r7 unused for 100 s, next for 50 s
+    with pytest.raises(Exception, match="lost its earlier response 'r7'"):
+        store.history("next")
+    assert store.get("next") == {"id": "next"} and store.stats()["responses_stored"] == 1
+    now[0] = 200
+    assert store.stats()["responses_stored"] == 0 and store.bytes == 0
