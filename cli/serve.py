@@ -173,10 +173,10 @@ def serve(
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    ray = (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus) if on_ray else None
     if len(models) > 1 or models_dir is not None:
         engine = dict(provider=provider, threads=threads, max_context=max_context, prefix_cache=prefix_cache)
         pool = _PoolSettings(memory_limit * 2**20 if memory_limit else None, keep_alive, pin, max_batch, max_queue, engine)
-        ray = (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus) if on_ray else None
         return _serve_several(models, models_dir, pool, bool(draft or speculative), ray, host, port, options)
     if keep_alive is not None or pin:
         raise click.UsageError("--keep-alive and --pin apply to several models (--model repeated, or --models)")
@@ -186,10 +186,7 @@ def serve(
     if on_ray:
         limit = memory_limit * 2**20 if memory_limit else None
         engine = (provider, threads, max_context, max_batch, max_queue, limit, prefix_cache, api_key)
-        _serve_on_ray(
-            model, name, draft, mode, engine, (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus), host, port, options
-        )
-        return
+        return _serve_on_ray(model, name, draft, mode, engine, ray, host, port, options)
     if (replicas, autoscale, address) != (1, None, None):
         raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
 

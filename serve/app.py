@@ -204,18 +204,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     async def embeddings(http: HTTPRequest):
         return await routes.embeddings(await _read(http, EmbeddingRequest))
 
-    @app.post("/v1/responses", openapi_extra=_body_of(responses.ResponsesRequest))
-    async def create_response(http: HTTPRequest):
-        return await routes.responses(await _read(http, responses.ResponsesRequest), http)
-
-    @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str):
-        return routes.stored.get(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        routes.stored.delete(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
+    _add_responses_routes(app, routes)
 
     @app.post("/v1/messages", openapi_extra=_body_of(anthropic.MessagesRequest))
     async def messages(http: HTTPRequest):
@@ -231,6 +220,23 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
         except EdgeInferError as e:
             return _anthropic_error(e)
         return {"input_tokens": len(ids[0])}
+
+
+def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
+    """OpenAI's Responses API: create, and read back or forget a stored response."""
+
+    @app.post("/v1/responses", openapi_extra=_body_of(responses.ResponsesRequest))
+    async def create_response(http: HTTPRequest):
+        return await routes.responses(await _read(http, responses.ResponsesRequest), http)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return routes.stored.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        routes.stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 class _Routes:
