@@ -6,6 +6,7 @@ The package maps its parts from the repository's folders: `edgeinfer.sdk` (runti
 
 from edgeinfer.sdk import (
     BusyError,
+    CancelledRequestError,
     ConstraintError,
     ContextLengthError,
     EdgeInferError,
@@ -38,6 +39,7 @@ __all__ = [
     "Scheduler",
     "Request",
     "BusyError",
+    "CancelledRequestError",
     "GenerationConfig",
     "GenerationResult",
     "Piece",

@@ -4,6 +4,7 @@ from .embedder import Embedder, Embeddings
 from .engine import Engine
 from .errors import (
     BusyError,
+    CancelledRequestError,
     ConstraintError,
     ContextLengthError,
     EdgeInferError,
@@ -31,6 +32,7 @@ __all__ = [
     "Scheduler",
     "Request",
     "BusyError",
+    "CancelledRequestError",
     "GenerationConfig",
     "GenerationResult",
     "Piece",

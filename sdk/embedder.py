@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ContextLengthError, SettingsError
+from .errors import CancelledRequestError, ContextLengthError, SettingsError
 from .manifest import Manifest
 from .runtime import Graph, RuntimeOptions, choose_provider
 from .tokenizer import Tokenizer
@@ -74,18 +74,24 @@ class Embedder:
         self.mode = "embeddings, batches of up to %d texts" % self.max_batch
         self._busy, self._lock = 0, threading.Lock()
 
-    def embed(self, texts: str | list, dimensions: int | None = None, truncate: bool = False) -> Embeddings:
+    def embed(
+        self, texts: str | list, dimensions: int | None = None, truncate: bool = False, stop: threading.Event | None = None
+    ) -> Embeddings:
         """Each text's embedding (a string, a list of strings, or token ids: a list of ints or a list
         of such lists). A text longer than the context is refused, or with `truncate` cut to its first
-        `max_context` tokens. `dimensions` keeps the first N of a Matryoshka-trained model's dimensions."""
-        ids = [self._ids(text, truncate) for text in _texts(texts)]
+        `max_context` tokens. `dimensions` keeps the first N of a Matryoshka-trained model's dimensions
+        (one of the widths it was trained for). Once `stop` is set (its caller went away), the next
+        batch is not run: CancelledRequestError."""
         width = self._width(dimensions)
+        ids = [self._ids(text, truncate) for text in _texts(texts)]
         with self._lock:
             self._busy += 1
         try:
             vectors = np.zeros((len(ids), self.dimensions), np.float32)
             order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
             for start in range(0, len(order), self.max_batch):
+                if stop is not None and stop.is_set():
+                    raise CancelledRequestError(f"embedding stopped after {start} of {len(ids)} inputs: its caller went away")
                 rows = order[start : start + self.max_batch]
                 vectors[rows] = self._run([ids[i] for i in rows])
         finally:
@@ -144,6 +150,11 @@ class Embedder:
                 f"this model's embeddings have {self.dimensions} dimensions and it is not Matryoshka-trained (its export names "
                 "no --matryoshka dimensions), so a shorter vector would lose meaning: leave dimensions out",
                 "dimensions",
+            )
+        if dimensions not in self.matryoshka:
+            widths = ", ".join(str(w) for w in [*self.matryoshka, self.dimensions])
+            raise SettingsError(
+                f"dimensions {dimensions} is not a width this model was trained to give: use one of {widths}", "dimensions"
             )
         return dimensions
 

@@ -38,6 +38,10 @@ class UnavailableError(EdgeInferError):
     serve it."""
 
 
+class CancelledRequestError(EdgeInferError):
+    """Work stopped because its caller went away (an embedding whose client disconnected)."""
+
+
 class GenerationError(EdgeInferError):
     """A prompt or setting that generation cannot work with."""
 

@@ -15,7 +15,7 @@ from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import Real, RequestError, check_json
+from .protocol import ImagePart, Real, RequestError, check_json, refuse_images
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -68,10 +68,11 @@ class ToolResultBlock(_Strict):
 
 class Message(_Strict):
     role: Literal["user", "assistant"]
-    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]
+    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImagePart]
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
+        refuse_images(self.content)
         if isinstance(self.content, list):
             wrong = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
             found = next((block.type for block in self.content if block.type in wrong), None)

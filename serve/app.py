@@ -103,10 +103,12 @@ def create_app(
     within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui).
     `responses_store` bounds the Responses API's stored responses."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
+    routes = _Routes(loaded, metrics, model_name, responses_store)
 
     async def lifespan(app):
         loaded._thread.start()
         yield
+        routes.embedding.close()
         if loaded.backend is not None:
             loaded.backend.close(grace=0)
 
@@ -130,7 +132,7 @@ def create_app(
         routes=lambda: app.routes,
     )
     _add_error_handlers(app)
-    _add_routes(app, _Routes(loaded, metrics, model_name, responses_store))
+    _add_routes(app, routes)
     if ui:
         _add_page(app)
     return app
@@ -180,7 +182,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
     @app.get("/metrics")
     async def prometheus():
         served = loaded.backend.stats() if loaded.backend is not None else {}
-        return Response(metrics.render({**served, **routes.stored.stats()}), media_type=CONTENT_TYPE)
+        return Response(metrics.render({**served, **routes.stored.stats(), **routes.embedding.stats()}), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -202,7 +204,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.post("/v1/embeddings", openapi_extra=_body_of(EmbeddingRequest))
     async def embeddings(http: HTTPRequest):
-        return await routes.embeddings(await _read(http, EmbeddingRequest))
+        return await routes.embeddings(await _read(http, EmbeddingRequest), http)
 
     _add_responses_routes(app, routes)
 
@@ -245,6 +247,7 @@ class _Routes:
     def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits):
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
         self.stored = responses.Store(store)  # the Responses API's stored responses, for previous_response_id and GET
+        self.embedding = backends.EmbeddingWork()
 
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
@@ -342,7 +345,7 @@ class _Routes:
                 code="model_not_found",
             )
 
-    async def embeddings(self, body):
+    async def embeddings(self, body, http: HTTPRequest):
         """OpenAI's embeddings, from a model exported with --task embedding; run on a worker thread."""
         backend, model_name = await self.served(body.model)
         if backend.manifest.task == "embedding" and not hasattr(backend, "embed"):
@@ -359,10 +362,12 @@ class _Routes:
             )
         try:
             call = functools.partial(backend.embed, body.input, dimensions=body.dimensions, truncate=body.truncate)
-            embeddings = await asyncio.get_running_loop().run_in_executor(None, call)
+            embeddings = await self.embedding.run(call, lambda: _disconnected(http))
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input")
             return JSONResponse(error, status_code=status, headers=headers)
+        if embeddings is None:  # the client went away: its work stopped
+            return Response(status_code=499)
         return embedding_reply(model_name, embeddings, body.encoding_format)
 
     async def messages(self, body, http: HTTPRequest):
@@ -545,7 +550,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, error: RequestValidationError):
-        return _answer(request, error_body(*_validation_message(error.errors()[0])), 400)
+        return _answer(request, error_body(*_validation_message(error.errors()[0], error.errors())), 400)
 
     @app.exception_handler(RequestError)
     async def refused(request: HTTPRequest, error: RequestError):
@@ -575,14 +580,31 @@ def _answer(request: HTTPRequest, body: dict, status: int, headers: dict | None 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|[A-Z]\w*|literal\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|constrained-.*|[A-Z]\w*|literal\[.*\])$")
+_FORMS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "none": "null"}
+_MISFITS = {"int_from_float", "literal_error", "extra_forbidden", "missing", "union_tag_invalid"}  # a value of another form
 
 
-def _validation_message(first: dict) -> tuple[str, str, str | None]:
-    """(message, type, param) of pydantic's first complaint about a body."""
+def _validation_message(first: dict, errors: list[dict] = ()) -> tuple[str, str, str | None]:
+    """(message, type, param) of pydantic's first complaint about a body; where a field fits none
+    of a union's forms (`errors` has one complaint per form), the forms it takes, in words."""
     loc = [part for part in first["loc"][1:] if not (isinstance(part, str) and _UNION_TAG.match(part))]
     field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
     text = first["msg"].removeprefix("Value error, ")
+    forms = _union_forms(first, errors)
+    if field is not None and len(forms) > 1:
+        depth = len(first["loc"]) - 1
+        near = next(
+            (
+                e
+                for e in errors
+                if e["loc"][:depth] == first["loc"][:depth] and e["type"] not in _MISFITS and not e["type"].endswith("_type")
+            ),
+            None,
+        )
+        if near is not None:  # the value has one of the forms but breaks its rule (an empty string, say)
+            return _validation_message(near)
+        return f"{field} must be {', '.join(forms[:-1])} or {forms[-1]}", "invalid_request_error", field
     if first["type"] == "json_invalid":
         at = f" at byte {first['loc'][1]}" if len(first["loc"]) > 1 else ""
         return (
@@ -595,6 +617,33 @@ def _validation_message(first: dict) -> tuple[str, str, str | None]:
     if field is None:
         return f"the request body: {text} (send a JSON object)", "invalid_request_error", None
     return f"{field}: {text}", "invalid_request_error", field
+
+
+def _union_forms(first: dict, errors: list[dict]) -> list[str]:
+    """The forms of the union `first` complains of, in words ("a string", "a list of integers"),
+    read off pydantic's tags (str, constrained-int, list[constrained-str]) of its complaints."""
+    depth = len(first["loc"]) - 1
+    tag = first["loc"][depth] if depth > 0 and isinstance(first["loc"][depth], str) else None
+    if tag is None or not _UNION_TAG.match(tag):
+        return []
+    prefix, forms = first["loc"][:depth], []
+    for error in errors:
+        if tuple(error["loc"][:depth]) == tuple(prefix) and len(error["loc"]) > depth and isinstance(error["loc"][depth], str):
+            form = _form(error["loc"][depth])
+            if form not in forms:
+                forms.append(form)
+    return forms
+
+
+def _form(tag: str) -> str:
+    tag = tag.replace("constrained-", "")
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _form(tag[5:-1]).removeprefix("a ").removeprefix("an ")
+        return f"a list of {inner}s" if not inner.startswith("list") else f"a list of {inner.replace('list of', 'lists of', 1)}"
+    if re.fullmatch(r"[A-Z]\w*", tag):  # a model of the protocol: TextPart is "a text part"
+        words = re.sub(r"(?<!^)([A-Z])", r" \1", tag).lower()
+        return f"an {words}" if words[0] in "aeiou" else f"a {words}"
+    return _FORMS.get(tag, tag)
 
 
 def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):

@@ -5,8 +5,13 @@ and read their pieces without blocking the event loop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+
+from edgeinfer.sdk.errors import BusyError
 
 from edgeinfer.sdk.manifest import Manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
@@ -81,3 +86,45 @@ async def pieces(requests: list) -> AsyncIterator:
             raise item
         else:
             yield index, item
+
+
+EMBEDDING_QUEUE = 16  # embedding requests admitted at once (one running, the rest waiting)
+
+
+class EmbeddingWork:
+    """Embedding requests run on a thread of their own, one at a time, apart from the worker
+    threads every route uses to parse and render (a large embedding on those made a one-token chat
+    wait seconds): at most `size` admitted, running or waiting (more are a 429), and each stopped
+    between its batches once its client goes away."""
+
+    def __init__(self, size: int = EMBEDDING_QUEUE):
+        self.size, self.admitted, self.cancelled = size, 0, 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="edgeinfer-embed")
+
+    async def run(self, embed: Callable, gone: Callable[[], Awaitable]):
+        """`embed(stop=Event)`'s result, or None once `gone()` returns first (the client left: the
+        work stops at its next batch, and counts as admitted until it has)."""
+        if self.admitted >= self.size:
+            raise BusyError(f"{self.admitted} embedding requests are running or waiting, the most this server takes: retry shortly")
+        self.admitted += 1
+        stop = threading.Event()
+        work = asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(embed, stop=stop))
+        work.add_done_callback(self._ended)
+        left = asyncio.ensure_future(gone())
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            left.cancel()
+            return work.result()
+        stop.set()
+        self.cancelled += 1
+        work.add_done_callback(lambda done: done.exception())  # its CancelledRequestError is nobody's to read
+        return None
+
+    def _ended(self, _) -> None:
+        self.admitted -= 1
+
+    def stats(self) -> dict[str, float]:
+        return {"embedding_requests": self.admitted, "embedding_cancelled": self.cancelled}
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)

@@ -12,6 +12,8 @@ GAUGES = {
     "prefix_cache_hit_tokens": "Prompt tokens taken from the prefix cache",
     "prefix_cache_miss_tokens": "Prompt tokens prefilled",
     "prefix_cache_bytes": "Bytes the prefix cache holds",
+    "embedding_requests": "Embedding requests running or waiting",
+    "embedding_cancelled": "Embedding requests stopped because their client went away, so far",
     "responses_stored": "Responses API responses stored (store true)",
     "responses_stored_bytes": "Bytes the stored responses hold, as compact JSON",
     "responses_store_evicted": "Stored responses dropped for the count, bytes or TTL bound, so far",

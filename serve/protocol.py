@@ -131,6 +131,23 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class ImagePart(BaseModel):
+    """An image in a message (OpenAI's image_url and input_image parts, Anthropic's image block),
+    read only so that it is refused by name: the models served read text."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_image", "image"]
+
+
+def refuse_images(content) -> None:
+    """ValueError naming the first image part of a message's content, with the way out."""
+    image = next((part for part in content if isinstance(part, ImagePart)), None) if isinstance(content, list) else None
+    if image is not None:
+        raise ValueError(
+            f"an {image.type} part: this model reads text only and cannot be sent images; describe the image in a text part"
+        )
+
+
 class FunctionCall(_Strict):
     name: StrictStr
     arguments: StrictStr
@@ -149,13 +166,14 @@ class Message(_Strict):
     (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart | ImagePart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
 
     @model_validator(mode="after")
     def _has_content(self):
+        refuse_images(self.content)
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":

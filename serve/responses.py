@@ -21,7 +21,7 @@ from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import Real, RequestError, check_json
+from .protocol import ImagePart, Real, RequestError, check_json, refuse_images
 
 STORED = 256  # responses kept for previous_response_id, least recently used out first
 STORED_BYTES = 64 * 2**20  # ...and the bytes of their JSON
@@ -41,9 +41,14 @@ class ContentPart(_Strict):
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[ContentPart]
+    content: StrictStr | list[ContentPart | ImagePart]
     id: StrictStr | None = None
     status: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        refuse_images(self.content)
+        return self
 
     def as_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

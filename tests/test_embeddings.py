@@ -122,6 +122,9 @@ def test_dimensions_only_for_a_matryoshka_model(embedding_models):
         Engine.load(plain, provider="cpu").embed(TEXTS[0], dimensions=16)
     with pytest.raises(SettingsError, match="dimensions must be an integer from 1 to 64"):
         Engine.load(matryoshka, provider="cpu").embed(TEXTS[0], dimensions=65)
+    with pytest.raises(SettingsError, match="dimensions 17 is not a width this model was trained to give: use one of 16, 32, 64"):
+        Engine.load(matryoshka, provider="cpu").embed(TEXTS[0], dimensions=17)
+    assert Engine.load(matryoshka, provider="cpu").embed(TEXTS[0], dimensions=64).vectors.shape == (1, 64)
 
 
 def test_generation_and_embedding_refuse_each_others_calls(embedding_models, tiny_llama):
@@ -233,3 +236,56 @@ def test_the_command_line_exports_an_embedding_model(embedding_models, tmp_path)
     np.testing.assert_allclose(embedder.embed(TEXTS).vectors, reference(hf, TEXTS, "last", False), atol=1e-4)
     done = subprocess.run([*command, "--quantize", "int4"], capture_output=True, text=True)
     assert done.returncode == 1 and "--task embedding exports fp32 hidden states for now: leave out --quantize" in done.stderr
+
+
+def test_embedding_work_leaves_the_other_routes_free_queues_within_bounds_and_stops_when_its_client_leaves(
+    embedding_models, tiny_llama
+):
+    """Embeddings run on a thread of their own, at most 16 admitted: a one-token chat is answered
+    while eight large embedding requests are still running or waiting, past 16 at once is a 429,
+    and a client that leaves stops its work at the next batch."""
+    import socket
+    import threading
+
+    import httpx
+    from test_serve import metric, poll
+
+    _, export = embedding_models[("mean", False)]
+    large = {"model": export.name, "input": [[3 + (i * 7 + j) % 300 for j in range(255)] for i in range(256)]}
+    process, url = start(None, "--provider", "cpu", "--model", str(tiny_llama[1]), "--model", str(export), "--keep-alive", "-1")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        client.embeddings.create(model=export.name, input="load it")
+        statuses = []
+
+        def embed():
+            statuses.append(httpx.post(f"{url}/v1/embeddings", json=large, timeout=120).status_code)
+
+        senders = [threading.Thread(target=embed) for _ in range(24)]
+        for sender in senders[:8]:
+            sender.start()
+        poll(url, lambda: metric(url, "edgeinfer_embedding_requests") >= 8, seconds=30)
+        chat = client.chat.completions.create(model=tiny_llama[1].name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+        assert chat.usage.completion_tokens == 1 and metric(url, "edgeinfer_embedding_requests") > 0  # answered meanwhile
+        for sender in senders[8:]:
+            sender.start()
+        for sender in senders:
+            sender.join(120)
+        assert set(statuses) == {200, 429} and statuses.count(200) >= 16  # 16 admitted at once; some ended meanwhile
+
+        body = json.dumps(large).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+            head = f"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            poll(url, lambda: metric(url, "edgeinfer_embedding_requests") >= 1, seconds=30)
+        poll(url, lambda: metric(url, "edgeinfer_embedding_cancelled") == 1, seconds=30)
+        poll(url, lambda: metric(url, "edgeinfer_embedding_requests") == 0, seconds=30)  # its work stopped
+        for bad, message in [
+            ([1.5], "input must be a string, a list of integers, a list of strings or a list of lists of integers"),
+            ([""], "input[0]: String should have at least 1 character"),
+        ]:
+            with pytest.raises(openai.BadRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+                client.embeddings.create(model=export.name, input=bad)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

@@ -75,8 +75,8 @@ def test_schemathesis_finds_no_server_error_and_every_error_is_in_its_apis_shape
 
             try:
                 call()
-            except Unsatisfiable:  # no data breaks the description of an operation without parameters (GET /health)
-                assert mode is schemathesis.GenerationMode.NEGATIVE and operation.method == "get"
+            except Unsatisfiable:  # no data breaks an operation without a body (GET /health, DELETE /v1/responses/{id})
+                assert mode is schemathesis.GenerationMode.NEGATIVE and operation.method in ("get", "delete")
     print("statuses:", dict(sorted(seen.items())))
     assert sum(seen.values()) > 100 and any(code < 300 for code in seen) and any(code == 400 for code in seen)
     assert httpx.get(f"{url}/health").status_code == 200 and process.poll() is None

@@ -211,3 +211,20 @@ def test_the_store_keeps_its_byte_bound_and_forgets_after_its_ttl():
     assert store.get("next") == {"id": "next"} and store.stats()["responses_stored"] == 1
     now[0] = 200
     assert store.stats()["responses_stored"] == 0 and store.bytes == 0
+
+
+def test_an_image_part_is_refused_by_name_on_every_api(served, client):
+    model, way = served[1].name, "this model reads text only and cannot be sent images"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    with pytest.raises(openai.BadRequestError, match=way) as refused:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "What?"}, image]}])
+    assert refused.value.body["param"] == "messages[0]"
+    with pytest.raises(openai.BadRequestError, match=way):
+        parts = [{"type": "input_text", "text": "What?"}, {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]
+        client.responses.create(model=model, input=[{"type": "message", "role": "user", "content": parts}])
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    with pytest.raises(anthropic.BadRequestError, match=way) as refused:
+        anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0).messages.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": [block]}]
+        )
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
