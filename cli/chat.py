@@ -51,10 +51,10 @@ class Conversation:
 @with_options(MODEL_OPTIONS)
 @with_options(GENERATION_OPTIONS)
 @click.option("--system", default=None, help="A system message that starts the conversation.")
-def chat(model, provider, threads, max_context, memory_limit, prefix_cache, draft, system, **params):
+def chat(model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat_template, system, **params):
     """Chat with the model in the terminal. Replies stream as they are made; Ctrl-C during a
     reply stops that reply."""
-    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft)
+    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft, chat_template=chat_template)
     config = resolve_settings(engine.default_config, None, generation_settings(params, draft))
     conversation = Conversation(engine, system, reply_room=min(config.max_new_tokens, engine.max_context // 4))
     say(f"chatting with {engine.manifest.source}: {HELP}")

@@ -222,7 +222,20 @@ def export_adapter(adapter, base, name, model):
 )
 @click.option("--tool-choice", default=None, help="With --tools: auto, none, required, or a tool's name [default: auto].")
 def run(
-    prompt, model, provider, threads, max_context, memory_limit, prefix_cache, draft, chat, as_json, tools_file, tool_choice, **params
+    prompt,
+    model,
+    provider,
+    threads,
+    max_context,
+    memory_limit,
+    prefix_cache,
+    draft,
+    chat_template,
+    chat,
+    as_json,
+    tools_file,
+    tool_choice,
+    **params,
 ):
     """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
     settings = generation_settings(params, draft)
@@ -231,7 +244,7 @@ def run(
         raise click.UsageError("--tools and --tool-choice apply to --chat")
     if tool_choice and not tools_file:
         raise click.UsageError("--tool-choice needs --tools")
-    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft)
+    engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft, chat_template=chat_template)
     if tools_file:
         return _run_with_tools(engine, prompt, tools_file, tool_choice, as_json, settings)
     ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt

@@ -28,6 +28,13 @@ MODEL_OPTIONS = [
         metavar="MODEL",
         help="A smaller export (folder or catalog name) with the same tokenizer that proposes tokens (--speculative draft).",
     ),
+    click.option(
+        "--chat-template",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False),
+        metavar="FILE",
+        help="A Jinja chat template (or a tokenizer_config.json with one) in place of the export's [default: the export's].",
+    ),
 ]
 # Each defaults to None: the model's own default (its generation config) applies.
 GENERATION_OPTIONS = [

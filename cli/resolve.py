@@ -3,6 +3,7 @@ the messages the commands print on stderr."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -45,10 +46,12 @@ def load_engine(
     max_batch: int = 1,
     draft: str | None = None,
     embeddings: bool = False,
+    chat_template: str | None = None,
 ):
     """The engine for `--model` (and its `--draft`), saying which provider runs it and why.
     `memory_limit` and `prefix_cache` are in MiB. An embedding export is refused unless
-    `embeddings` (the server, which serves /v1/embeddings)."""
+    `embeddings` (the server, which serves /v1/embeddings). `chat_template`: a template file's
+    path (--chat-template), rendering conversations in place of the export's."""
     from edgeinfer.sdk import Engine
 
     limit = memory_limit * 2**20 if memory_limit is not None and memory_limit > 0 else memory_limit
@@ -61,11 +64,23 @@ def load_engine(
         memory_limit=limit,
         prefix_cache=prefix_cache,
         draft=None if draft is None else resolve_export(draft, say),
+        chat_template=None if chat_template is None else read_template(chat_template),
     )
     say(f"provider: {engine.provider} ({engine.provider_reason})")
     if isinstance(engine, Embedder) and not embeddings:
         raise SettingsError(NOT_GENERATING, "model")
     return engine
+
+
+def read_template(path: str) -> str:
+    """--chat-template's file: a Jinja chat template, or a tokenizer_config.json that holds one."""
+    text = Path(path).read_text(encoding="utf-8")
+    if path.endswith(".json"):
+        template = json.loads(text).get("chat_template")
+        if not isinstance(template, str):
+            raise SettingsError(f"{path} holds no chat_template string: give a .jinja file or a tokenizer_config.json with one")
+        return template
+    return text
 
 
 def resolve_export(model: str | None, say) -> Path:

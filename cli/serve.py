@@ -99,6 +99,13 @@ from .resolve import load_engine, resolve_export, say
 @click.option(
     "--grace", default=30.0, show_default=True, type=click.FloatRange(0), help="Seconds running requests get to finish on SIGTERM."
 )
+@click.option(
+    "--chat-template",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="One model: a Jinja chat template (or a tokenizer_config.json with one) in place of the export's.",
+)
 @click.option("--no-ui", is_flag=True, help="Serve no chat page at / (the API alone).")
 @click.option(
     "--responses-store",
@@ -155,6 +162,7 @@ def serve(
     draft,
     speculative,
     grace,
+    chat_template,
     no_ui,
     store_count,
     store_mib,
@@ -174,12 +182,12 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     ray = (replicas, _min_max(autoscale), address, replica_cpus, replica_gpus) if on_ray else None
-    if len(models) > 1 or models_dir is not None:
+    several = len(models) > 1 or models_dir is not None
+    _check_scope(several, on_ray, keep_alive, pin, chat_template, (replicas, autoscale, address))
+    if several:
         engine = dict(provider=provider, threads=threads, max_context=max_context, prefix_cache=prefix_cache)
         pool = _PoolSettings(memory_limit * 2**20 if memory_limit else None, keep_alive, pin, max_batch, max_queue, engine)
         return _serve_several(models, models_dir, pool, bool(draft or speculative), ray, host, port, options)
-    if keep_alive is not None or pin:
-        raise click.UsageError("--keep-alive and --pin apply to several models (--model repeated, or --models)")
     model = models[0] if models else None
     name = Path(model).expanduser().name if model and Path(model).expanduser().exists() else (model or DEFAULT_MODEL)
     mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
@@ -187,11 +195,18 @@ def serve(
         limit = memory_limit * 2**20 if memory_limit else None
         engine = (provider, threads, max_context, max_batch, max_queue, limit, prefix_cache, api_key)
         return _serve_on_ray(model, name, draft, mode, engine, ray, host, port, options)
-    if (replicas, autoscale, address) != (1, None, None):
-        raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
-
     engine = (model, provider, threads, max_context, memory_limit or None, prefix_cache, max_batch, draft)  # --memory-limit 0: none
-    run_server(functools.partial(_one_model, engine, mode, max_batch, max_queue), name, host, port, options)
+    run_server(functools.partial(_one_model, engine, chat_template, mode, max_batch, max_queue), name, host, port, options)
+
+
+def _check_scope(several: bool, on_ray: bool, keep_alive, pin, chat_template, ray_flags: tuple) -> None:
+    """Flags that apply to one way of serving only, refused with another."""
+    if not several and (keep_alive is not None or pin):
+        raise click.UsageError("--keep-alive and --pin apply to several models (--model repeated, or --models)")
+    if chat_template and (several or on_ray):
+        raise click.UsageError("--chat-template applies to one model served without --ray")
+    if not on_ray and ray_flags != (1, None, None):
+        raise click.UsageError("--replicas, --autoscale and --address apply to --ray")
 
 
 def _serve_on_ray(model, name: str, draft, mode, engine: tuple, ray: tuple, host: str, port: int, options) -> None:
@@ -205,10 +220,10 @@ def _serve_on_ray(model, name: str, draft, mode, engine: tuple, ray: tuple, host
     run_replicas(ReplicaSettings(folder, name, *engine, draft_folder, mode), host, port, *ray, options)
 
 
-def _one_model(engine_args: tuple, mode: str | None, max_batch: int, max_queue: int):
+def _one_model(engine_args: tuple, chat_template: str | None, mode: str | None, max_batch: int, max_queue: int):
     from edgeinfer.sdk import Embedder, Scheduler
 
-    engine = load_engine(*engine_args, embeddings=True)
+    engine = load_engine(*engine_args, embeddings=True, chat_template=chat_template)
     if isinstance(engine, Embedder):  # an embedding model serves /v1/embeddings itself
         return engine
     if mode:  # the default of requests that do not say

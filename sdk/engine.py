@@ -82,6 +82,7 @@ class Engine:
         verify: bool = False,
         prefix_cache: int | None = None,
         draft: str | Path | None = None,
+        chat_template: str | None = None,
     ) -> Engine:
         """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
@@ -99,7 +100,8 @@ class Engine:
         turns it off. It serves single prompts, batches and the Scheduler's rows.
 
         `draft` is the export folder of a smaller model with the same tokenizer, loaded beside
-        this one, for `speculative="draft"` (speculative.py)."""
+        this one, for `speculative="draft"` (speculative.py). `chat_template` (Jinja text) renders
+        conversations in place of the export's template, or gives one to an export without."""
         options = RuntimeOptions(provider=provider, threads=threads)
         if prefix_cache is not None and (isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0):
             raise SettingsError(f"prefix_cache must be a number of MiB of at least 0 (0 turns it off), got {prefix_cache!r}")
@@ -110,26 +112,32 @@ class Engine:
         if manifest.task == "embedding":  # an embedding model: Embedder's embed() in place of generation
             return Embedder(Path(path), manifest, options, max_batch if max_batch > 1 else 8, max_context)
         engine = cls(Path(path), manifest, options, prefill_chunk, limits)
+        if chat_template is not None:
+            engine.tokenizer.use_template(chat_template)
         if draft is not None:
-            context = load_manifest(draft).max_context
-            if context < engine.max_context:
-                raise SettingsError(
-                    f"the draft model {draft} serves {context} tokens, fewer than this engine's {engine.max_context}: "
-                    f"load the engine with max_context={context} (--max-context {context}), or export the draft "
-                    "with a larger --max-context"
-                )
-            engine.attach_draft(
-                cls.load(
-                    draft,
-                    provider=engine.provider,
-                    threads=threads,
-                    max_context=engine.max_context,
-                    max_batch=max_batch,
-                    verify=verify,
-                    prefix_cache=0,
-                )
-            )
+            engine._load_draft(draft, threads, max_batch, verify)
         return engine
+
+    def _load_draft(self, draft: str | Path, threads: int | None, max_batch: int, verify: bool) -> None:
+        """The draft model for speculative="draft", loaded beside this one on its provider and context."""
+        context = load_manifest(draft).max_context
+        if context < self.max_context:
+            raise SettingsError(
+                f"the draft model {draft} serves {context} tokens, fewer than this engine's {self.max_context}: "
+                f"load the engine with max_context={context} (--max-context {context}), or export the draft "
+                "with a larger --max-context"
+            )
+        self.attach_draft(
+            Engine.load(
+                draft,
+                provider=self.provider,
+                threads=threads,
+                max_context=self.max_context,
+                max_batch=max_batch,
+                verify=verify,
+                prefix_cache=0,
+            )
+        )
 
     def speculate_by_default(self, mode: str | None) -> None:
         """Make `mode` ("prompt_lookup" or "draft") the speculative decoding of calls that do not

@@ -116,8 +116,37 @@ class Tokenizer:
                 "this model's chat template does not render tool calls, so an assistant message with "
                 "tool_calls cannot be shown to it: send the calls' text as the message's content"
             )
-        text = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        text = self._turn_text(messages, tools, template_kwargs)
         return text, (self.encode(text, False) if context is None else self.encode_within(text, context, False))
+
+    def _turn_text(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
+        """The rendered prompt of the next reply; where the last message is the assistant's own text
+        (a prefill), the reply continues that message: the conversation as the template closes it,
+        cut right after the message's text (as transformers' continue_final_message does)."""
+        last = messages[-1]
+        if last["role"] != "assistant" or not last.get("content") or last.get("tool_calls"):
+            return self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        closed = self.render_chat(messages, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+        for said in (last["content"], last["content"].strip()):
+            at = closed.rfind(said) if said else -1
+            if at >= 0:
+                return closed[: at + len(said)]
+        raise GenerationError(
+            "this model's chat template rewrites the last assistant message, so the reply cannot continue it: "
+            "send the conversation without the assistant's partial message"
+        )
+
+    def use_template(self, template: str) -> None:
+        """Render conversations with `template` (Jinja, as transformers' chat_template) in place of
+        the export's own; SettingsError where it does not parse."""
+        try:
+            _environment().parse(template)
+        except TemplateError as e:
+            where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+            raise SettingsError(
+                f"the chat template does not parse{where}: {e.message}: fix it and load it again", "chat_template"
+            ) from None
+        self.chat_template = template
 
     def render_chat(
         self,
@@ -131,10 +160,7 @@ class Tokenizer:
         text are given to it as the object they spell, as templates expect."""
         if self.chat_template is None:
             raise GenerationError("this model has no chat template: pass a plain prompt instead of messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env = _environment()
         try:
             variables = {
                 **template_variables(template_kwargs),
@@ -174,6 +200,15 @@ def _with_argument_objects(message: dict) -> dict:
                 pass
         converted.append(call)
     return {**message, "tool_calls": converted}
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates run in, with the filters and functions transformers gives them."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
 TEMPLATE_INPUTS = (

@@ -228,3 +228,59 @@ def test_an_image_part_is_refused_by_name_on_every_api(served, client):
             model=model, max_tokens=4, messages=[{"role": "user", "content": [block]}]
         )
     assert refused.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_last_assistant_message_is_continued_on_messages_and_chat(served, client, engine):
+    """An assistant prefill: the reply continues the message (the prompt ends with its text,
+    not with the template's end of turn and a new assistant turn)."""
+    prefill = [ASK[0], {"role": "assistant", "content": '{"name": "'}]
+    text, ids = engine.tokenizer.chat_prompt(prefill)
+    assert text.endswith('<|im_start|>assistant\n{"name": "') and not text.endswith("<|im_start|>assistant\n")
+    expected = engine.generate(ids, max_new_tokens=8)
+    message = anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0).messages.create(
+        model=served[1].name, max_tokens=8, messages=prefill
+    )
+    assert message.content[0].text == expected.text and message.usage.input_tokens == len(ids)
+    chat = client.chat.completions.create(model=served[1].name, messages=prefill, max_tokens=8)
+    assert chat.choices[0].message.content == expected.text and chat.usage.prompt_tokens == len(ids)
+    assert engine.chat(prefill, max_new_tokens=8).text == expected.text
+
+
+def test_chat_template_replaces_the_exports_own_in_serve_and_run(served, tmp_path):
+    import subprocess
+    import sys
+
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    engine = Engine.load(served[1], provider="cpu", chat_template=template.read_text())
+    assert engine.tokenizer.chat_prompt(ASK)[0] == "[user] What is the weather in Paris?\n[assistant]"
+    process, url = start(served[1], "--provider", "cpu", "--chat-template", str(template))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        chat = client.chat.completions.create(model=served[1].name, messages=ASK, max_tokens=6)
+        assert chat.choices[0].message.content == engine.chat(ASK, max_new_tokens=6).text
+        assert chat.usage.prompt_tokens == len(engine.tokenizer.chat_prompt(ASK)[1])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m.content }")
+    command = [sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(served[1]), "--provider", "cpu", "--chat"]
+    done = subprocess.run([*command, "--chat-template", str(broken), "Hi"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "the chat template does not parse (line 2)" in done.stderr and "Traceback" not in done.stderr
+    several = [
+        sys.executable,
+        "-m",
+        "edgeinfer.cli",
+        "serve",
+        "--model",
+        str(served[1]),
+        "--model",
+        "x",
+        "--chat-template",
+        str(template),
+    ]
+    done = subprocess.run(several, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--chat-template applies to one model served without --ray" in done.stderr
