@@ -26,10 +26,11 @@ from edgeinfer.sdk.errors import EdgeInferError, SettingsError
 from edgeinfer.sdk.chat_stream import ChatStream
 from edgeinfer.sdk.reasoning import reasoning_format
 from edgeinfer.sdk.sequence import GenerationResult, Piece
+from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tools import plan as tool_plan
 from edgeinfer.sdk.tools import thought_first
 
-from . import anthropic, responses
+from . import anthropic, llama, responses
 from . import backend as backends
 from .backend import Backend
 from .guard import Guard, refusal
@@ -49,7 +50,6 @@ from .protocol import (
 )
 
 log = logging.getLogger("edgeinfer.serve")
-ROUTES = "/v1/chat/completions, /v1/completions, /v1/embeddings and /v1/models"
 
 
 class _Loaded:
@@ -186,11 +186,15 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
 
     @app.get("/v1/models")
     async def models():
-        if isinstance(loaded.backend, ModelSet):
-            return {"object": "list", "data": loaded.backend.listing()}
-        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}
-        adapters = adapter_entries(model_name, loaded.backend.manifest) if loaded.backend is not None else []
-        return {"object": "list", "data": [base, *adapters]}
+        return {"object": "list", "data": routes.listing()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        found = next((entry for entry in routes.listing() if entry["id"] == model_id), None)
+        if found is None:
+            served = ", ".join(repr(entry["id"]) for entry in routes.listing())
+            raise RequestError(f"the model '{model_id}' is not served here: the models are {served}", "model", 404, "model_not_found")
+        return found
 
     @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
     async def chat(http: HTTPRequest):
@@ -207,6 +211,7 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
         return await routes.embeddings(await _read(http, EmbeddingRequest), http)
 
     _add_responses_routes(app, routes)
+    _add_llama_routes(app, routes)
 
     @app.post("/v1/messages", openapi_extra=_body_of(anthropic.MessagesRequest))
     async def messages(http: HTTPRequest):
@@ -231,6 +236,16 @@ def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
     async def create_response(http: HTTPRequest):
         return await routes.responses(await _read(http, responses.ResponsesRequest), http)
 
+    @app.post("/v1/responses/input_tokens", openapi_extra=_body_of(responses.InputTokensRequest))
+    async def response_input_tokens(http: HTTPRequest):
+        body = await _read(http, responses.InputTokensRequest)
+        backend, _ = await routes.served(routes.named(body.model))
+        items = [*routes.stored.history(body.previous_response_id), *body.items()]
+        prompts, choices, plan = _with_tools(backend, body, [responses.conversation(body.instructions, items)], body.choice_settings())
+        kwargs = body.template_kwargs()
+        ids = await _in_thread(lambda: _prompt_ids(backend, prompts, None, True, plan, kwargs, None, choices))
+        return {"object": "response.input_tokens", "input_tokens": len(ids[0])}
+
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str):
         return routes.stored.get(response_id)
@@ -239,6 +254,43 @@ def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
     async def delete_response(response_id: str):
         routes.stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _add_llama_routes(app: FastAPI, routes: _Routes) -> None:
+    """llama.cpp's server endpoints (serve/llama.py), under the API key as /v1/ is."""
+
+    @app.post("/tokenize", openapi_extra=_body_of(llama.TokenizeRequest))
+    async def tokenize(http: HTTPRequest):
+        body = await _read(http, llama.TokenizeRequest)
+        backend, _ = await routes.served(routes.named(body.model))
+        if body.messages is not None:
+            ids = (await routes.rendered(backend, body))[1]
+        else:
+            ids = await _in_thread(backend.tokenizer.encode, body.content or body.prompt or "", body.adds_special)
+        return llama.tokens_reply(ids, backend.tokenizer.token_bytes, backend.max_context, body.with_pieces)
+
+    @app.post("/detokenize", openapi_extra=_body_of(llama.DetokenizeRequest))
+    async def detokenize(http: HTTPRequest):
+        body = await _read(http, llama.DetokenizeRequest)
+        backend, _ = await routes.served(routes.named(body.model))
+        llama.check_ids(body.tokens, backend.manifest.vocab_size)
+        return {"content": backend.tokenizer.decode_all(body.tokens)}
+
+    @app.post("/apply-template", openapi_extra=_body_of(llama.ApplyTemplateRequest))
+    async def apply_template(http: HTTPRequest):
+        body = await _read(http, llama.ApplyTemplateRequest)
+        backend, _ = await routes.served(routes.named(body.model))
+        return {"prompt": (await routes.rendered(backend, body))[0]}
+
+    @app.get("/props")
+    async def props(model: str | None = None):
+        name = routes.named(model)
+        backend, _ = await routes.served(name)
+        return llama.props_reply(name, backend, __version__)
+
+
+async def _in_thread(call, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, call, *args)
 
 
 class _Routes:
@@ -335,6 +387,30 @@ class _Routes:
             return with_adapter(served, base, adapter), model
         self.check_model(model)
         return served, self.model_name
+
+    def listing(self) -> list[dict]:
+        """/v1/models' entries: each model served and its adapters."""
+        backend = self.loaded.backend
+        if isinstance(backend, ModelSet):
+            return backend.listing()
+        base = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}
+        return [base, *(adapter_entries(self.model_name, backend.manifest) if backend is not None else [])]
+
+    def named(self, model: str | None) -> str:
+        """The model a request names, or where it names none the one model served (400 with several)."""
+        served = self.loaded.ready()
+        if model is None and isinstance(served, ModelSet):
+            raise RequestError(f"model is required: this server serves {', '.join(repr(n) for n in served.names)}", "model")
+        return self.model_name if model is None else model
+
+    async def rendered(self, backend: Backend, body) -> tuple[str, list[int]]:
+        """(text, ids) of the prompt a chat turn with `body`'s messages, tools and template variables
+        would prefill, rendered as the chat route renders it (on a worker thread)."""
+        prompts, choices, plan = _with_tools(backend, body, [body.conversation()], [{}])
+        texts: list[str] = []
+        kwargs = template_variables(body.chat_template_kwargs)
+        ids = await _in_thread(lambda: _prompt_ids(backend, prompts, None, True, plan, kwargs, texts, choices))
+        return texts[0], ids[0]
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -528,7 +604,15 @@ def _openapi(app: FastAPI, model_names: list[str]) -> dict:
         _, models = models_json_schema(
             [
                 (m, "validation")
-                for m in (ChatRequest, CompletionRequest, EmbeddingRequest, responses.ResponsesRequest, *anthropic.REQUESTS)
+                for m in (
+                    ChatRequest,
+                    CompletionRequest,
+                    EmbeddingRequest,
+                    responses.ResponsesRequest,
+                    responses.InputTokensRequest,
+                    *anthropic.REQUESTS,
+                    *llama.REQUESTS,
+                )
             ],
             ref_template="#/components/schemas/{model}",
         )
@@ -560,7 +644,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def not_here(request: HTTPRequest, error: StarletteHTTPException):
         where = f"{request.method} {request.url.path}"
         if error.status_code == 404:
-            message, code = f"Invalid URL ({where}): the API is {ROUTES}", "unknown_url"
+            message, code = f"Invalid URL ({where}): the API is {', '.join(_api_paths(request.app))}", "unknown_url"
         elif error.status_code == 405:
             message, code = f"{where}: the method is not allowed here", "method_not_allowed"
         else:  # the body could not be read as JSON (nested too deep for the parser, say)
@@ -571,6 +655,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def engine_error(request: HTTPRequest, error: EdgeInferError):
         status, body, headers = from_edgeinfer(error)
         return _answer(request, body, status, headers)
+
+
+def _api_paths(app: FastAPI) -> list[str]:
+    """The API's paths, read off the routes (the page's and the OpenAPI document's left out)."""
+    return sorted({route.path for route in app.routes if getattr(route, "include_in_schema", False)})
 
 
 def _answer(request: HTTPRequest, body: dict, status: int, headers: dict | None = None) -> JSONResponse:

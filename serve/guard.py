@@ -3,8 +3,9 @@ passes through untouched):
 
 - CORS: a preflight from an origin given with --cors-origin is answered here, without a key (the
   Fetch standard sends none); the other responses to such an origin carry its allow headers.
-- Keys: /v1/ needs the API key, /metrics the metrics key, where they are set (compared in
-  constant time); /health stays open for probes.
+- Keys: /v1/ (and llama.cpp's /tokenize, /detokenize, /apply-template, /props) needs the API
+  key, /metrics the metrics key, where they are set (compared in constant time); /health stays open
+  for probes.
 - The body: read whole here, at most MAX_BODY bytes (413, with or without a Content-Length) and
   within `body_timeout` seconds (408), then handed on.
 - /metrics counts every response by route and status; a path that is no route counts as "other",
@@ -26,7 +27,14 @@ log = logging.getLogger("edgeinfer.serve")
 MAX_BODY = 4 * 1024 * 1024  # bytes of a request body
 PREFLIGHT_MAX_AGE = 600  # seconds a browser may keep a preflight's answer
 EXPOSED = "retry-after, x-edgeinfer-replica"  # response headers a page may read
-CLOSE = {"connection": "close"}  # after a refusal whose body was not read whole
+CLOSE = {"connection": "close"}
+API_PATHS = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/props",
+)  # what the API key guards (prefixes)  # after a refusal whose body was not read whole
 
 
 class Guard:
@@ -42,7 +50,7 @@ class Guard:
     ):
         """`routes()`: the app's routes, whose paths label /metrics."""
         self.app, self.metrics, self._routes = app, metrics, routes
-        self.keys = {"/v1/": _bearer(api_key), "/metrics": _bearer(metrics_key)}
+        self.keys = {**{path: _bearer(api_key) for path in API_PATHS}, "/metrics": _bearer(metrics_key)}
         self.cors_origins, self.body_timeout = frozenset(cors_origins), body_timeout
         self._paths: frozenset[str] | None = None
 
@@ -102,10 +110,10 @@ class Guard:
                 expected is not None
                 and path.startswith(prefix)
                 and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
-                and not (prefix == "/v1/" and hmac.compare_digest(b"Bearer " + headers.get(b"x-api-key", b""), expected))
+                and not (prefix != "/metrics" and hmac.compare_digest(b"Bearer " + headers.get(b"x-api-key", b""), expected))
             ):
-                which = "API key" if prefix == "/v1/" else "metrics key"
-                way = "'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if prefix == "/v1/" else "'Authorization: Bearer KEY'"
+                which = "API key" if prefix != "/metrics" else "metrics key"
+                way = "'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if prefix != "/metrics" else "'Authorization: Bearer KEY'"
                 return RequestError(f"a valid {which} is needed: send {way}", status=401, code="invalid_api_key")
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():

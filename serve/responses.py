@@ -209,6 +209,14 @@ def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
     return messages
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: the input a response would be made from, to count its
+    prompt's tokens (tools and the stored conversation included); `model` may be left out where
+    one model is served."""
+
+    model: StrictStr | None = None
+
+
 @dataclass(frozen=True)
 class StoreLimits:
     """How much the Responses store keeps: at most `count` responses and `bytes` of them (each kept

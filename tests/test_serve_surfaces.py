@@ -284,3 +284,39 @@ def test_chat_template_replaces_the_exports_own_in_serve_and_run(served, tmp_pat
     ]
     done = subprocess.run(several, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--chat-template applies to one model served without --ray" in done.stderr
+
+
+def test_the_models_and_token_endpoints_clients_rely_on(served, client, engine):
+    from test_tools import TOOLS
+
+    url, model = served[0], served[1].name
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' is not served here"):
+        client.models.retrieve("nope")
+
+    chat = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1)
+    counted = httpx.post(f"{url}/tokenize", json={"messages": ASK, "tools": TOOLS}, headers=AUTH).json()
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens and counted["max_model_len"] == 2048
+    text = "Edge boxes, €5"
+    plain = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}, headers=AUTH).json()
+    assert [t["id"] for t in plain["tokens"]] == engine.tokenizer.encode(text, False)
+    assert "".join(t["piece"] for t in plain["tokens"] if isinstance(t["piece"], str)).startswith("Edge")
+    back = httpx.post(f"{url}/detokenize", json={"tokens": engine.tokenizer.encode(text, False)}, headers=AUTH).json()
+    assert back == {"content": text}
+    refused = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**6]}, headers=AUTH)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    prompt = httpx.post(f"{url}/apply-template", json={"messages": ASK}, headers=AUTH).json()["prompt"]
+    assert prompt == engine.tokenizer.chat_prompt(ASK)[0]
+    props = httpx.get(f"{url}/props", headers=AUTH).json()
+    assert props["default_generation_settings"]["n_ctx"] == 2048 and props["total_slots"] == 2
+    assert props["chat_template"] == engine.tokenizer.chat_template and props["modalities"]["vision"] is False
+    assert httpx.post(f"{url}/tokenize", json={"content": "x"}).status_code == 401  # the API key guards them as it guards /v1/
+
+    reply = client.responses.create(model=model, input="Hi", instructions="Be brief.", max_output_tokens=2)
+    counted = client.responses.input_tokens.count(model=model, input="Hi", instructions="Be brief.")
+    assert counted.input_tokens == reply.usage.input_tokens
+    follow = client.responses.input_tokens.count(model=model, input="And?", previous_response_id=reply.id)
+    assert follow.input_tokens > counted.input_tokens
+
+    lost = httpx.get(f"{url}/v1/nowhere", headers=AUTH).json()["error"]["message"]
+    assert all(path in lost for path in ("/v1/responses", "/v1/messages", "/v1/embeddings", "/tokenize"))
