@@ -28,7 +28,15 @@ class GraphError(EdgeInferError):
 
 
 class BusyError(EdgeInferError):
-    """The scheduler cannot take a request now: its queue is full, or it is shutting down."""
+    """The scheduler cannot take a request now: its queue is full, or it is shutting down; or a
+    model pool's memory is held by busy models. `code` says which (a server's error code)."""
+
+    def __init__(self, message: str, code: str = "queue_full"):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):  # pickled whole (a Ray replica sends it to the server's front)
+        return type(self), (str(self), self.code)
 
 
 class UnavailableError(EdgeInferError):

@@ -252,7 +252,8 @@ class ModelPool:
             busy = [m.name for m in self._models.values() if m.held and m is not model and m not in candidates]
             raise BusyError(
                 f"model {model.name!r} needs {size_text(need)}, and the {size_text(self.memory_limit)} memory limit is held "
-                f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle"
+                f"by models that are serving requests or pinned ({', '.join(busy)}): retry when they are idle",
+                "memory_busy",
             )
         while sum(m.held for m in self._models.values()) + need > self.memory_limit:
             unloaded = candidates.pop(0)

@@ -15,9 +15,10 @@ from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import ImagePart, Real, RequestError, check_json, refuse_images
+from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
+API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking.budget_tokens"}  # SDK settings named otherwise here
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 ERROR_TYPES |= {408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -148,7 +149,8 @@ class MessagesRequest(_Strict):
 
     def conversation(self) -> list[dict]:
         system = self.system if isinstance(self.system, str) or self.system is None else "".join(b.text for b in self.system)
-        return [*([{"role": "system", "content": system}] if system else []), *(d for m in self.messages for d in m.as_dicts())]
+        messages = [*([{"role": "system", "content": system}] if system else []), *(d for m in self.messages for d in m.as_dicts())]
+        return check_answers(messages, "messages")
 
     def settings(self) -> dict:
         chosen = {

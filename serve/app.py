@@ -312,7 +312,7 @@ class _Routes:
             ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, True, plan, kwargs, texts, choices)  # noqa: E731
             (request,) = await backends.submit_all(backend, ids, choices)
         except EdgeInferError as e:
-            status, error, headers = from_edgeinfer(e, "input")
+            status, error, headers = from_edgeinfer(e, "input", responses.API_NAMES)
             return JSONResponse(error, status_code=status, headers=headers)
         reply = responses.ResponsesReply(model_name, body)
         stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
@@ -329,7 +329,7 @@ class _Routes:
                 return events
 
             def error_event(e):
-                error = from_edgeinfer(e)[1]["error"]
+                error = from_edgeinfer(e, "input", responses.API_NAMES)[1]["error"]
                 return reply.event("error", message=error["message"], code=error["code"], param=error["param"])
 
             events = self.typed_events(request, reply.id, stream, reply.opening(), reply.delta, closing, error_event)
@@ -337,7 +337,7 @@ class _Routes:
         try:
             pieces = await _whole([request], http)
         except EdgeInferError as e:
-            status, error, more = from_edgeinfer(e)
+            status, error, more = from_edgeinfer(e, "input", responses.API_NAMES)
             return JSONResponse(error, status_code=status, headers=more)
         if pieces is None:
             self.cancelled([request], reply.id, 0)
@@ -464,7 +464,7 @@ class _Routes:
         reply = anthropic.MessagesReply(model_name, body.stop_sequences or [], backend.tokenizer.decode)
         stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
         if body.stream:
-            error_event = lambda e: ("error", anthropic.error_body(from_edgeinfer(e)[0], str(e)))  # noqa: E731
+            error_event = lambda e: ("error", anthropic.error_body(*_anthropic_words(e)))  # noqa: E731
             opening = reply.opening(len(rendered[0]))
             events = self.typed_events(request, reply.id, stream, opening, reply.delta, reply.closing, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -815,8 +815,13 @@ def _event(name: str, data: dict) -> str:
 
 
 def _anthropic_error(error: EdgeInferError) -> JSONResponse:
-    status, body, headers = from_edgeinfer(error)
+    status, body, headers = from_edgeinfer(error, "messages", anthropic.API_NAMES)
     return JSONResponse(anthropic.error_body(status, body["error"]["message"]), status_code=status, headers=headers)
+
+
+def _anthropic_words(error: EdgeInferError) -> tuple[int, str]:
+    status, body, _ = from_edgeinfer(error, "messages", anthropic.API_NAMES)
+    return status, body["error"]["message"]
 
 
 def _sse(data: dict) -> str:

@@ -50,7 +50,7 @@ class Guard:
     ):
         """`routes()`: the app's routes, whose paths label /metrics."""
         self.app, self.metrics, self._routes = app, metrics, routes
-        self.keys = {**{path: _bearer(api_key) for path in API_PATHS}, "/metrics": _bearer(metrics_key)}
+        self.keys = {**{path: _encoded(api_key) for path in API_PATHS}, "/metrics": _encoded(metrics_key)}
         self.cors_origins, self.body_timeout = frozenset(cors_origins), body_timeout
         self._paths: frozenset[str] | None = None
 
@@ -109,8 +109,8 @@ class Guard:
             if (
                 expected is not None
                 and path.startswith(prefix)
-                and not hmac.compare_digest(headers.get(b"authorization", b""), expected)
-                and not (prefix != "/metrics" and hmac.compare_digest(b"Bearer " + headers.get(b"x-api-key", b""), expected))
+                and not hmac.compare_digest(_bearer_token(headers), expected)
+                and not (prefix != "/metrics" and hmac.compare_digest(headers.get(b"x-api-key", b""), expected))
             ):
                 which = "API key" if prefix != "/metrics" else "metrics key"
                 way = "'Authorization: Bearer KEY' (or 'x-api-key: KEY')" if prefix != "/metrics" else "'Authorization: Bearer KEY'"
@@ -156,8 +156,14 @@ class Guard:
         return path if path in self._paths else "other"
 
 
-def _bearer(key: str | None) -> bytes | None:
-    return None if key is None else f"Bearer {key}".encode()
+def _encoded(key: str | None) -> bytes | None:
+    return None if key is None else key.encode()
+
+
+def _bearer_token(headers: dict) -> bytes:
+    """The token of an 'Authorization: Bearer TOKEN' header, the scheme in any case (RFC 7235)."""
+    scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b"\x00"  # never a key: keys are text
 
 
 def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:

@@ -9,6 +9,7 @@ The numeric ranges the SDK checks are written into the OpenAPI description (JSON
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -318,7 +319,22 @@ class ChatRequest(_Request):
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
     def conversation(self) -> list[dict]:
-        return [m.as_dict() for m in self.messages]
+        return check_answers([m.as_dict() for m in self.messages], "messages")
+
+
+def check_answers(messages: list[dict], field: str) -> list[dict]:
+    """`messages` (the SDK's), where every tool result answers a call an earlier assistant message
+    made, as OpenAI's and Anthropic's APIs require; RequestError naming the call id otherwise."""
+    made: set[str] = set()
+    for message in messages:
+        made.update(call["id"] for call in message.get("tool_calls") or [])
+        if message["role"] == "tool" and message["tool_call_id"] not in made:
+            raise RequestError(
+                f"a tool result answers call {message['tool_call_id']!r}, which no earlier assistant message made: "
+                "send the call (with that id) before its result, or leave the result out",
+                field,
+            )
+    return messages
 
 
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
@@ -439,18 +455,24 @@ def embedding_reply(model: str, embeddings, encoding_format: str) -> dict:
     }
 
 
-def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tuple[int, dict, dict]:
-    """(status, body, headers) of an edgeinfer error, its message carried through; `prompt_field`
-    is the request field that holds the prompt."""
+SDK_TRUNCATE = ", or pass truncate='left' (--truncate left) to keep its end"
+
+
+def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages", names: dict = API_NAMES) -> tuple[int, dict, dict]:
+    """(status, body, headers) of an edgeinfer error, its message carried through in the API's words
+    (`names`: the request field of each SDK setting named otherwise); `prompt_field` is the request
+    field that holds the prompt."""
     if isinstance(error, BusyError):
-        return 429, error_body(str(error), "rate_limit_exceeded", code="queue_full"), {"Retry-After": "1"}
+        return 429, error_body(str(error), "rate_limit_exceeded", code=error.code), {"Retry-After": "1"}
     if isinstance(error, UnavailableError):
         return 503, error_body(str(error), "server_error", code="engine_unavailable"), {"Retry-After": "1"}
     if isinstance(error, ContextLengthError):
+        # the SDK's way out (truncate='left') is no field of these APIs: the server's is its own
+        message = str(error).replace(SDK_TRUNCATE, f" (drop the oldest {'turns' if prompt_field != 'prompt' else 'text'})")
         return (
             400,
             error_body(
-                f"{error} (prompt {error.prompt_tokens} tokens, context {error.context})",
+                f"{message} (prompt {error.prompt_tokens} tokens, context {error.context})",
                 param=prompt_field,
                 code="context_length_exceeded",
             ),
@@ -458,10 +480,13 @@ def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages") -> tup
         )
     if isinstance(error, GraphError) or not isinstance(error, GenerationError):
         return 500, error_body(str(error), "server_error"), {}
-    param = api_name(error.param) if isinstance(error, SettingsError) and error.param else None
+    param = api_name(error.param, names) if isinstance(error, SettingsError) and error.param else None
     if param is None and not isinstance(error, SettingsError):
         param = "response_format" if isinstance(error, ConstraintError) else prompt_field
-    return 400, error_body(str(error), param=param), {}
+    message = str(error)
+    for setting, field in names.items():
+        message = re.sub(rf"\b{setting}\b", field, message)
+    return 400, error_body(message, param=param), {}
 
 
 def _message(result: GenerationResult) -> dict:
@@ -483,10 +508,10 @@ def _delta_of(part: tuple) -> dict:
     return {"tool_calls": [{"index": part[1], "function": {"arguments": part[2]}}]}
 
 
-def api_name(setting: str) -> str:
+def api_name(setting: str, names: dict = API_NAMES) -> str:
     """The request field of an SDK setting's name ("max_new_tokens" is max_tokens; "logit_bias[5]" is logit_bias)."""
     root = setting.split("[")[0]
-    return API_NAMES.get(root, root)
+    return names.get(root, root)
 
 
 def fingerprint(*parts: str) -> str:

@@ -21,8 +21,9 @@ from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import ImagePart, Real, RequestError, check_json, refuse_images
+from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
+API_NAMES = {"max_new_tokens": "max_output_tokens", "reasoning_budget": "thinking_token_budget"}  # SDK settings named otherwise here
 STORED = 256  # responses kept for previous_response_id, least recently used out first
 STORED_BYTES = 64 * 2**20  # ...and the bytes of their JSON
 STORED_TTL_S = 3600.0  # ...each for this long after its last use
@@ -184,7 +185,13 @@ class ResponsesRequest(_Strict):
             return None
         choice = self.tool_choice
         if isinstance(choice, dict):  # the Responses API names a function flat: {"type": "function", "name": ...}
-            choice = {"type": choice.get("type"), "function": {"name": choice.get("name")}}
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or set(choice) != {"type", "name"}:
+                raise RequestError(
+                    f'tool_choice {choice!r} is not one this API takes: send "auto", "none", "required" or '
+                    '{"type": "function", "name": NAME}',
+                    "tool_choice",
+                )
+            choice = {"type": "function", "function": {"name": choice["name"]}}
         parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
         return tool_request([t.as_chat() for t in self.tools], choice, parallel)
 
@@ -206,7 +213,7 @@ def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    return messages
+    return check_answers(messages, "input")
 
 
 class InputTokensRequest(ResponsesRequest):

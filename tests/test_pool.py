@@ -141,8 +141,11 @@ def test_a_load_that_cannot_fit_unloads_nothing(models, tmp_path):
     with ModelPool(chosen, memory_limit=sizes["big"] + sizes["small"], keep_alive=None, max_batch=2, provider="cpu") as pool:
         pool.load("small")
         with pool.use("big"):  # busy; small idle, but big + big2 > the limit even without small
-            with pytest.raises(BusyError, match=r"model 'big2' needs .* held by models that are serving requests or pinned \(big\)"):
+            with pytest.raises(
+                BusyError, match=r"model 'big2' needs .* held by models that are serving requests or pinned \(big\)"
+            ) as busy:
                 pool.load("big2")
+            assert busy.value.code == "memory_busy"  # not a full queue
             assert pool.is_loaded("small") and pool.stats()["model_unloads_total"] == 0
 
 

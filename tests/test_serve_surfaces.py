@@ -240,7 +240,8 @@ def test_a_last_assistant_message_is_continued_on_messages_and_chat(served, clie
     message = anthropic.Anthropic(base_url=served[0], api_key=KEY, max_retries=0).messages.create(
         model=served[1].name, max_tokens=8, messages=prefill
     )
-    assert message.content[0].text == expected.text and message.usage.input_tokens == len(ids)
+    assert message.content[0].text == expected.text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)  # Anthropic's input_tokens: the uncached
     chat = client.chat.completions.create(model=served[1].name, messages=prefill, max_tokens=8)
     assert chat.choices[0].message.content == expected.text and chat.usage.prompt_tokens == len(ids)
     assert engine.chat(prefill, max_new_tokens=8).text == expected.text
@@ -320,3 +321,37 @@ def test_the_models_and_token_endpoints_clients_rely_on(served, client, engine):
 
     lost = httpx.get(f"{url}/v1/nowhere", headers=AUTH).json()["error"]["message"]
     assert all(path in lost for path in ("/v1/responses", "/v1/messages", "/v1/embeddings", "/tokenize"))
+
+
+def test_refusals_speak_each_apis_own_words(served, client):
+    url, model = served
+    model = model.name
+    claude = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0)
+    long = [{"role": "user", "content": "w " * 3000}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=long, max_tokens=2)
+    message = refused.value.body["message"]
+    assert "truncate" not in message and "shorten the prompt (drop the oldest turns)" in message
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(model=model, max_tokens=8, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert "thinking.budget_tokens" in str(refused.value) and "reasoning_budget" not in str(refused.value)
+
+    wrong_method = httpx.get(f"{url}/v1/messages", headers=AUTH)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=model, input="Hi", tools=[{"type": "function", "name": "f"}], tool_choice={"type": "file_search"}
+        )
+    assert refused.value.body["param"] == "tool_choice" and '{"type": "function", "name": NAME}' in refused.value.body["message"]
+
+    unknown = "a tool result answers call 'call_x', which no earlier assistant message made"
+    with pytest.raises(openai.BadRequestError, match=unknown):
+        client.chat.completions.create(model=model, messages=[*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "20 C"}])
+    with pytest.raises(openai.BadRequestError, match=unknown):
+        client.responses.create(model=model, input=[{"type": "function_call_output", "call_id": "call_x", "output": "20 C"}])
+    with pytest.raises(anthropic.BadRequestError, match=unknown):
+        result = {"type": "tool_result", "tool_use_id": "call_x", "content": "20 C"}
+        claude.messages.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [result]}])
+
+    for header, status in [(f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200), ("Bearer wrong", 401), (f"Basic {KEY}", 401)]:
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}).status_code == status, header
