@@ -161,6 +161,26 @@ def watch_stream(url: str, model: str, until: float) -> list[float]:
     return gaps
 
 
+def under_load(pid: int, url: str, model: str, began: float, seconds: float, client, clients: int) -> tuple[list, float | None, float]:
+    """`clients` threads of `client(seed)` running until `seconds` after `began`, while a forked
+    process watches one stream of `model` after another: (that stream's gaps, the server's RSS
+    after the first tenth of the time, its peak RSS)."""
+    watcher = multiprocessing.get_context("fork").Pool(1)  # forked before the client threads start
+    watched = watcher.apply_async(watch_stream, (url, model, began + seconds))
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    warm_rss, peak = None, 0.0
+    while any(thread.is_alive() for thread in threads):
+        peak = max(peak, rss_mib(pid))
+        if warm_rss is None and time.monotonic() > began + seconds / 10:
+            warm_rss = rss_mib(pid)
+        time.sleep(0.5)
+    gaps = watched.get(max(120, seconds / 2))
+    watcher.close()
+    return gaps, warm_rss, peak
+
+
 def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: int | None) -> dict:
     port = free_port()
     cache = [] if prefix_cache is None else ["--prefix-cache", str(prefix_cache)]
@@ -196,19 +216,7 @@ def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: 
         start_rss, start_fds = rss_mib(server.pid), open_fds(server.pid)
         began = time.monotonic()
         load = Load(url, model, began + seconds)
-        watcher = multiprocessing.get_context("fork").Pool(1)  # forked before the client threads start
-        watched = watcher.apply_async(watch_stream, (url, model, began + seconds))
-        threads = [threading.Thread(target=load.client, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        warm_rss, peak = None, 0.0
-        while any(thread.is_alive() for thread in threads):
-            peak = max(peak, rss_mib(server.pid))
-            if warm_rss is None and time.monotonic() > began + seconds / 10:
-                warm_rss = rss_mib(server.pid)
-            time.sleep(0.5)
-        gaps = watched.get(120)
-        watcher.close()
+        gaps, warm_rss, peak = under_load(server.pid, url, model, began, seconds, load.client, clients)
         end_rss, end_fds = rss_mib(server.pid), open_fds(server.pid)
         time.sleep(idle)
         idle_rss, idle_fds = rss_mib(server.pid), open_fds(server.pid)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import random
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
-from serve_soak import _healthy, _metric, free_port, open_fds, rss_mib, watch_stream  # noqa: E402
+from serve_soak import _healthy, _metric, free_port, open_fds, rss_mib, under_load  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -163,19 +162,7 @@ def soak(models: Path, seconds: float, idle: float, clients: int) -> dict:
         start_rss, start_fds = rss_mib(server.pid), open_fds(server.pid)
         began = time.monotonic()
         load = Load(url, began + seconds, TOOLS)
-        watcher = multiprocessing.get_context("fork").Pool(1)
-        watched = watcher.apply_async(watch_stream, (url, "chat", began + seconds))
-        threads = [threading.Thread(target=load.client, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        warm_rss, peak = None, 0.0
-        while any(thread.is_alive() for thread in threads):
-            peak = max(peak, rss_mib(server.pid))
-            if warm_rss is None and time.monotonic() > began + seconds / 10:
-                warm_rss = rss_mib(server.pid)
-            time.sleep(0.5)
-        gaps = watched.get(300)
-        watcher.close()
+        gaps, warm_rss, peak = under_load(server.pid, url, "chat", began, seconds, load.client, clients)
         end_rss, stored = rss_mib(server.pid), _metric(url, "edgeinfer_responses_stored_bytes")
         time.sleep(idle)
         idle_rss, idle_fds = rss_mib(server.pid), open_fds(server.pid)

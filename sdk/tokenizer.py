@@ -160,19 +160,24 @@ class Tokenizer:
         text are given to it as the object they spell, as templates expect."""
         if self.chat_template is None:
             raise GenerationError("this model has no chat template: pass a plain prompt instead of messages")
-        env = _environment()
+        variables = {
+            **_today(),
+            **template_variables(template_kwargs),
+            "messages": [_with_argument_objects(m) for m in messages],
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.spec.bos_token or "",
+            "eos_token": self.spec.eos_token or "",
+        }
         try:
-            variables = {
-                **template_variables(template_kwargs),
-                "messages": [_with_argument_objects(m) for m in messages],
-                "tools": tools,
-                "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.spec.bos_token or "",
-                "eos_token": self.spec.eos_token or "",
-            }
-            return env.from_string(self.chat_template).render(variables)  # one dict: any name is a variable ("self" too)
+            return _environment().from_string(self.chat_template).render(variables)  # one dict: any name is a variable ("self" too)
         except TemplateError as e:
             raise GenerationError(f"the chat template rejected the messages: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a template is code the export brings: what it raises refuses these messages
+            raise GenerationError(
+                f"the chat template failed on the messages ({type(e).__name__}: {e}): send them in a form it takes "
+                "(content as text, not null), or give the model another template (--chat-template)"
+            ) from None
 
     def decode_all(self, ids: list[int]) -> str:
         """The text of `ids` with the special tokens' own text kept (a tool call's markers may be special tokens)."""
@@ -200,6 +205,13 @@ def _with_argument_objects(message: dict) -> dict:
                 pass
         converted.append(call)
     return {**message, "tool_calls": converted}
+
+
+def _today() -> dict[str, str]:
+    """The dates llama.cpp gives every template, which some read instead of calling strftime_now
+    (Llama 3's `date_string`, else "26 Jul 2024"); chat_template_kwargs may set them."""
+    now = datetime.now()
+    return {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

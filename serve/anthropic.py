@@ -42,7 +42,8 @@ class ToolUseBlock(_Strict):
 
 
 class ThinkingBlock(_Strict):
-    """A thought sent back in an assistant message: accepted, and left out of the next prompt."""
+    """A thought sent back in an assistant message: given to the template as the message's
+    reasoning_content (templates decide whether to show earlier thoughts; most leave them out)."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: StrictStr | None = None
@@ -58,9 +59,14 @@ class ThinkingConfig(_Strict):
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
-    content: StrictStr | list[TextBlock] = ""
+    content: StrictStr | list[TextBlock | ImagePart] = ""
     is_error: StrictBool | None = None
     cache_control: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        refuse_images(self.content)
+        return self
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
@@ -95,11 +101,9 @@ class Message(_Strict):
             if b.type == "tool_use"
         ]
         if self.role == "assistant":
-            return (
-                [{"role": "assistant", "content": text or None, "tool_calls": calls}]
-                if calls
-                else [{"role": "assistant", "content": text}]
-            )
+            thought = "".join(b.thinking or "" for b in self.content if b.type == "thinking")
+            message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            return [{**message, "reasoning_content": thought} if thought else message]
         return [*results, *([{"role": "user", "content": text}] if text or not results else [])]
 
 

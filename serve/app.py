@@ -222,11 +222,10 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, anthropic.CountTokensRequest)
         backend, _ = await routes.served(body.model)
         try:
-            prompts, _, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
-            ids = await asyncio.get_running_loop().run_in_executor(None, _prompt_ids, backend, prompts, None, True, plan)
+            _, ids = await routes.rendered(backend, body, body.conversation(), body.template_kwargs())
         except EdgeInferError as e:
             return _anthropic_error(e)
-        return {"input_tokens": len(ids[0])}
+        return {"input_tokens": len(ids)}
 
 
 def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
@@ -241,10 +240,8 @@ def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, responses.InputTokensRequest)
         backend, _ = await routes.served(routes.named(body.model))
         items = [*routes.stored.history(body.previous_response_id), *body.items()]
-        prompts, choices, plan = _with_tools(backend, body, [responses.conversation(body.instructions, items)], body.choice_settings())
-        kwargs = body.template_kwargs()
-        ids = await _in_thread(lambda: _prompt_ids(backend, prompts, None, True, plan, kwargs, None, choices))
-        return {"object": "response.input_tokens", "input_tokens": len(ids[0])}
+        _, ids = await routes.rendered(backend, body, responses.conversation(body.instructions, items), body.template_kwargs())
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str):
@@ -264,7 +261,7 @@ def _add_llama_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, llama.TokenizeRequest)
         backend, _ = await routes.served(routes.named(body.model))
         if body.messages is not None:
-            ids = (await routes.rendered(backend, body))[1]
+            ids = (await routes.rendered(backend, body, body.conversation(), template_variables(body.chat_template_kwargs)))[1]
         else:
             ids = await _in_thread(backend.tokenizer.encode, body.content or body.prompt or "", body.adds_special)
         return llama.tokens_reply(ids, backend.tokenizer.token_bytes, backend.max_context, body.with_pieces)
@@ -280,7 +277,11 @@ def _add_llama_routes(app: FastAPI, routes: _Routes) -> None:
     async def apply_template(http: HTTPRequest):
         body = await _read(http, llama.ApplyTemplateRequest)
         backend, _ = await routes.served(routes.named(body.model))
-        return {"prompt": (await routes.rendered(backend, body))[0]}
+        kwargs = template_variables(body.chat_template_kwargs)
+        if not body.add_generation_prompt:  # the conversation as the template closes it
+            tools = list(body.tool_request().tools) if body.tools else None
+            return {"prompt": await _in_thread(backend.tokenizer.render_chat, body.conversation(), False, tools, kwargs)}
+        return {"prompt": (await routes.rendered(backend, body, body.conversation(), kwargs))[0]}
 
     @app.get("/props")
     async def props(model: str | None = None):
@@ -403,12 +404,12 @@ class _Routes:
             raise RequestError(f"model is required: this server serves {', '.join(repr(n) for n in served.names)}", "model")
         return self.model_name if model is None else model
 
-    async def rendered(self, backend: Backend, body) -> tuple[str, list[int]]:
-        """(text, ids) of the prompt a chat turn with `body`'s messages, tools and template variables
-        would prefill, rendered as the chat route renders it (on a worker thread)."""
-        prompts, choices, plan = _with_tools(backend, body, [body.conversation()], [{}])
+    async def rendered(self, backend: Backend, body, conversation: list[dict], kwargs: dict) -> tuple[str, list[int]]:
+        """(text, ids) of the prompt a chat turn of `conversation`, with `body`'s tools and the
+        template variables `kwargs`, would prefill, rendered as the chat routes render it (on a
+        worker thread): what the counting routes count."""
+        prompts, choices, plan = _with_tools(backend, body, [conversation], [{}])
         texts: list[str] = []
-        kwargs = template_variables(body.chat_template_kwargs)
         ids = await _in_thread(lambda: _prompt_ids(backend, prompts, None, True, plan, kwargs, texts, choices))
         return texts[0], ids[0]
 

@@ -54,8 +54,8 @@ class TokenizeRequest(_Strict):
         return [m.as_dict() for m in self.messages]
 
     def tool_request(self) -> ToolRequest | None:
-        """The tools offered as a chat turn offers them (tool_choice auto)."""
-        return None if self.tools is None else tool_request(self.tools, None, True)
+        """The tools offered as a chat turn offers them (tool_choice auto); none for an empty list, as llama.cpp reads it."""
+        return tool_request(self.tools, None, True) if self.tools else None
 
 
 class DetokenizeRequest(_Strict):
@@ -70,6 +70,7 @@ class ApplyTemplateRequest(_Strict):
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True  # False: the conversation closed, no reply begun
 
     conversation = TokenizeRequest.conversation
     tool_request = TokenizeRequest.tool_request

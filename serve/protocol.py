@@ -171,10 +171,13 @@ class Message(_Strict):
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None  # an assistant's earlier thought, as vLLM and llama.cpp take it
 
     @model_validator(mode="after")
     def _has_content(self):
         refuse_images(self.content)
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError(f"reasoning_content belongs to assistant messages, not to a {self.role} message")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls is not None and self.role != "assistant":
@@ -190,6 +193,8 @@ class Message(_Strict):
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:  # the template decides whether an earlier thought is shown
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

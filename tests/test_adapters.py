@@ -311,3 +311,33 @@ def test_rows_of_one_adapter_give_what_one_row_alone_gives_on_every_precision(qu
             assert result.token_ids == expected.token_ids, (case, prompt, adapter)
             if precision != "fp32":  # fp32's base MatMul itself takes another path for one row than for several
                 assert logprobs_of(result) == logprobs_of(expected), (case, prompt, adapter)
+
+
+def test_concurrent_requests_of_one_adapter_through_the_server_answer_as_one_alone(quantized_adapted):
+    """The issue's case through the API: requests of one adapter at once, on each precision, give
+    the tokens (and on int8 and int4 the logprobs, to the bit) of one request alone."""
+    import threading
+
+    precision, engine = quantized_adapted
+    model = f"{engine.folder.name}:all"
+    process, url = start(engine.folder, "--provider", "cpu", "--max-batch", "4", "--prefix-cache", "0")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        asked = dict(model=model, prompt=PROMPT, max_tokens=16, logprobs=1)
+        alone = client.completions.create(**asked).choices[0]
+        together = [None] * 4
+        threads = [
+            threading.Thread(target=lambda i=i: together.__setitem__(i, client.completions.create(**asked).choices[0]))
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for choice in together:
+            assert choice.text == alone.text
+            if precision != "fp32":
+                assert choice.logprobs.token_logprobs == alone.logprobs.token_logprobs
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)

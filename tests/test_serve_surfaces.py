@@ -355,3 +355,27 @@ def test_refusals_speak_each_apis_own_words(served, client):
 
     for header, status in [(f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200), ("Bearer wrong", 401), (f"Basic {KEY}", 401)]:
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": header}).status_code == status, header
+
+
+def test_what_llama_cpps_suite_asks_of_templates(served, client, engine):
+    """Found by running llama.cpp's server tests (tests/test_llama_suite.py): templates get its
+    date variables and an assistant's reasoning_content, /apply-template takes
+    add_generation_prompt and an empty tools list, and a template that raises is a 400."""
+    import datetime
+
+    from edgeinfer.sdk.errors import GenerationError
+
+    shown = "{{ date_string }}|{{ datetime }}|{% for m in messages %}{{ m.reasoning_content or '' }}{% endfor %}"
+    dated = Engine.load(served[1], provider="cpu", chat_template=shown)
+    history = [*ASK, {"role": "assistant", "content": "", "reasoning_content": "I thought."}, {"role": "user", "content": "And?"}]
+    today = datetime.date.today()
+    assert dated.tokenizer.chat_prompt(history)[0] == f"{today:%d %b %Y}|{today:%b %d %Y}|I thought."
+    with pytest.raises(GenerationError, match=r"the chat template failed on the messages \(TypeError"):
+        Engine.load(served[1], provider="cpu", chat_template="{{ messages[0].content + 1 }}").chat(ASK)
+
+    url = served[0]
+    opened = httpx.post(f"{url}/apply-template", json={"messages": ASK, "tools": []}, headers=AUTH).json()["prompt"]
+    closed = httpx.post(f"{url}/apply-template", json={"messages": ASK, "add_generation_prompt": False}, headers=AUTH).json()["prompt"]
+    assert opened == closed + "<|im_start|>assistant\n" and opened == engine.tokenizer.chat_prompt(ASK)[0]
+    reply = client.chat.completions.create(model=served[1].name, messages=history, max_tokens=2)
+    assert reply.usage.prompt_tokens == len(engine.tokenizer.chat_prompt(history)[1])
