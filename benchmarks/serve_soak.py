@@ -276,11 +276,15 @@ def main() -> None:
             from edgeinfer.cli.resolve import resolve_export
 
             export = resolve_export(args.model, lambda message: print(message, file=sys.stderr))
-        figures = soak(export, args.seconds, args.idle, args.clients, args.prefix_cache)
+        report(soak(export, args.seconds, args.idle, args.clients, args.prefix_cache), args.json)
+
+
+def report(figures: dict, path: str) -> None:
+    """Print the figures a line each, and write them to `path` as JSON."""
     for name, value in figures.items():
         print(f"{name}: {value}")
-    Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    print(f"figures written to {args.json}")
+    Path(path).write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"figures written to {path}")
 
 
 if __name__ == "__main__":

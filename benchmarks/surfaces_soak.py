@@ -19,7 +19,6 @@ asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
-from serve_soak import _healthy, _metric, free_port, open_fds, rss_mib, under_load  # noqa: E402
+from serve_soak import _healthy, _metric, free_port, open_fds, report, rss_mib, under_load  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -220,11 +219,7 @@ def main() -> None:
     parser.add_argument("--json", default="surfaces_soak.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        figures = soak(build_models(Path(folder)), args.seconds, args.idle, args.clients)
-    for name, value in figures.items():
-        print(f"{name}: {value}")
-    Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
-    print(f"figures written to {args.json}")
+        report(soak(build_models(Path(folder)), args.seconds, args.idle, args.clients), args.json)
 
 
 if __name__ == "__main__":
