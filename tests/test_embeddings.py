@@ -170,6 +170,10 @@ def test_the_server_answers_openai_embeddings_requests(embedding_models, tiny_ll
         np.testing.assert_array_equal(np.array(default.data[0].embedding, np.float32), expected.vectors[0])
         short = client.embeddings.create(model=export.name, input=TEXTS[0], dimensions=32)
         assert len(short.data[0].embedding) == 32
+        with pytest.raises(
+            openai.BadRequestError, match="dimensions 17 is not a width this model was trained to give: use one of 16, 32, 64"
+        ):
+            client.embeddings.create(model=export.name, input=TEXTS[0], dimensions=17)
         with pytest.raises(openai.BadRequestError, match="context_length_exceeded|the model's context is 256"):
             client.embeddings.create(model=export.name, input=[list(range(3, 303))])
         cut = client.embeddings.create(model=export.name, input=[list(range(3, 303))], extra_body={"truncate": True})
