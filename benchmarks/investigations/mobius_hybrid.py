@@ -1,0 +1,120 @@
+"""Does mobius-onnx (ONNX Runtime's team's graph builder) give a hybrid model's graph that matches
+transformers 5? A tiny random qwen3_5 (gated DeltaNet linear attention on three layers of four,
+full attention on the fourth) is built from transformers' own config, saved, and built by
+`mobius.build`; the graph's ops are counted; the linear layers' state inputs and outputs are
+declared again with the shapes the ops take (see below); then ONNX Runtime's CPU provider runs a
+prefill, a decode step by step on the state it hands back (teacher-forced on one sequence), the
+whole sequence in one prefill and in two chunks, each against transformers' logits.
+
+It needs transformers 5 and mobius-onnx, which the project's export extra does not install yet
+(issue 46), so it runs in a virtual environment of its own:
+
+    python3 -m venv /tmp/tf5 && . /tmp/tf5/bin/activate && pip install torch==2.13.0 \\
+        && pip install transformers==5.24.0 mobius-onnx==0.1.0 onnxruntime-gpu==1.31.1
+    python benchmarks/investigations/mobius_hybrid.py [--folder /tmp/mobius-qwen3_5]
+
+Prints the ops and the largest logits differences. Figures, never asserted.
+
+Seen with mobius-onnx 0.1.0, transformers 5.24.0, onnxruntime-gpu 1.31.1 (2026-12-05): the graph
+uses com.microsoft CausalConvWithState and LinearAttention for the linear layers and the standard
+Attention op for the full one; it declares the linear layers' `past_key_values.N.key/value` and
+`present.N.*` with attention shapes ([batch, 2, past, 16]), so ONNX Runtime refuses the state the
+ops need ([batch, conv channels, kernel - 1] and [batch, value heads, key dim, value dim]) until
+they are declared again; then prefill, each decode step, one whole prefill and two chunks all came
+within 1.4e-3 of transformers' logits (random weights; greedy tokens part where two logits are
+that close).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def build(folder: Path):
+    """The tiny qwen3_5 saved in `folder`, and the path of mobius's graph of it (its states re-declared)."""
+    import mobius
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    package = mobius.build(str(folder), task="text-generation")
+    print("ops:", dict(Counter(f"{n.op_type}{'@' + n.domain if n.domain else ''}" for n in package["model"].graph)))
+    package.save(str(folder / "onnx"))
+    model = onnx.load(str(folder / "onnx" / "model.onnx"), load_external_data=False)
+    conv = 2 * config.linear_num_key_heads * config.linear_key_head_dim + config.linear_num_value_heads * config.linear_value_head_dim
+    shapes = {
+        "key": ["batch", conv, config.linear_conv_kernel_dim - 1],
+        "value": ["batch", config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim],
+    }
+    for value in [*model.graph.input, *model.graph.output]:
+        parts = value.name.split(".")
+        if parts[0] in ("past_key_values", "present") and config.layer_types[int(parts[-2])] == "linear_attention":
+            value.type.CopyFrom(helper.make_tensor_type_proto(TensorProto.FLOAT, shapes[parts[-1]]))
+    onnx.save(model, str(folder / "onnx" / "declared.onnx"))
+    return folder / "onnx" / "declared.onnx"
+
+
+def compare(folder: Path, graph: Path) -> None:
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    seq = np.array([[5, 17, 42, 7, 99, 3, 95, 296, 214, 304, 219, 12]], np.int64)
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(folder).eval()(torch.tensor(seq)).logits.numpy()
+    empty = {
+        i.name: np.zeros([1 if d == "batch" else 0 if isinstance(d, str) else d for d in i.shape], np.float32)
+        for i in session.get_inputs()[3:]
+    }
+
+    def run(ids, past, start):
+        positions = np.arange(start, start + ids.shape[1])[None]
+        out = session.run(
+            None, {"input_ids": ids, "attention_mask": np.ones((1, start + ids.shape[1]), np.int64), "position_ids": positions, **past}
+        )
+        state = dict(zip(names, out))
+        return out[0], {name: state[name.replace("past_key_values", "present")] for name in past}
+
+    logits, past = run(seq[:, :6], empty, 0)
+    print(f"prefill of 6: {np.abs(logits - reference[:, :6]).max():.2e}")
+    for t in range(6, seq.shape[1]):
+        logits, past = run(seq[:, t : t + 1], past, t)
+        print(f"decode at {t}: {np.abs(logits[0, -1] - reference[0, t]).max():.2e}")
+    print(f"whole prefill: {np.abs(run(seq, empty, 0)[0] - reference).max():.2e}")
+    _, first = run(seq[:, :6], empty, 0)
+    print(f"two chunks: {np.abs(run(seq[:, 6:], first, 6)[0] - reference[:, 6:]).max():.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/mobius-qwen3_5"))
+    args = parser.parse_args()
+    args.folder.mkdir(parents=True, exist_ok=True)
+    compare(args.folder, build(args.folder))
+
+
+if __name__ == "__main__":
+    main()
