@@ -161,6 +161,21 @@ def watch_stream(url: str, model: str, until: float) -> list[float]:
     return gaps
 
 
+def serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`edgeinfer serve FLAGS` on a free port of 127.0.0.1 (CPU provider, its log dropped), once
+    /health says 200 (at most 120 s), and its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "edgeinfer.cli", "serve", *flags, "--port", str(port), "--provider", "cpu"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while not _healthy(url):
+        if time.monotonic() > deadline or server.poll() is not None:
+            server.kill()
+            raise RuntimeError("the server did not become healthy")
+        time.sleep(0.2)
+    return server, url
+
+
 def under_load(pid: int, url: str, model: str, began: float, seconds: float, client, clients: int) -> tuple[list, float | None, float]:
     """`clients` threads of `client(seed)` running until `seconds` after `began`, while a forked
     process watches one stream of `model` after another: (that stream's gaps, the server's RSS
@@ -182,36 +197,9 @@ def under_load(pid: int, url: str, model: str, began: float, seconds: float, cli
 
 
 def soak(export: Path, seconds: float, idle: float, clients: int, prefix_cache: int | None) -> dict:
-    port = free_port()
     cache = [] if prefix_cache is None else ["--prefix-cache", str(prefix_cache)]
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgeinfer.cli",
-            "serve",
-            "--model",
-            str(export),
-            "--port",
-            str(port),
-            "--max-batch",
-            "4",
-            "--max-queue",
-            "4",
-            "--provider",
-            "cpu",
-            *cache,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
+    server, url = serve("--model", str(export), "--max-batch", "4", "--max-queue", "4", *cache)
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.2)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         start_rss, start_fds = rss_mib(server.pid), open_fds(server.pid)
         began = time.monotonic()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
-from serve_soak import _healthy, _metric, free_port, open_fds, report, rss_mib, under_load  # noqa: E402
+from serve_soak import _healthy, _metric, open_fds, report, rss_mib, serve, under_load  # noqa: E402
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -146,18 +145,10 @@ class Load:
 def soak(models: Path, seconds: float, idle: float, clients: int) -> dict:
     from test_tools import TOOLS
 
-    port = free_port()
     limit = _limit_mib(models)
     flags = ["--models", str(models), "--pin", "chat", "--memory-limit", str(limit), "--keep-alive", "30", "--max-batch", "4"]
-    command = [sys.executable, "-m", "edgeinfer.cli", "serve", *flags, "--port", str(port), "--provider", "cpu"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server, url = serve(*flags)
     try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not become healthy")
-            time.sleep(0.2)
         start_rss, start_fds = rss_mib(server.pid), open_fds(server.pid)
         began = time.monotonic()
         load = Load(url, began + seconds, TOOLS)

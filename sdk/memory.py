@@ -65,7 +65,7 @@ class MemoryPlan:
         )
 
 
-TOKENIZER_BYTES_PER_FILE_BYTE = 9  # a loaded tokenizer over its tokenizer.json: 8.6 for SmolLM2's, 8.8 for Gemma 3's
+TOKENIZER_BYTES_PER_FILE_BYTE = 9  # a loaded tokenizer's memory over its tokenizer.json's size (docs/serving.md)
 
 
 def tokenizer_bytes(manifest: Manifest) -> int:

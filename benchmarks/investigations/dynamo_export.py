@@ -12,16 +12,11 @@ runs in a virtual environment of its own (see mobius_hybrid.py beside it for the
     python benchmarks/investigations/dynamo_export.py llama gemma3_text qwen3
 
 Prints, per model type, the export's seconds and the largest logits difference. Figures, never
-asserted.
+asserted; what it printed is in docs/export.md ("Towards transformers 5").
 
-Seen with torch 2.13.0, transformers 5.24.0, onnxruntime-gpu 1.31.1 (2026-12-05): llama, gemma3_text,
-qwen3 and ministral3 exported in 5-11 s each, within 2.8e-07 of PyTorch, with no patches (onnx-diagnostic
-0.9.3's transformers patches do not import on 5.24: they import transformers.modeling_attn_mask_utils,
-which 5.24 removed). transformers 5 passes past_key_values to forward through **kwargs, so
-torch.export's dynamic_shapes cannot name it: hence the wrapper. gemma4_text's layers hold keys of
-two widths (16 on its sliding layers, 512 on its full ones, by its config's defaults) and
-qwen3_5's linear-attention layers hold recurrent state in place of keys: both need a wrapper that
-reads each layer's kind from the config, not written yet.
+transformers 5 passes past_key_values to forward through **kwargs, which torch.export's
+dynamic_shapes cannot name: hence the wrapper. It gives every layer keys of one width, so model
+types whose layers differ (gemma4's two widths, qwen3_5's recurrent state) are out of its reach.
 """
 
 from __future__ import annotations
@@ -29,19 +24,15 @@ from __future__ import annotations
 import argparse
 import time
 
+import sys
+from pathlib import Path
+
 import numpy as np
 
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    pad_token_id=0,
-)
+sys.path.insert(0, str(Path(__file__).parent))
+from mobius_hybrid import SMALL as TINY  # noqa: E402 - the same tiny sizes
+
+SMALL = {**TINY, "num_hidden_layers": 2}
 
 
 def flat(model):

@@ -16,19 +16,12 @@ It needs transformers 5 and mobius-onnx, which the project's export extra does n
 
 Prints the ops and the largest logits differences; with `--families`, for each model type a tiny
 random model from its transformers config (4 layers, hidden size 64), built by mobius and run once
-over a prompt of 6 tokens with an empty past, against transformers' logits. Figures, never asserted.
+over a prompt of 6 tokens with an empty past, against transformers' logits. Figures, never asserted;
+what it printed is in docs/export.md ("Towards transformers 5").
 
-Seen with mobius-onnx 0.1.0, transformers 5.24.0, onnxruntime-gpu 1.31.1 (2026-12-05): the graph
-uses com.microsoft CausalConvWithState and LinearAttention for the linear layers and the standard
-Attention op for the full one; it declares the linear layers' `past_key_values.N.key/value` and
-`present.N.*` with attention shapes ([batch, 2, past, 16]), so ONNX Runtime refuses the state the
-ops need ([batch, conv channels, kernel - 1] and [batch, value heads, key dim, value dim]) until
-they are declared again; then prefill, each decode step, one whole prefill and two chunks all came
-within 1.4e-3 of transformers' logits (random weights; greedy tokens part where two logits are
-that close). The sweep, the same day: llama, qwen3 and ministral3 within 2.4e-07 of transformers;
-gemma3_text 0.30 and granite_swa 0.36 apart (other tokens); qwen3_5_text and granitemoehybrid
-build, with the same misdeclared state; gemma4_text (its per-layer head_dim in transformers 5.24),
-lfm2 and lfm3 (no hidden_act in their configs), kimi_linear and nemotron_h fail to build.
+mobius declares the linear layers' state (`past_key_values.N.key/value`, `present.N.*`) with
+attention shapes, which ONNX Runtime refuses: `build` declares them again with the shapes the ops
+take ([batch, conv channels, kernel - 1] and [batch, value heads, key dim, value dim]).
 """
 
 from __future__ import annotations
@@ -40,6 +33,19 @@ from pathlib import Path
 import numpy as np
 
 
+SMALL = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)  # the tiny models' sizes (the tests' llama's)
+
+
 def build(folder: Path):
     """The tiny qwen3_5 saved in `folder`, and the path of mobius's graph of it (its states re-declared)."""
     import mobius
@@ -49,14 +55,7 @@ def build(folder: Path):
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
+        **SMALL,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
@@ -112,19 +111,6 @@ def compare(folder: Path, graph: Path) -> None:
     print(f"whole prefill: {np.abs(run(seq, empty, 0)[0] - reference).max():.2e}")
     _, first = run(seq[:, :6], empty, 0)
     print(f"two chunks: {np.abs(run(seq[:, 6:], first, 6)[0] - reference[:, 6:]).max():.2e}")
-
-
-SMALL = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    pad_token_id=0,
-)
 
 
 def sweep(families: list[str], root: Path) -> None:
