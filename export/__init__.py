@@ -1,5 +1,5 @@
 """Export: a Hugging Face causal LM → model.onnx (prefill and decode) + edgeinfer.json.
-Needs the `edgeinfer[export]` extra (torch, transformers, optimum-onnx)."""
+Needs the `edgeinfer[export]` extra (torch, transformers 5, onnx)."""
 
 from .pipeline import ExportOptions, export_adapter, export_model
 from .quantize import Quantization

@@ -1,6 +1,6 @@
 """Attention rewritten to ONNX Runtime's `GroupQueryAttention`, with the KV cache written in place.
 
-optimum-onnx's graph computes each layer's attention as a chain of small ops: it concatenates the
+The traced graph computes each layer's attention as a chain of small ops: it concatenates the
 past keys and values with the new ones (a copy of the whole cache every step), repeats the KV heads
 for grouped-query attention (another copy), builds the causal mask, and multiplies. The rewrite
 replaces, in every layer, everything from the concatenation to the attention output with one
@@ -105,6 +105,7 @@ def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num
             kv_num_heads=layer.num_kv_heads,
             scale=layer.scale,
             local_window_size=window,
+            softcap=layer.softcap,
             do_rotary=int(layer.rotary is not None),
             rotary_interleaved=layer.rotary.interleaved if layer.rotary else 0,
         )

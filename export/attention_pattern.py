@@ -1,4 +1,4 @@
-"""Finding each layer's attention in optimum-onnx's graph, for the rewrite in attention.py.
+"""Finding each layer's attention in the traced graph (export/trace.py), for the rewrite in attention.py.
 
 This module only reads the graph. For one layer it finds the nodes from the concatenation of the
 past keys and values with the new ones to the attention output (the head repeats, the mask, the
@@ -83,6 +83,7 @@ class LayerAttention:
     head_size: int
     scale: float
     head_norms: list | None = None
+    softcap: float = 0.0  # cap * tanh(scores / cap) before the softmax (Gemma 2); 0 for none
 
 
 class GraphView:
@@ -161,7 +162,7 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
     scores, key_scale = _matmul_fed_by(view, present_key)
     weighted, _ = _matmul_fed_by(view, present_value)
     query, query_scale = _query_of(view, scores)
-    softmax_scale = _scores_to_weights(view, scores, weighted)
+    softmax_scale, softcap = _scores_to_weights(view, scores, weighted)
     output = _attention_output(view, weighted)
     head_size = view.fixed_dim(past_key, 3, "head size")
     if view.fixed_dim(past_value, 3, "head size") != head_size:
@@ -184,6 +185,7 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
         head_size=head_size,
         scale=_scale(head_size, query_scale, key_scale, softmax_scale),
         head_norms=head_norms,
+        softcap=softcap,
     )
 
 
@@ -374,18 +376,23 @@ def _query_of(view: GraphView, scores) -> tuple[str, float]:
     return tensor, scale
 
 
-def _scores_to_weights(view: GraphView, scores, weighted) -> float:
-    """Check that only the mask, a scaling and a softmax lie between the two MatMuls; returns the scaling."""
-    tensor, scale, softmax = weighted.input[0], 1.0, False
+def _scores_to_weights(view: GraphView, scores, weighted) -> tuple[float | None, float]:
+    """Check that only the mask, a scaling, a softcap and a softmax lie between the two MatMuls;
+    returns the scaling and the softcap (0 for none). A softcap is cap * tanh(scores / cap), which
+    GroupQueryAttention computes as its `softcap` after its `scale`: the scaling returned is the
+    one before the Tanh times the cap."""
+    tensor, scale, softmax, softcap = weighted.input[0], 1.0, False, 0.0
     while tensor != scores.output[0]:
         node = view.producer.get(tensor)
         if node is None:
             raise PatternError("the attention weights do not come from the scores MatMul")
         if node.op_type == "Softmax":
             softmax, tensor = True, node.input[0]
+        elif node.op_type == "Tanh" and not softcap and scale is not None and scale > 0:
+            softcap, scale, tensor = scale, 1.0, node.input[0]
         elif node.op_type == "Where":  # the guard against all-masked rows: Where(IsNaN(p), 0, p)
             tensor = node.input[2]
-        elif node.op_type == "Add":  # scores + mask
+        elif node.op_type == "Add" and not softcap:  # scores + mask (after the softcap, if any)
             tensor = next((name for name in node.input if _leads_to(view, name, scores.output[0])), None)
             if tensor is None:
                 raise PatternError(f"{node.name} adds two tensors neither of which holds the scores")
@@ -396,7 +403,7 @@ def _scores_to_weights(view: GraphView, scores, weighted) -> float:
             raise PatternError(f"the attention scores pass through a {node.op_type} ({node.name}) the rewrite does not know")
     if not softmax:
         raise PatternError("no Softmax between the attention MatMuls")
-    return scale
+    return _times(scale, softcap) if softcap else scale, softcap
 
 
 def _leads_to(view: GraphView, tensor: str, target: str, depth: int = 4) -> bool:

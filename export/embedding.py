@@ -1,6 +1,6 @@
 """`edgeinfer export --task embedding`: a causal LM's hidden states for embeddings.
 
-The graph is the model without its lm_head (optimum-onnx's feature-extraction export): token ids,
+The graph is the model without its lm_head (export/trace.py's `trace_hidden`): token ids,
 mask and positions in, `last_hidden_state` out, no KV cache. How a text's vector is made comes from
 the model's sentence-transformers config where it has one (`modules.json`: a Pooling module's
 `pooling_mode_lasttoken` or `pooling_mode_mean_tokens`, and a Normalize module), else last-token

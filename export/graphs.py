@@ -1,10 +1,8 @@
-"""The model's ONNX graph, made by optimum-onnx's exporter for the model's architecture.
+"""The model's ONNX graph, traced by torch.onnx through export/trace.py, and saved with its weights apart.
 
 One graph does both phases: it takes the KV cache as `past_key_values.*` inputs, so prefill is
 the graph run over the whole prompt with an empty past (zero tokens), and decode is the graph run
-for one new token on top of the past. Its outputs are bit-identical to those of optimum-onnx's
-separate no-past graph (checked on every family in tests/test_architectures.py), and one graph
-means one session: one copy of the weights in memory, one set of pre-packed weights, and half the
+for one new token on top of the past. One graph means one session: one copy of the weights in memory, one set of pre-packed weights, and half the
 load time of two.
 
 After export the graph computes logits for the last `logits_to_keep` positions only (an int64
@@ -16,7 +14,6 @@ verifies k proposed tokens in one pass and passes k + 1.
 from __future__ import annotations
 
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +24,13 @@ from onnx.external_data_helper import uses_external_data
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
-from .families import onnx_config_constructor
-from .patches import full_length_caches, onnx_float, weights_apart
+from .patches import onnx_float, weights_apart
 from .source import first_line
+from .trace import PAST_PREFIX, PRESENT_PREFIX, trace, trace_hidden
 
 GRAPH_FILE = "model.onnx"
 LAST_POSITION_NODE = "edgeinfer_last_position"  # the Slice before the lm_head (attention.py replaces it)
 LOGITS_TO_KEEP = "logits_to_keep"  # the graph input: how many of the last positions get logits
-PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 # What tracing a model can raise (torch.onnx's own errors derive from RuntimeError).
 _TRACE_ERRORS = (RuntimeError, ValueError, TypeError, KeyError, AttributeError, IndexError, NotImplementedError)
 _ONNX_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
@@ -44,74 +40,35 @@ _POSITIONWISE = {"Mul", "Div", "Tanh", "Add", "Cast", "Identity"}
 
 def export_graph(model, folder: Path) -> GraphSpec:
     """Export the graph into `folder` as model.onnx, its weights in model.onnx.data."""
-    from optimum.exporters.onnx.convert import export
-
-    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
-    scratch = folder / ".scratch"
-    scratch.mkdir()
-    try:
-        with warnings.catch_warnings(), full_length_caches(model.config), weights_apart() as weights:
-            # The tracer's warnings about Python-side shape checks are expected for these
-            # models; the export's validation stage is the real check of the graph.
-            warnings.simplefilter("ignore")
-            export(model, onnx_config, scratch / GRAPH_FILE, disable_dynamic_axes_fix=True)
-            write_weights(scratch / GRAPH_FILE, weights)
-            weights.clear()
-            if unexpected_dynamic_axes(onnx_config, scratch / GRAPH_FILE):
-                onnx_config.fix_dynamic_axes(scratch / GRAPH_FILE)
-    except _TRACE_ERRORS as e:
-        raise ExportError(
-            f"optimum-onnx could not export this {model.config.model_type} model: {type(e).__name__}: {first_line(e)}"
-        ) from e
-    try:
-        graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
-        last_position_logits(graph.graph)
-        save_graph(graph, folder, weights_from=scratch)
-    finally:
-        shutil.rmtree(scratch)
-    return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
+    return _exported(model, folder, trace, f"this {model.config.model_type} model")
 
 
 def export_hidden_graph(base, folder: Path) -> GraphSpec:
     """Export the graph of `base` (a model without its lm_head) into `folder` as model.onnx: token
     ids, attention mask (and positions) in, `last_hidden_state` [batch, positions, hidden] out, no
     KV cache (an embedding model reads each text once)."""
-    from optimum.exporters.onnx.convert import export
-    from optimum.exporters.tasks import TasksManager
+    return _exported(base, folder, trace_hidden, f"this {base.config.model_type} model's hidden states")
 
-    constructor = TasksManager.get_exporter_config_constructor("onnx", base, task="feature-extraction", library_name="transformers")
+
+def _exported(model, folder: Path, tracer, what: str) -> GraphSpec:
+    """Trace `model` with `tracer` into a scratch folder, its weights written apart one at a time,
+    then save the graph into `folder` (the generation graph with its logits for the last positions)."""
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
-        with warnings.catch_warnings(), weights_apart() as weights:
-            warnings.simplefilter("ignore")
-            export(base, constructor(base.config), scratch / GRAPH_FILE, disable_dynamic_axes_fix=True)
+        with weights_apart() as weights:
+            tracer(model, scratch / GRAPH_FILE)
             write_weights(scratch / GRAPH_FILE, weights)
             weights.clear()
-        graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)
+        graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
+        if tracer is trace:
+            last_position_logits(graph.graph)
         save_graph(graph, folder, weights_from=scratch)
-    except (*_TRACE_ERRORS, KeyError) as e:
-        raise ExportError(
-            f"optimum-onnx could not export this {base.config.model_type} model's hidden states: {type(e).__name__}: {first_line(e)}"
-        ) from e
+    except _TRACE_ERRORS as e:
+        raise ExportError(f"torch.onnx could not export {what}: {type(e).__name__}: {first_line(e)}") from e
     finally:
         shutil.rmtree(scratch)
     return GraphSpec(file=GRAPH_FILE, inputs=[i.name for i in graph.graph.input], outputs=[o.name for o in graph.graph.output])
-
-
-def unexpected_dynamic_axes(onnx_config, path: Path) -> list[tuple[int, int]]:
-    """The output axes that optimum's `fix_dynamic_axes` would make static: those the tracer left
-    dynamic under a name the config does not give. It finds them through an ONNX Runtime session
-    over all the weights; they are in the graph file's outputs, read here without the weights, and
-    the session runs only where there are some."""
-    allowed = {name for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for name in axes.values()}
-    outputs = onnx.load(str(path), load_external_data=False).graph.output
-    return [
-        (index, axis)
-        for index, output in enumerate(outputs)
-        for axis, dim in enumerate(output.type.tensor_type.shape.dim)
-        if dim.HasField("dim_param") and dim.dim_param not in allowed
-    ]
 
 
 def drop_unused_initializers(graph: onnx.GraphProto) -> None:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import inspect
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from edgeinfer.sdk.errors import ExportError
 
 
 @dataclass(frozen=True)
@@ -34,19 +31,27 @@ PATCHES = (
         "weights_apart",
         "torch",
         "2.13",
-        ("tests/test_architectures.py::test_the_graph_with_its_weights_written_apart_is_optimums_own",),
+        ("tests/test_architectures.py::test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own",),
         "torch.onnx's TorchScript exporter copies every weight into ONNX messages, once for shape inference and "
         "three times for the graph it serializes",
     ),
     Patch(
-        "full_length_caches",
+        "constant_repeat_interleave",
+        "torch",
+        "2.13",
+        ("tests/test_patches.py::test_repeat_interleave_by_a_constant_gives_torchs_own",),
+        "torch.onnx's TorchScript symbolic for repeat_interleave concatenates tensors of different ranks once the axis "
+        "sizes are dynamic",
+    ),
+    Patch(
+        "traceable_falcon_alibi",
         "transformers",
-        "4.57",
+        "5.24",
         (
-            "tests/test_process_state.py::test_tracing_patches_the_cache_only_for_sliding_window_models_and_restores_it",
-            "tests/test_gemma3.py::test_a_prompt_past_the_sliding_window_equals_transformers",
+            "tests/test_patches.py::test_falcons_alibi_in_float32_gives_transformers_own",
+            "tests/test_architectures.py::test_family_matches_transformers",
         ),
-        "a sliding-window layer's cache keeps only its window while tracing, which optimum-onnx's decode graph cannot take",
+        "torch.onnx's TorchScript exporter types falcon's bfloat16-by-integer ALiBi product as complex128",
     ),
     Patch(
         "faster_gguf",
@@ -150,62 +155,81 @@ def nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-# --- transformers: full-length caches while tracing ------------------------------------------------
+# --- torch: repeat_interleave by a constant, traced ----------------------------------------------
 
-_TRACING = threading.Lock()  # the patch is process-wide: one export traces with it at a time
+
+_INTERLEAVING = threading.Lock()  # the patch is process-wide: one trace uses it at a time
 
 
 @contextmanager
-def full_length_caches(config):
-    """Every layer's cache keeps all its tokens while the graph is traced.
+def constant_repeat_interleave():
+    """While a model is traced, `repeat_interleave` by an int along one axis is done as unsqueeze,
+    expand and flatten, which gives the same tensor. torch.onnx's TorchScript symbolic for it
+    concatenates tensors of different ranks once the axis sizes are dynamic, and fails (cohere's,
+    glm's and helium's interleaved rotations). Other calls go to torch's own."""
+    import torch
 
-    transformers gives sliding-window layers a cache that keeps only the last window - 1 tokens, so
-    a prefill traced with it returns presents of different lengths per layer, which optimum-onnx's
-    decode graph cannot take (it sizes the attention mask from one layer's past and fails, or
-    attends to the wrong slots, once a prompt passes the window). With full-length caches the
-    sliding window is still applied, by the attention mask, so the outputs are the same; the cost is
-    that the cache of a sliding layer grows past its window.
+    def interleaved(original):
+        def repeat_interleave(x, repeats, dim=None, **kwargs):
+            if not isinstance(repeats, int) or dim is None or kwargs.get("output_size") is not None:
+                return original(x, repeats, dim, **kwargs)
+            dim %= x.dim()
+            return x.unsqueeze(dim + 1).expand(*x.shape[: dim + 1], repeats, *x.shape[dim + 1 :]).flatten(dim, dim + 1)
 
-    `DynamicCache.__init__` is patched to ignore its config only for models that have such layers,
-    under a lock, and the class gets back exactly what it had.
-    """
-    if not has_sliding_layers(config):
-        yield
-        return
-    from transformers import cache_utils
+        return repeat_interleave
 
-    cache = cache_utils.DynamicCache
-    with _TRACING:
-        own, original = cache.__dict__.get("__init__"), cache.__init__
-        signature = inspect.signature(original)
-        if "config" not in signature.parameters:
-            raise ExportError(
-                "transformers' DynamicCache no longer takes a config, which edgeinfer's export of sliding-window "
-                "models relies on: install the transformers version the export extra pins (4.57)"
-            )
-
-        def without_layer_types(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.arguments["config"] = None
-            original(*bound.args, **bound.kwargs)
-
-        cache.__init__ = without_layer_types
+    with _INTERLEAVING:  # the originals are read under the lock: another trace may have patched them until now
+        tensor_method, function = torch.Tensor.repeat_interleave, torch.repeat_interleave
+        torch.Tensor.repeat_interleave, torch.repeat_interleave = interleaved(tensor_method), interleaved(function)
         try:
             yield
         finally:
-            if own is None:
-                del cache.__init__
-            else:
-                cache.__init__ = own
+            torch.Tensor.repeat_interleave, torch.repeat_interleave = tensor_method, function
 
 
-def has_sliding_layers(config) -> bool:
-    """Whether `DynamicCache(config=config)` would give some layer a sliding-window cache."""
-    text = config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None)
-    if types:
-        return any(kind in ("sliding_attention", "chunked_attention") for kind in types)
-    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None))
+# --- transformers: falcon's ALiBi, traced -----------------------------------------------------------
+
+_ALIBI = threading.Lock()  # the patch is process-wide: one trace uses it at a time
+
+
+@contextmanager
+def traceable_falcon_alibi():
+    """While a model is traced, falcon's ALiBi bias is computed as transformers computes it (the
+    slopes rounded to bfloat16, times the positions, rounded to bfloat16) but in float32 with casts
+    for the rounding: torch.onnx's TorchScript exporter types a bfloat16-by-integer product as
+    complex128 (torch's enum number for bfloat16), which ONNX Runtime refuses."""
+    import torch
+    from transformers.models.falcon import modeling_falcon
+
+    def rounded_alibi(attention_mask, num_heads, dtype):
+        batch, length = attention_mask.shape
+        slopes = _alibi_slopes(num_heads).to(attention_mask.device).to(torch.bfloat16).float()
+        positions = ((attention_mask.cumsum(dim=-1) - 1) * attention_mask)[:, None, :].float()
+        alibi = (slopes[..., None] * positions).to(torch.bfloat16)
+        return alibi.reshape(batch * num_heads, 1, length).to(dtype)
+
+    with _ALIBI:  # the original is read under the lock: another trace may have patched it until now
+        original = modeling_falcon.build_alibi_tensor
+        modeling_falcon.build_alibi_tensor = rounded_alibi
+        try:
+            yield
+        finally:
+            modeling_falcon.build_alibi_tensor = original
+
+
+def _alibi_slopes(num_heads: int):
+    """ALiBi's per-head slopes in float32, as transformers' falcon computes them."""
+    import math
+
+    import torch
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = torch.pow(torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32), torch.arange(1, 1 + closest))
+    if closest != num_heads:
+        extra = min(closest, num_heads - closest)
+        base = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
+        slopes = torch.cat([slopes, torch.pow(base, torch.arange(1, 1 + 2 * extra, 2))])
+    return slopes
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

@@ -46,12 +46,12 @@ _OPTIONAL_STAGES = {
     "split": "the default layout (--graphs single) skips this stage",
     "adapters": "an export without --adapter skips this stage",
 }
-_TOOLS = ("edgeinfer", "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime-gpu", "onnxruntime")
+_TOOLS = ("edgeinfer", "torch", "transformers", "onnx", "onnxruntime-gpu", "onnxruntime")
 
 
 @functools.cache
 def _stage_failures() -> tuple[type[Exception], ...]:
-    """What a stage's libraries (torch, transformers, optimum, onnx, ONNX Runtime) raise on a model
+    """What a stage's libraries (torch, transformers, onnx, ONNX Runtime) raise on a model
     they cannot handle: Python's own kinds, onnx's checker and shape inference errors, and ONNX
     Runtime's status errors (which derive from Exception alone)."""
     import onnx.checker
@@ -252,7 +252,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         stage.progress("PyTorch's logits and tokens for the checks")
         config, references = torch_model.config, _references(torch_model, work, options, adapters)
         del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
-        gc.collect()  # (the model refers to itself: optimum's export leaves its `forward` bound in its __dict__)
+        gc.collect()  # (a model can refer to itself through bound methods)
         give_back_freed_memory()
         validation = _validated(work, references["validate"], stage)
     manifest, quantization = _refined(work, manifest, config, references, options, stage, validation)
@@ -503,10 +503,10 @@ def generation_defaults(generation) -> dict:
     defaults = {}
     if generation.max_new_tokens:
         defaults["max_new_tokens"] = int(generation.max_new_tokens)
-    if generation.do_sample:
+    if generation.do_sample:  # a setting left unset samples with transformers' default for it
         defaults.update(
             temperature=float(generation.temperature if generation.temperature is not None else 1.0),
-            top_k=int(generation.top_k or 0),
+            top_k=int(generation.top_k if generation.top_k is not None else 50),
             top_p=float(generation.top_p if generation.top_p is not None else 1.0),
             min_p=float(generation.min_p or 0.0),
         )

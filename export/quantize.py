@@ -337,9 +337,9 @@ def quality_reference(model, folder: Path) -> QualityReference:
     targets, parts, past = np.array(ids[1:]), [], None
     with torch.no_grad():  # _CHUNK positions a pass on the model's own cache: one pass over the whole text
         for start in range(0, len(targets), _CHUNK):  # would hold all its logits and the activations behind them
-            out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), past_key_values=past, use_cache=True)
+            out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), cache=past, use_cache=True)
             parts.append(_scores(out.logits[0].float().numpy(), targets[start : start + _CHUNK]))
-            past = out.past_key_values
+            past = out.cache
         windowed = [
             second_half(_scores(model(torch.tensor([w])).logits[0, :-1].float().numpy(), np.array(w[1:]))[1], len(w))
             for w in windows(ids, manifest.max_context, leading_bos(ids, manifest))

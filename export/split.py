@@ -41,7 +41,7 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None, s
     if static_context is not None and not manifest.kv.in_place:
         raise ExportError(
             "--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "
-            "export keeps optimum-onnx's attention, whose cache grows every step: export without "
+            "export keeps the attention as traced, whose cache grows every step: export without "
             "--static-context (the decode graph's context is then dynamic)"
         )
     if static_context is not None and static_context > manifest.max_context:

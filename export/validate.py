@@ -59,9 +59,9 @@ def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     tokens, past, new_ids = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(new_tokens):
-            out = model(new_ids, past_key_values=past, use_cache=True)
+            out = model(new_ids, cache=past, use_cache=True)
             tokens.append(int(out.logits[0, -1].argmax()))
-            past, new_ids = out.past_key_values, torch.tensor([[tokens[-1]]])
+            past, new_ids = out.cache, torch.tensor([[tokens[-1]]])
     return tokens
 
 

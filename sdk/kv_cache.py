@@ -68,7 +68,7 @@ class GrowingCache:
             return 0
         if len(self.lengths) != 1:
             raise GenerationError(
-                "this export keeps optimum-onnx's attention, whose cache forgets tokens for one prompt at "
+                "this export keeps the attention as traced, whose cache forgets tokens for one prompt at "
                 "a time: generate the prompts one by one"
             )
         self.width -= count

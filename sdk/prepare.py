@@ -78,7 +78,7 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
         )
     if num_rows > 1 and not engine.manifest.kv.in_place:
         raise SettingsError(
-            "this export keeps optimum-onnx's attention, whose cache serves speculative decoding for one "
+            "this export keeps the attention as traced, whose cache serves speculative decoding for one "
             "prompt at a time: generate the prompts one by one",
             "speculative",
         )

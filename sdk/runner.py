@@ -6,7 +6,7 @@ tokens of one row with the logits of each: speculative decoding's check) and `ch
 sequence's next token from the logits). The caches (kv_cache.py) keep the books; the runner reads
 them into `input_ids`, `attention_mask`, `position_ids` and `logits_to_keep`, runs the graph, and
 brings the books up to date. The split layout (a prefill graph beside the decode graph), a decode
-graph of fixed shapes and optimum-onnx's attention (a past that grows) are its business alone.
+graph of fixed shapes and the attention as traced (a past that grows) are its business alone.
 
 LoRA adapters: each row of a batch runs an adapter or the base model (`assign`). The runner serves
 the base graph until a row first asks for an adapter; from then on it serves the adapters' graph
@@ -421,7 +421,7 @@ def prepare_row(cache: GrowingCache | SlotCache, row: int, tokens: list[int], is
     A growing cache serves it for a batch of one."""
     if isinstance(cache, GrowingCache) and len(cache.lengths) != 1:
         raise GenerationError(
-            "this export keeps optimum-onnx's attention, whose cache serves speculative decoding for "
+            "this export keeps the attention as traced, whose cache serves speculative decoding for "
             "one prompt at a time: generate the prompts one by one"
         )
     start = int(cache.lengths[row])

@@ -1,4 +1,4 @@
-"""Tiny random-weight configs for every decoder family optimum-onnx 0.1.0 exports for
+"""Tiny random-weight configs for every decoder family edgeinfer exports for
 text-generation-with-past: a few layers, hidden size 64 (heads of 16, the smallest GroupQueryAttention takes on CPU), so the whole suite runs on 2 cores.
 
 Each entry sets what its family needs on top of COMMON (attribute names are transformers'; the

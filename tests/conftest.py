@@ -180,7 +180,7 @@ EOS_ID = 2  # <|im_end|>
 def chain_ids(tokenizer) -> list[int]:
     """<|im_start|> then the tokens of CHAIN_TEXT, every id distinct; multi-byte characters are
     split into one token per byte, so a character spans several tokens."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     vocab, byte_char = tokenizer.get_vocab(), bytes_to_unicode()
     head, spelled, tail = CHAIN_TEXT

@@ -24,7 +24,9 @@ LAYOUT = {
     "gpt_bigcode": {"num_kv_heads": 1},
     "llama": {"num_kv_heads": 2},  # grouped-query attention
     "phi@gqa": {"num_kv_heads": 2},
-    "deepseek_v3": {"head_size": 12, "value_head_size": 6},  # keys and values of different head sizes
+    # multi-head latent attention: transformers 5 caches one head of the compressed latent (kv_lora_rank 16)
+    # and the rotated key part (qk_rope_head_dim 4), keys and values of different widths
+    "deepseek_v3": {"num_kv_heads": 1, "head_size": 16, "value_head_size": 4},
 }
 # A RECORD, not a requirement: which optimisations applied to each tiny model when it was last
 # updated. A family that leaves or joins a set has not regressed by that alone: the parity test
@@ -32,13 +34,13 @@ LAYOUT = {
 # - fusion skipped: export kept the unfused graph. None now: nemotron's was, until its graph took
 #   position ids (export/families.py) instead of counting positions from the cache length.
 # - in place: attention rewritten to GroupQueryAttention with the cache written in place
-#   (export/attention.py). The others keep optimum-onnx's attention, and the manifest says why:
+#   (export/attention.py). The others keep the attention as traced, and the manifest says why:
 #   ALiBi (bloom, falcon@alibi, mpt), windows the pattern does not take (gpt_neo, gpt_oss), and keys
 #   and values of different head sizes (deepseek_v3). gemma3_text's rewritten graph failed the
 #   logits check until its graph took position ids.
 # - rotary in attention: the rotation moved into GroupQueryAttention, so the graph takes no
 #   position ids. olmo2's norms over the whole query and key keep its rotation out for now.
-# - without position ids (graphs kept as optimum-onnx made them): ALiBi families, and rotary
+# - without position ids (graphs kept as traced): ALiBi families, and rotary
 #   families whose graph counts positions from the cache length.
 RECORDED_FUSION_SKIPPED = set()
 RECORDED_IN_PLACE = {
@@ -86,7 +88,7 @@ RECORDED_ROTARY_IN_ATTENTION = {
     "qwen3",  # a RotaryEmbedding after norms over each head
     "qwen3_moe",
 }
-RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "gpt_oss"}
+RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi"}
 FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
 
 
@@ -159,13 +161,13 @@ def test_the_record_of_optimisations_is_current(name, exported):
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason=UNSUPPORTED["internlm2"])
 def test_internlm2_is_unknown_to_transformers():
-    """The limit itself: transformers 4.57 raises 'Unrecognized model identifier: internlm2'."""
+    """The limit itself: transformers 5 raises 'Unrecognized model identifier: internlm2'."""
     tiny_config("internlm2")
 
 
 def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
     for model_type_, reason in [
-        ("internlm2", "transformers 4.57 has no internlm2 model; its checkpoints need trust_remote_code"),
+        ("internlm2", "transformers 5 has no internlm2 model; its checkpoints need trust_remote_code"),
         ("bart", "edgeinfer exports decoder-only language models"),
         ("made_up_lm", "edgeinfer exports decoder-only language models"),
     ]:
@@ -227,53 +229,48 @@ def test_the_fast_optimizer_gives_onnx_runtimes_graph(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
-def test_the_graph_file_shows_the_output_axes_onnx_runtime_sees(name, tmp_path):
-    """export/graphs.py reads the axes that optimum's fix_dynamic_axes would make static from the
-    graph file instead of from an ONNX Runtime session: both must see the same output shapes."""
+def test_every_dynamic_axis_has_a_name_the_runtime_reads(name, tmp_path):
+    """The traced graph's inputs and outputs, as ONNX Runtime sees them: their dynamic axes are
+    named batch, sequence, past and past + sequence (export/trace.py) and nothing the tracer made
+    up, and every other axis has a size: the runtime sizes its buffers from these."""
     import onnx
     import onnxruntime as ort
-    from optimum.exporters.onnx.convert import export
 
-    from edgeinfer.export.families import onnx_config_constructor
-    from edgeinfer.export.graphs import unexpected_dynamic_axes
+    from edgeinfer.export.trace import _AXES, trace
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
-    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
     path = tmp_path / "model.onnx"
-    export(model, onnx_config, path, disable_dynamic_axes_fix=True)
+    trace(AutoModelForCausalLM.from_config(tiny_config(name)).eval(), path)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    seen = [o.shape for o in ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).get_outputs()]
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    shapes = {v.name: v.shape for v in (*session.get_inputs(), *session.get_outputs())}
     graph = onnx.load(str(path), load_external_data=False).graph
-    written = [
-        [
-            d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
-            for d in o.type.tensor_type.shape.dim
-        ]
-        for o in graph.output
-    ]
-    assert seen == written
-    assert any(isinstance(axis, str) for shape in seen for axis in shape)  # the graph has dynamic axes to compare
-    allowed = {a for axes in (*onnx_config.inputs.values(), *onnx_config.outputs.values()) for a in axes.values()}
-    assert unexpected_dynamic_axes(onnx_config, path) == [
-        (i, a) for i, shape in enumerate(seen) for a, axis in enumerate(shape) if isinstance(axis, str) and axis not in allowed
-    ]
+    written = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*graph.input, *graph.output)}
+    assert shapes == written
+    batch, new, past, total = (_AXES[k] for k in ("batch", "new", "past", "total"))
+    assert shapes["input_ids"] == [batch, new] and shapes["attention_mask"] == [batch, total]
+    assert shapes["logits"] == [batch, new, model_vocab(name)]
+    caches = [(n, s) for n, s in shapes.items() if n.startswith(("past_key_values.", "present."))]
+    assert caches and all(s[0] == batch and s[2] == (past if n.startswith("past") else total) for n, s in caches)
+    assert all(isinstance(a, int) and a > 0 for _, s in caches for k, a in enumerate(s) if k not in (0, 2))
+
+
+def model_vocab(name: str) -> int:
+    return tiny_config(name).get_text_config().vocab_size
 
 
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
-def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path, monkeypatch):
+def test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own(name, tmp_path, monkeypatch):
     """export_graph hands torch.onnx's exporter the weights as graph inputs and writes them to the
-    data file itself (export/patches.py `weights_apart`); the graph must be the one optimum-onnx's
-    own export writes, with the logits cut to the last positions: the same nodes, inputs, outputs,
-    and initializers (names, types, shapes and bytes)."""
+    data file itself (export/patches.py `weights_apart`); the graph must be the one torch.onnx's
+    own export of the same trace writes, with the logits cut to the last positions: the same
+    nodes, inputs, outputs, and initializers (names, types, shapes and bytes)."""
     import onnx
     from onnx import numpy_helper
-    from optimum.exporters.onnx.convert import export
 
     from edgeinfer.export import graphs
-    from edgeinfer.export.families import onnx_config_constructor
-    from edgeinfer.export.patches import full_length_caches
+    from edgeinfer.export.trace import trace
 
     held = []
     write = graphs.write_weights
@@ -282,9 +279,8 @@ def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path
     model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
     (tmp_path / "ours").mkdir()
     graphs.export_graph(model, tmp_path / "ours")
-    onnx_config = onnx_config_constructor(model)(model.config, use_past=True, use_past_in_inputs=True)
-    with full_length_caches(model.config):
-        export(model, onnx_config, tmp_path / "theirs" / graphs.GRAPH_FILE)
+    (tmp_path / "theirs").mkdir()
+    trace(model, tmp_path / "theirs" / graphs.GRAPH_FILE)
     theirs = onnx.load(str(tmp_path / "theirs" / graphs.GRAPH_FILE))
     graphs.last_position_logits(theirs.graph)
     ours = onnx.load(str(tmp_path / "ours" / graphs.GRAPH_FILE))
@@ -303,7 +299,7 @@ def test_the_graph_with_its_weights_written_apart_is_optimums_own(name, tmp_path
 
 # The split layout on one family per kind of attention in the fast suite: rotary in
 # GroupQueryAttention, positions fed to it, a sliding window with query-key norms, and ALiBi
-# (optimum-onnx's attention, whose cache grows). The others are marked slow.
+# (the attention as traced, whose cache grows). The others are marked slow.
 SPLIT_SAMPLE = {"llama", "gpt2", "gemma3_text", "bloom"}
 
 

@@ -1,5 +1,5 @@
 """Chunked prefill, provably in several passes of the graph: single prompts and batches, with the
-cache written in place (GroupQueryAttention) and growing (optimum-onnx's attention, `--no-fuse`).
+cache written in place (GroupQueryAttention) and growing (the attention as traced, `--no-fuse`).
 The last position's logits equal one pass and transformers, and so do the greedy tokens."""
 
 import numpy as np

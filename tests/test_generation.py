@@ -252,7 +252,9 @@ def test_chat_renders_the_template_with_a_system_message_like_transformers(engin
         {"role": "assistant", "content": "Hello."},
         {"role": "user", "content": "Где Париж? 東京?"},
     ]
-    expected = AutoTokenizer.from_pretrained(tiny_llama[0]).apply_chat_template(messages, add_generation_prompt=True)
+    expected = AutoTokenizer.from_pretrained(tiny_llama[0]).apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
     assert engine.chat_prompt(messages) == expected
     assert engine.chat(messages, max_new_tokens=8).token_ids == engine.generate(expected, max_new_tokens=8).token_ids
     assert "".join(p.text for p in engine.stream_chat(messages, max_new_tokens=8)) == engine.chat(messages, max_new_tokens=8).text

@@ -30,7 +30,7 @@ def spans(width, chunk):
     return [(start, min(start + chunk, width)) for start in range(0, width, chunk)]
 
 
-# The growing cache (optimum-onnx's attention): left-padded rows, presents become pasts.
+# The growing cache (the attention as traced): left-padded rows, presents become pasts.
 
 
 def test_a_batch_is_left_padded_and_positions_count_each_rows_own_tokens():

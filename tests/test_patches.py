@@ -79,3 +79,57 @@ def test_the_fast_optimizer_class_reports_every_pass_it_runs():
     missing = [name for name in patches.OPTIMIZER_PASSES if not hasattr(Gpt2OnnxModel, name)]
     assert missing == [], f"onnxruntime's optimizer has no {missing}: update OPTIMIZER_PASSES"
     assert all(getattr(model_class, name).__name__ == name for name in patches.OPTIMIZER_PASSES)
+
+
+def test_repeat_interleave_by_a_constant_gives_torchs_own(tmp_path):
+    """Inside the patch, repeat_interleave by an int gives torch's own tensor on every axis, and a
+    module using it traces into a graph whose output ONNX Runtime computes the same for other sizes
+    than the traced ones (the unpatched symbolic fails to export it)."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    original = torch.repeat_interleave, torch.Tensor.repeat_interleave
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    expected = {dim: torch.repeat_interleave(x, 2, dim=dim) for dim in (0, 1, -1)}
+    with patches.constant_repeat_interleave():
+        for dim, want in expected.items():
+            assert torch.equal(torch.repeat_interleave(x, 2, dim=dim), want)
+            assert torch.equal(x.repeat_interleave(2, dim=dim), want)
+        assert torch.equal(
+            x.repeat_interleave(torch.tensor([1, 2, 1]), dim=1), torch.repeat_interleave(x, torch.tensor([1, 2, 1]), dim=1)
+        )
+
+    class Interleaved(torch.nn.Module):
+        def forward(self, x):
+            return x[..., : x.shape[-1] // 2].repeat_interleave(2, dim=-1) * 3
+
+    with patches.constant_repeat_interleave():
+        torch.onnx.export(
+            Interleaved(),
+            (x,),
+            str(tmp_path / "m.onnx"),
+            dynamo=False,
+            input_names=["x"],
+            dynamic_axes={"x": {0: "a", 1: "b", 2: "c"}},
+        )
+    other = np.random.default_rng(0).standard_normal((3, 5, 6)).astype(np.float32)
+    (got,) = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": other})
+    assert np.array_equal(got, Interleaved()(torch.from_numpy(other)).numpy())
+    assert (torch.repeat_interleave, torch.Tensor.repeat_interleave) == original  # torch gets its own back
+
+
+def test_falcons_alibi_in_float32_gives_transformers_own():
+    """The traced ALiBi bias equals transformers' falcon's to the bit: heads that are and are not a
+    power of two, rows with left padding."""
+    import torch
+    from transformers.models.falcon import modeling_falcon
+
+    original = modeling_falcon.build_alibi_tensor
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    for heads in (1, 4, 6, 12, 71):
+        with patches.traceable_falcon_alibi():
+            ours = modeling_falcon.build_alibi_tensor(mask, heads, torch.float32)
+        theirs = original(mask, heads, torch.float32)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), heads
+    assert modeling_falcon.build_alibi_tensor is original

@@ -1,5 +1,5 @@
 """What edgeinfer leaves of the process's global state: ONNX Runtime's logger after the CUDA
-probe, and transformers' DynamicCache after tracing."""
+probe, and torch and transformers after tracing."""
 
 import threading
 import time
@@ -7,12 +7,10 @@ import time
 import numpy as np
 import onnxruntime as ort
 import pytest
-from transformers import LlamaConfig, MistralConfig, cache_utils
 
-from edgeinfer.export.patches import full_length_caches
+from edgeinfer.export.patches import constant_repeat_interleave, traceable_falcon_alibi
 from edgeinfer.sdk.runtime import cuda_unusable_reason
 
-ORIGINAL = cache_utils.DynamicCache.__dict__["__init__"]
 SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
 
 
@@ -30,25 +28,34 @@ def test_the_cuda_probe_is_silent_and_leaves_onnx_runtimes_logger_as_it_was(capf
     assert "Failed to load library" in capfd.readouterr().err
 
 
-def test_tracing_patches_the_cache_only_for_sliding_window_models_and_restores_it():
-    with full_length_caches(LlamaConfig(**SMALL)):
-        assert cache_utils.DynamicCache.__dict__["__init__"] is ORIGINAL
-    sliding = MistralConfig(**SMALL, sliding_window=4)
-    assert all(isinstance(layer, cache_utils.DynamicSlidingWindowLayer) for layer in cache_utils.DynamicCache(config=sliding).layers)
-    with full_length_caches(sliding):
-        cache = cache_utils.DynamicCache(config=sliding)
-        assert cache.layers == [] or not any(isinstance(layer, cache_utils.DynamicSlidingWindowLayer) for layer in cache.layers)
-        cache_utils.DynamicCache(None, config=sliding)  # the config given by keyword, as transformers may
-    assert cache_utils.DynamicCache.__dict__["__init__"] is ORIGINAL
+def test_a_trace_leaves_torch_and_transformers_as_they_were(tmp_path):
+    """Tracing a model (export/trace.py) patches torch's repeat_interleave and falcon's ALiBi and
+    switches the model's expert layers to a traceable implementation; afterwards all are back."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers.models.falcon import modeling_falcon
+
+    from edgeinfer.export.trace import trace
+
+    before = (torch.repeat_interleave, torch.Tensor.repeat_interleave, modeling_falcon.build_alibi_tensor)
+    config = Qwen3MoeConfig(**SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, head_dim=8)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    experts = model.config._experts_implementation
+    trace(model, tmp_path / "model.onnx")
+    assert (torch.repeat_interleave, torch.Tensor.repeat_interleave, modeling_falcon.build_alibi_tensor) == before
+    assert model.config._experts_implementation == experts
 
 
-def test_concurrent_exports_cannot_leave_the_patch_installed():
-    sliding, inside, errors = MistralConfig(**SMALL, sliding_window=4), [], []
+def test_concurrent_traces_cannot_leave_a_patch_installed():
+    import torch
+    from transformers.models.falcon import modeling_falcon
+
+    original, inside, errors = (torch.repeat_interleave, modeling_falcon.build_alibi_tensor), [], []
 
     def trace():
         try:
-            with full_length_caches(sliding):
-                inside.append(cache_utils.DynamicCache.__dict__["__init__"] is not ORIGINAL)
+            with constant_repeat_interleave(), traceable_falcon_alibi():
+                inside.append((torch.repeat_interleave, modeling_falcon.build_alibi_tensor) != original)
                 time.sleep(0.02)  # long enough for the other threads to come in, were nothing stopping them
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -59,7 +66,7 @@ def test_concurrent_exports_cannot_leave_the_patch_installed():
     for thread in threads:
         thread.join()
     assert errors == [] and inside == [True] * 8
-    assert cache_utils.DynamicCache.__dict__["__init__"] is ORIGINAL
+    assert (torch.repeat_interleave, modeling_falcon.build_alibi_tensor) == original
 
 
 @pytest.mark.skipif(

@@ -63,7 +63,7 @@ def test_a_bpe_tokenizer_is_written_as_it_is(tmp_path):
 
 
 def test_the_gguf_says_whether_a_text_starts_with_bos(tmp_path):
-    """transformers' GGUF conversion gives a Llama tokenizer a leading BOS whatever the GGUF says;
+    """transformers' GGUF conversion does not read whether a text starts with BOS;
     export follows `tokenizer.ggml.add_bos_token`, as llama.cpp does (SmolLM2's GGUF says no)."""
     from gguf import GGUFWriter
     from transformers import LlamaTokenizerFast
@@ -81,7 +81,8 @@ def test_the_gguf_says_whether_a_text_starts_with_bos(tmp_path):
         writer.write_kv_data_to_file()
         writer.close()
         tokenizer = LlamaTokenizerFast(tokenizer_object=Tokenizer.from_str(inner.to_str()), bos_token="<s>", eos_token="</s>")
-        assert tokenizer("ab").input_ids == [0, 4]  # transformers' own default
+        tokenizer.add_bos_token = not add_bos  # the opposite of the GGUF, for it to undo
+        assert tokenizer("ab").input_ids == ([4] if add_bos else [0, 4])
         _special_tokens_as_gguf(tokenizer, path)
         tokenizer.save_pretrained(tmp_path / f"saved-{add_bos}")
         made.append(Tokenizer.from_file(str(tmp_path / f"saved-{add_bos}" / "tokenizer.json")).encode("ab").ids)

@@ -56,7 +56,6 @@ def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     assert set(manifest["files"]) == {
         "tokenizer.json",
         "tokenizer_config.json",
-        "special_tokens_map.json",
         "chat_template.jinja",
         "generation_config.json",
         "model.onnx",
@@ -72,7 +71,7 @@ def test_export_writes_one_graph_and_the_manifest(tiny_llama):
     assert manifest["kv"]["past"] == past and manifest["kv"]["present"] == [p.replace("past_key_values", "present") for p in past]
 
 
-def test_export_fuses_the_graph_and_no_fuse_keeps_optimums(tiny_llama, tmp_path):
+def test_export_fuses_the_graph_and_no_fuse_keeps_the_traced_one(tiny_llama, tmp_path):
     from edgeinfer.export import ExportOptions
 
     manifest = json.loads((tiny_llama[1] / "edgeinfer.json").read_text())
@@ -117,13 +116,13 @@ def test_logits_match_pytorch_at_every_step(engine, hf):
         ref = model(torch.tensor([ids]), use_cache=True)
     assert logits.shape == (1, 1, 320)
     np.testing.assert_allclose(logits[0, -1], ref.logits[0, -1].numpy(), atol=1e-4)
-    past = ref.past_key_values
+    past = ref.cache
     for _ in range(8):
         token = int(np.argmax(logits[0, -1]))
         logits = engine.runner.decode(cache, [token]).numpy()
         with torch.no_grad():
-            ref = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = ref.past_key_values
+            ref = model(torch.tensor([[token]]), cache=past, use_cache=True)
+        past = ref.cache
         np.testing.assert_allclose(logits[0, -1], ref.logits[0, -1].numpy(), atol=1e-4)
     assert int(cache.cache.lengths.max()) == len(ids) + 8
 
@@ -174,7 +173,7 @@ def test_eos_from_the_manifest_ends_generation(engine, tiny_llama, tmp_path):
 
 def test_chat_prompt_uses_the_models_template(engine, hf):
     messages = [{"role": "user", "content": "Hello there"}]
-    expected = hf[1].apply_chat_template(messages, add_generation_prompt=True)
+    expected = hf[1].apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert engine.chat_prompt(messages) == expected
 
 

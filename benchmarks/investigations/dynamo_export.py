@@ -6,15 +6,14 @@ exported with `torch.onnx.export(dynamo=True)` with dynamic batch, sequence and 
 run by ONNX Runtime's CPU provider over 5 new tokens after 3 cached ones, against the wrapper's
 own logits in PyTorch.
 
-It needs transformers 5, which the project's export extra does not install yet (issue 46), so it
-runs in a virtual environment of its own (see mobius_hybrid.py beside it for the install line):
+It runs in the project's environment with the export extra (transformers 5):
 
     python benchmarks/investigations/dynamo_export.py llama gemma3_text qwen3
 
 Prints, per model type, the export's seconds and the largest logits difference. Figures, never
 asserted; what it printed is in docs/export.md ("Towards transformers 5").
 
-transformers 5 passes past_key_values to forward through **kwargs, which torch.export's
+transformers 5 takes the cache as a Cache object, which torch.export's
 dynamic_shapes cannot name: hence the wrapper. It gives every layer keys of one width, so model
 types whose layers differ (gemma4's two widths, qwen3_5's recurrent state) are out of its reach.
 """
@@ -50,8 +49,8 @@ def flat(model):
             cache = DynamicCache(config=self.model.config)
             for layer in range(len(past) // 2):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            return out.logits, *[t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+            return out.logits, *[t for layer in out.cache.layers for t in (layer.keys, layer.values)]
 
     return Flat()
 

@@ -6,11 +6,9 @@ declared again with the shapes the ops take (see below); then ONNX Runtime's CPU
 prefill, a decode step by step on the state it hands back (teacher-forced on one sequence), the
 whole sequence in one prefill and in two chunks, each against transformers' logits.
 
-It needs transformers 5 and mobius-onnx, which the project's export extra does not install yet
-(issue 46), so it runs in a virtual environment of its own:
+It runs in the project's environment with the export extra (transformers 5), plus mobius-onnx:
 
-    python3 -m venv /tmp/tf5 && . /tmp/tf5/bin/activate && pip install torch==2.13.0 \\
-        && pip install transformers==5.24.0 mobius-onnx==0.1.0 onnxruntime-gpu==1.31.1
+    pip install mobius-onnx==0.1.0
     python benchmarks/investigations/mobius_hybrid.py [--folder /tmp/mobius-qwen3_5]
     python benchmarks/investigations/mobius_hybrid.py --families llama qwen3 gemma3_text gemma4_text ...
 
