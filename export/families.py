@@ -42,6 +42,14 @@ SUPPORTED = (
     "qwen3_moe",
     "smollm3",
     "stablelm",
+    # transformers 5's families
+    "exaone4",
+    "gemma4_text",
+    "granite_swa",
+    "hunyuan_v1_dense",
+    "ministral3",
+    "olmo3",
+    "seed_oss",
 )
 # Families that cannot be exported here, and why.
 UNSUPPORTED = {

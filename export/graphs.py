@@ -269,19 +269,24 @@ def write_weights(path: Path, weights: dict) -> None:
 
 
 def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
-    """The KV cache's layout, read off the graph's past inputs."""
+    """The KV cache's layout, read off the graph's past inputs: [batch, kv heads, past, head size]
+    each, the sequence axis the one named past_sequence_length."""
     graph = onnx.load(str(folder / spec.file), load_external_data=False).graph
     past = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
-    key, value = (past[0].type.tensor_type.shape.dim, past[1].type.tensor_type.shape.dim)
-    sequence_axis = next(k for k, d in enumerate(key) if "past_sequence_length" in d.dim_param)
-    static = [d.dim_value for k, d in enumerate(key) if d.dim_value and k != sequence_axis]
+    dims = [p.type.tensor_type.shape.dim for p in past]
+    sequence_axis = next(k for k, d in enumerate(dims[0]) if "past_sequence_length" in d.dim_param)
+    static = [[d.dim_value for k, d in enumerate(dim) if d.dim_value and k != sequence_axis] for dim in dims]
+    layers = [
+        {"kv_heads": key[0], "head_size": key[-1], "value_head_size": value[-1]} for key, value in zip(static[0::2], static[1::2])
+    ]
     return KVSpec(
-        num_layers=len(past) // 2,
-        num_kv_heads=static[0],
-        head_size=static[-1],
-        value_head_size=value[-1].dim_value,
+        num_layers=len(layers),
+        num_kv_heads=layers[0]["kv_heads"],
+        head_size=layers[0]["head_size"],
+        value_head_size=layers[0]["value_head_size"],
         dtype=_ONNX_TYPES[past[0].type.tensor_type.elem_type],
         sequence_axis=sequence_axis,
         past=[i.name for i in past],
         present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX) :] for i in past],
+        layers=layers if any(layer != layers[0] for layer in layers) else [],
     )

@@ -19,7 +19,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
-from edgeinfer.sdk.manifest import ADAPTERS_FORMAT_VERSION, SINGLE_FORMAT_VERSION, KVSpec, Manifest, TokenizerSpec, describe_files
+from edgeinfer.sdk.manifest import (
+    ADAPTERS_FORMAT_VERSION,
+    LAYERS_FORMAT_VERSION,
+    SINGLE_FORMAT_VERSION,
+    KVSpec,
+    Manifest,
+    TokenizerSpec,
+    describe_files,
+)
 from edgeinfer.sdk.memory import give_back_freed_memory, map_large_blocks, size_text
 
 from .fp16 import convert_to_fp16
@@ -481,7 +489,7 @@ def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifes
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
     return Manifest(
-        format_version=SINGLE_FORMAT_VERSION,
+        format_version=LAYERS_FORMAT_VERSION if kv.layers else SINGLE_FORMAT_VERSION,
         source=source,
         architecture=config.model_type,
         dtype="float32",

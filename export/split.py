@@ -61,7 +61,7 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None, s
         prefill_length=prefill_length,
         static_context=static_context,
         max_context=context,
-        format_version=SPLIT_FORMAT_VERSION,
+        format_version=max(manifest.format_version, SPLIT_FORMAT_VERSION),
     )
     if manifest.files:  # a finished export split afterwards: its files are now others
         manifest = dataclasses.replace(manifest, files=describe_files(folder))

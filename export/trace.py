@@ -121,7 +121,9 @@ def _dummy_ids(vocab_size: int, length: int):
 
 
 def _cache_tensors(cache) -> list:
-    return [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+    """Each caching layer's keys and values. Layers that read another layer's cache (Gemma 4's KV
+    sharing: always the last ones) hold none, and are left out."""
+    return [tensor for layer in cache.layers if layer.keys is not None for tensor in (layer.keys, layer.values)]
 
 
 def full_length_cache(past):

@@ -18,10 +18,11 @@ from .errors import ManifestError, NotAnExportError
 # 2: one graph for prefill and decode (1 had a separate prefill graph); 3: the split layout (a
 # prefill graph without past inputs beside the decode graph), written only for `--graphs split`;
 # 4: LoRA adapters (the adapters' graph and files) or an embedding model, written only for an
-# export with adapters or of an embedding model. So
-# exports stay readable by the edgeinfer versions that read what they use.
-ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 4, 3, 2
-FORMAT_VERSION = ADAPTERS_FORMAT_VERSION  # the newest this edgeinfer reads
+# export with adapters or of an embedding model; 5: layers whose caches differ in shape (`kv.layers`,
+# Gemma 4), written only for such exports. So exports stay readable by the edgeinfer versions that
+# read what they use.
+LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 5, 4, 3, 2
+FORMAT_VERSION = LAYERS_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -39,7 +40,10 @@ class GraphSpec:
 class KVSpec:
     """Layout of the KV cache: `past[i]` of the graph is fed from `present[i]` of the
     previous step, and grows along `sequence_axis` (or, `in_place`, is written into the past). Keys have `head_size`; values have
-    `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention)."""
+    `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention).
+    Where the layers' caches differ in shape (Gemma 4's full-attention layers are wider than its
+    sliding ones), `layers` gives each layer's `kv_heads`, `head_size` and `value_head_size`, and
+    the fields above are layer 0's; else it is empty and they hold for every layer."""
 
     num_layers: int
     num_kv_heads: int
@@ -52,10 +56,19 @@ class KVSpec:
     # True where the graph's attention writes each step's keys and values into its past inputs
     # (one buffer of fixed capacity per input, right-padded rows): export's GroupQueryAttention.
     in_place: bool = False
+    layers: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.past) != len(self.present):
             raise ManifestError(f"KV layout lists {len(self.past)} past inputs but {len(self.present)} present outputs")
+        if self.layers and len(self.layers) != self.num_layers:
+            raise ManifestError(f"KV layout describes {len(self.layers)} layers but has {self.num_layers}: re-export the model")
+
+    def layer_shapes(self) -> list[tuple[int, int, int]]:
+        """Each layer's (KV heads, key head size, value head size)."""
+        if self.layers:
+            return [(layer["kv_heads"], layer["head_size"], layer["value_head_size"]) for layer in self.layers]
+        return [(self.num_kv_heads, self.head_size, self.value_head_size or self.head_size)] * self.num_layers
 
 
 @dataclass(frozen=True)

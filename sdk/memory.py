@@ -77,9 +77,7 @@ def tokenizer_bytes(manifest: Manifest) -> int:
 def kv_bytes_per_token(manifest: Manifest) -> int:
     """Bytes of keys and values one token adds to one row of the cache."""
     kv = manifest.kv
-    value_size = kv.value_head_size or kv.head_size
-    per_layer = kv.num_kv_heads * (kv.head_size + value_size) * np.dtype(kv.dtype).itemsize
-    return kv.num_layers * per_layer
+    return sum(heads * (key + value) for heads, key, value in kv.layer_shapes()) * np.dtype(kv.dtype).itemsize
 
 
 def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:

@@ -87,6 +87,32 @@ TINY = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16},
     "smollm3": {},
     "stablelm": {},
+    # transformers 5's families
+    # sliding layers 16 wide, the full layer 32 wide; per-layer input embeddings
+    "gemma4_text": {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "hidden_size_per_layer_input": 8,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
+    # the last two layers read the cache of the last earlier layer of their kind (Gemma 4 E2B's KV sharing)
+    "gemma4_text@shared": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "hidden_size_per_layer_input": 8,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "num_kv_shared_layers": 2,
+    },
+    "exaone4": {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "granite_swa": {"sliding_window": WINDOW, "layer_types": ["full_attention", "sliding_attention"]},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "ministral3": {"head_dim": 16},
+    "olmo3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "seed_oss": {"head_dim": 16},
 }
 
 

@@ -73,6 +73,11 @@ RECORDED_IN_PLACE = {
     "smollm3",
     "gemma3_text",
     "nemotron",
+    "exaone4",
+    "gemma4_text",
+    "hunyuan_v1_dense",
+    "olmo3",
+    "seed_oss",
 }
 RECORDED_ROTARY_IN_ATTENTION = {
     "arcee",
@@ -87,6 +92,8 @@ RECORDED_ROTARY_IN_ATTENTION = {
     "gemma3_text",  # a rotation written out in ops, after norms over each head
     "qwen3",  # a RotaryEmbedding after norms over each head
     "qwen3_moe",
+    "exaone4",
+    "seed_oss",
 }
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi"}
 FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
@@ -157,6 +164,28 @@ def test_the_record_of_optimisations_is_current(name, exported):
     )
     if manifest.kv.in_place:  # the manifest's account of the rewrite matches the graph it describes
         assert fusion["fused"]["GroupQueryAttention"] == manifest.kv.num_layers
+
+
+def test_layers_whose_caches_differ_are_each_described_and_counted(exported):
+    """Gemma 4's full-attention layer is wider than its sliding ones: the manifest gives each layer's
+    shape (format version 5), the memory plan counts each, and every buffer the runtime binds has
+    its layer's width."""
+    from edgeinfer.sdk.engine import Engine
+    from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
+    from edgeinfer.sdk.memory import kv_bytes_per_token
+
+    _, folder, manifest = exported("gemma4_text")
+    assert manifest.format_version == LAYERS_FORMAT_VERSION
+    assert [(layer["kv_heads"], layer["head_size"], layer["value_head_size"]) for layer in manifest.kv.layers] == [
+        (2, 16, 16),
+        (2, 16, 16),
+        (2, 32, 32),
+    ]
+    assert kv_bytes_per_token(manifest) == 4 * 2 * (32 + 32 + 64)
+    batch = Engine.load(folder, provider="cpu").runner.new_batch(1, 8)
+    widths = [batch.cache.buffers[name].shape()[-1] for name in manifest.kv.past]
+    assert widths == [16, 16, 16, 16, 32, 32]
+    assert exported("llama")[2].kv.layers == [] and exported("llama")[2].format_version == 2  # alike layers: as before
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason=UNSUPPORTED["internlm2"])
