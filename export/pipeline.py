@@ -37,7 +37,7 @@ from .embedding import check as check_embeddings
 from .graphs import export_graph, export_hidden_graph, kv_layout
 from .lora import PeftAdapter, add_adapters, check_fits, checked_name, peft_reference, read_peft
 from .quantize import Quantization, quality, quality_reference, quantize_graph
-from .source import first_line, load_model, manifest_source, resolve_source
+from .source import first_line, load_model, manifest_source, resolve_source, source_parameters
 from .split import split_export
 from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
@@ -303,6 +303,7 @@ def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adap
 def _loaded(model: str, stage: _Stages):
     """The model's source, its PyTorch model and its tokenizer (the load stage's work)."""
     source = resolve_source(model, stage.say)
+    check_memory_before_load(source_parameters(source))
     stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
     return source, *load_model(source)
 
@@ -465,6 +466,24 @@ def check_memory(weights: int) -> None:
             f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "
             f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
             "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)"
+        )
+
+
+def check_memory_before_load(parameters: int | None) -> None:
+    """Refuse, before any weight is read, where this machine cannot hold the model loaded in fp32
+    (4 bytes for each of the source's `parameters`) and what the export takes on top of it
+    (`check_memory`): the kernel would otherwise end the export while it loads."""
+    available = available_memory()
+    if parameters is None or available is None:
+        return  # the files do not say: check_memory decides once the model is loaded
+    weights = 4 * parameters
+    need = (1 + EXPORT_MEMORY_FACTOR) * weights + EXPORT_MEMORY_BASE
+    if need > available:
+        raise ExportError(
+            f"exporting this model needs about {size_text(need)} of memory (its {parameters / 1e9:.2f}B weights loaded in fp32, "
+            f"{size_text(weights)}, {EXPORT_MEMORY_FACTOR:g}x that again for the export's stages, and "
+            f"{size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: nothing was loaded; "
+            "export on a machine with more memory and copy the export folder over (it runs anywhere)"
         )
 
 

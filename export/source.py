@@ -10,6 +10,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from edgeinfer.models import entries, is_catalog_name, lookup
 from edgeinfer.models.cache import cache_root
 from edgeinfer.models.fetch import download_from_hub, fetch_source
@@ -161,6 +163,40 @@ def _conversion_folder(source: Source) -> Path:
     stat = path.stat()
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{_CONVERSION}"
     return cache_root() / "converted" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def source_parameters(source: Source) -> int | None:
+    """How many weights the source holds, read from its files' headers alone (a safetensors
+    header, a GGUF's tensor infos), so that export can refuse a model too big for the machine
+    before loading any of it; None where the files do not say (PyTorch .bin checkpoints)."""
+    if source.gguf_file:
+        from gguf import GGUFReader
+
+        with faster_gguf(True):
+            return sum(int(tensor.n_elements) for tensor in GGUFReader(Path(source.path) / source.gguf_file).tensors)
+    files = sorted(Path(source.path).glob("*.safetensors"))
+    if not files:
+        return None
+    return sum(_safetensors_parameters(path) for path in files)
+
+
+def _safetensors_parameters(path: Path) -> int:
+    """The number of weights a safetensors file holds, from its header: 8 bytes of little-endian
+    length, then a JSON map of tensor names to dtype, shape and offsets."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 0 < length < 2**28 else None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{path} is not a readable safetensors file ({first_line(e)}): download the model again") from None
+    if not isinstance(header, dict):
+        raise ExportError(f"{path} has no safetensors header: download the model again")
+    total = 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            shape = entry.get("shape", []) if isinstance(entry, dict) else []
+            total += int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return total
 
 
 def check_supported(model_type: str) -> None:

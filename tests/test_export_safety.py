@@ -231,9 +231,11 @@ def test_a_gguf_in_several_wheels_is_put_together_in_order_and_checked(tmp_path,
 
 
 def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figures(tiny_llama, tmp_path, monkeypatch):
+    """Where the source's files do not say how big it is, the check runs once it is loaded."""
     import re
 
     monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    monkeypatch.setattr(pipeline, "source_parameters", lambda source: None)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
     from edgeinfer.sdk.memory import size_text
 
@@ -251,6 +253,41 @@ def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figure
         export_model(str(tiny_llama[0]), tmp_path / "out", ExportOptions(quantization=Quantization("int4")))
     assert not any("export graph" in line for line in said)  # refused before the graph was traced
     assert leftovers(tmp_path) == []
+
+
+def test_a_model_too_big_for_the_machine_is_refused_from_its_headers_before_loading(tiny_llama, tmp_path, monkeypatch):
+    """The weights counted from the safetensors header (the tiny llama's, and a folder whose header
+    claims a 500B-weight tensor it does not hold): refused with the figures before any weight is
+    read, where the kernel would otherwise end the export while it loads."""
+    import json
+    import re
+    import shutil
+    import struct
+
+    from edgeinfer.export.source import Source, source_parameters
+    from edgeinfer.sdk.memory import size_text
+
+    from safetensors.torch import load_file
+
+    stored = sum(t.numel() for path in tiny_llama[0].glob("*.safetensors") for t in load_file(path).values())
+    assert source_parameters(Source("tiny", str(tiny_llama[0]))) == stored > 0
+    huge = tmp_path / "huge"
+    shutil.copytree(tiny_llama[0], huge, ignore=shutil.ignore_patterns("*.safetensors"))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [500_000, 1_000_000], "data_offsets": [0, 10**12]}})
+    (huge / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    said = []
+    loads = []
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loads.append(a))
+    need = size_text(2 * 4 * 500_000 * 1_000_000 + 2**29)
+    with pytest.raises(
+        ExportError, match=rf"needs about {re.escape(need)} of memory \(its 500.00B weights loaded in fp32, .*nothing was loaded"
+    ):
+        export_model(str(huge), tmp_path / "exports" / "out", say=said.append)
+    assert loads == [] and leftovers(tmp_path / "exports") == []
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    with pytest.raises(ExportError, match=r"this machine has 100.0 KiB available: nothing was loaded"):
+        export_model(str(tiny_llama[0]), tmp_path / "out")
+    assert loads == []
 
 
 def test_the_export_ends_with_its_peak_memory_against_the_weights(tiny_llama, tmp_path):
