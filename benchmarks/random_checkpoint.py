@@ -72,7 +72,9 @@ def write(shape: str, out: Path, layers: int | None = None) -> int:
             save_file(shard, str(out / file), metadata={"format": "pt"})
             index.update(dict.fromkeys(shard, file))
             shard, size = {}, 0
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2 * total}, "weight_map": index}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 2 * total}, "weight_map": index}, indent=1)
+    )
     _tokenizer(out)
     return total
 

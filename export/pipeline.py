@@ -88,6 +88,7 @@ class ExportOptions:
     force: bool = False  # replace an existing output folder
     max_context: int | None = None  # tokens the runtime may hold; default: the model's own limit
     quantization: Quantization | None = None  # None: fp32 weights
+    quality: bool = True  # with quantization: measure what it cost against fp32 (--no-quality skips it)
     fuse: bool = True  # ONNX Runtime's transformer optimizer, kept only where it checks out
     dtype: str = "fp32"  # or "fp16": weights, activations and KV cache in float16, for GPUs (with --quantize: the activations)
     graphs: str = "single"  # or "split": prefill.onnx and decode.onnx on one weights file (export/split.py)
@@ -387,18 +388,29 @@ def _refined(work: Path, manifest: Manifest, config, references: dict, options: 
     if options.quantization:
         with stage("quantize"):
             done = quantize_graph(work, options.quantization)
-            quantization = {**dataclasses.asdict(done), **quality(references["quality"], work)}
-            say(
-                f"{quantization['method']}: top-1 agreement with fp32 {quantization['top1_agreement']:.1%} over "
-                f"{quantization['text_tokens']} tokens, perplexity {quantization['perplexity']:.2f} "
-                f"(fp32 {quantization['perplexity_fp32']:.2f}); in windows of {quantization['window']} "
-                f"(llama-perplexity's way) {quantization['perplexity_windowed']:.2f} (fp32 "
-                f"{quantization['perplexity_windowed_fp32']:.2f})"
-            )
+            quantization = {**dataclasses.asdict(done), **_quality(work, references.get("quality"), stage, done.method)}
     if options.graphs == "split":
         with stage("split"):
             manifest, validation["split"] = _split(work, manifest, options, stage)
     return manifest, quantization
+
+
+def _quality(work: Path, reference, stage: _Stages, method: str) -> dict:
+    """The quantized export's quality against fp32 over the quality text, said with the time it
+    took; without a reference (--no-quality), a note that it was skipped."""
+    if reference is None:
+        stage.say("quality not measured (--no-quality)")
+        return {"quality": "not measured (--no-quality)"}
+    stage.progress(f"the quality over {len(reference.ids)} tokens against fp32 (--no-quality skips this)")
+    start = time.perf_counter()
+    measured = quality(reference, work)
+    stage.say(
+        f"{method}: top-1 agreement with fp32 {measured['top1_agreement']:.1%} over "
+        f"{measured['text_tokens']} tokens, perplexity {measured['perplexity']:.2f} (fp32 {measured['perplexity_fp32']:.2f}); "
+        f"in windows of {measured['window']} (llama-perplexity's way) {measured['perplexity_windowed']:.2f} (fp32 "
+        f"{measured['perplexity_windowed_fp32']:.2f}); measured in {time.perf_counter() - start:.0f} s (--no-quality skips it)"
+    )
+    return measured
 
 
 def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: _Stages):
@@ -435,7 +447,7 @@ def _references(model, work: Path, options: ExportOptions, adapters: dict[str, P
     references = {"validate": torch_reference(model, sample_ids(model.config.vocab_size))}
     if options.fuse or options.dtype == "fp16":
         references["check"] = torch_reference(model, CHECK_PROMPT, CHECK_TOKENS)
-    if options.quantization:
+    if options.quantization and options.quality:
         references["quality"] = quality_reference(model, work)
     if adapters:
         references["adapters"] = {name: peft_reference(model, a.folder, CHECK_PROMPT, CHECK_TOKENS) for name, a in adapters.items()}

@@ -101,6 +101,8 @@ def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
     assert not (tmp_path / "out").exists()
     done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--keep-int8", "lm_head")
     assert done.returncode == 2 and "--keep-int8 applies to quantized weights" in done.stderr
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--no-quality")
+    assert done.returncode == 2 and "--no-quality applies to quantized weights" in done.stderr
     done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--quantize", "int4", "--keep-int8", "embed")
     assert (
         done.returncode != 0

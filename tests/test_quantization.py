@@ -46,6 +46,25 @@ def test_quantized_export_has_nbits_weights_and_its_measured_quality(quantized, 
     assert (folder / "model.onnx.data").stat().st_size < fp32 * (0.4 if method == "int4" else 0.6)  # embeddings stay fp32
 
 
+def test_no_quality_skips_the_measure_and_says_so(tiny_llama, tmp_path):
+    """--no-quality: the same quantized weights, no quality in the manifest, and the export says so;
+    measured, the line says how long the measure took."""
+    said, skipped = [], []
+    export_model(
+        str(tiny_llama[0]), tmp_path / "skipped", ExportOptions(quantization=Quantization("int8"), quality=False), say=skipped.append
+    )
+    export_model(str(tiny_llama[0]), tmp_path / "measured", ExportOptions(quantization=Quantization("int8")), say=said.append)
+    manifests = {
+        name: json.loads((tmp_path / name / "edgeinfer.json").read_text())["quantization"] for name in ("skipped", "measured")
+    }
+    assert manifests["skipped"]["quality"] == "not measured (--no-quality)" and "top1_agreement" not in manifests["skipped"]
+    assert manifests["measured"]["top1_agreement"] > 0.85 and "quality" not in manifests["measured"]
+    assert "quality not measured (--no-quality)" in skipped and not any("top-1 agreement" in line for line in skipped)
+    assert any(line.startswith("int8: top-1 agreement") and "s (--no-quality skips it)" in line for line in said)
+    data = [(tmp_path / name / "model.onnx.data").read_bytes() for name in ("skipped", "measured")]
+    assert data[0] == data[1]
+
+
 def test_int8_is_closer_to_fp32_than_int4(tiny_llama, tmp_path):
     results = {}
     for method in ("int4", "int8"):
