@@ -29,6 +29,38 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
+    # a Qwen 3.5-shaped hybrid of about 0.75B weights: 18 gated DeltaNet layers and 6 of full
+    # attention (every fourth), Qwen 3.5's 248,320-token vocabulary, tied
+    "qwen3_5-0.8b": dict(
+        model_type="qwen3_5_text",
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    # its full-attention counterpart of about the same size (0.73B): 28 layers of Qwen 3's attention
+    "qwen3-0.8b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
     # Llama-3.1-8B: 8.03B weights
     "llama-8b": dict(
         model_type="llama",

@@ -151,19 +151,10 @@ def export(
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
     (--graphs split) a prefill graph and a decode graph."""
     exporter = _exporter()
-    given = [
-        flag
-        for flag, value in (
-            ("--symmetric", symmetric),
-            ("--algorithm", algorithm),
-            ("--keep-int8", keep_int8),
-            ("--calibration", calibration),
-            ("--no-quality", no_quality),
+    if not quantize:
+        _refuse_quantization_flags(
+            symmetric=symmetric, algorithm=algorithm, keep_int8=keep_int8, calibration=calibration, no_quality=no_quality
         )
-        if value
-    ]
-    if given and not quantize:
-        raise click.UsageError(f"{given[0]} applies to quantized weights: add --quantize int4 or int8")
     kept = None if keep_int8 is None else tuple(n.strip() for n in keep_int8.split(",") if n.strip() and n.strip() != "none")
     quantization = (
         exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept, calibration=calibration)
@@ -187,6 +178,13 @@ def export(
     )
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
     say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
+
+
+def _refuse_quantization_flags(**flags) -> None:
+    """The flags that shape quantized weights, given without --quantize, are a usage error."""
+    given = [f"--{name.replace('_', '-')}" for name, value in flags.items() if value]
+    if given:
+        raise click.UsageError(f"{given[0]} applies to quantized weights: add --quantize int4 or int8")
 
 
 def _widths(text: str | None) -> tuple[int, ...]:

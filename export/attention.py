@@ -52,15 +52,20 @@ class _Shared:
     TOTAL = "edgeinfer_gqa_total"  # the mask's width, int32
 
 
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "attention")
+
+
 def layer_windows(config, num_layers: int) -> list[int]:
-    """Each layer's sliding window (the number of positions a query attends to, its own included,
-    as in transformers; -1: the whole context), from the model's config."""
+    """Each cached attention layer's sliding window (the number of positions a query attends to,
+    its own included, as in transformers; -1: the whole context), from the model's config. Layers
+    of other kinds (linear attention) cache no keys; layers that read an earlier layer's cache
+    (Gemma 4's KV sharing) are the last ones, past the `num_layers` that cache."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return [-1] * num_layers
-    types = getattr(config, "layer_types", None)
+    types = [kind for kind in getattr(config, "layer_types", None) or [] if kind in _ATTENTION_KINDS]
     if types:
-        return [window if kind == "sliding_attention" else -1 for kind in types]
+        return [window if kind == "sliding_attention" else -1 for kind in types[:num_layers]]
     return [window] * num_layers
 
 

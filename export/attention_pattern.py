@@ -147,8 +147,9 @@ class GraphView:
 
 
 def key_value_pairs(graph) -> list[tuple[str, str]]:
-    """The (past key, past value) inputs of each layer, in order."""
-    pasts = [i.name for i in graph.input if i.name.startswith(PAST_PREFIX)]
+    """The (past key, past value) inputs of each attention layer, in order (a linear-attention
+    layer's state inputs are not keys and values)."""
+    pasts = [i.name for i in graph.input if i.name.startswith(PAST_PREFIX) and i.name.endswith((".key", ".value"))]
     if not pasts or len(pasts) % 2:
         raise PatternError("the graph has no key/value pairs of past inputs")
     return [(pasts[k], pasts[k + 1]) for k in range(0, len(pasts), 2)]
@@ -414,8 +415,13 @@ def _leads_to(view: GraphView, tensor: str, target: str, depth: int = 4) -> bool
 
 
 def _attention_output(view: GraphView, weighted):
-    """The Reshape that turns the attention output [batch, heads, seq, head] into [batch, seq, hidden]."""
-    consumers = view.consumers[weighted.output[0]]
+    """The Reshape that turns the attention output [batch, heads, seq, head] into [batch, seq, hidden].
+    A Reshape may come first, one whose target shape is computed from the output's own (a Shape
+    of it): it merges the [batch, kv heads, group, seq, head] of attention computed per KV head
+    (Qwen 3.5's) into [batch, heads, seq, head], heads in GroupQueryAttention's order."""
+    consumers = [c for c in view.consumers[weighted.output[0]] if c.op_type != "Shape"]
+    if len(consumers) == 1 and consumers[0].op_type == "Reshape":
+        consumers = view.consumers[consumers[0].output[0]]
     transpose = consumers[0] if len(consumers) == 1 else None
     if transpose is None or not _is_transpose(transpose, _TO_HEADS_FIRST):
         raise PatternError(f"the output of {weighted.name} is not transposed to [batch, seq, heads, head]")

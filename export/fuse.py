@@ -22,7 +22,7 @@ from pathlib import Path
 
 import onnx
 
-from edgeinfer.sdk.errors import GraphError, ManifestError, NotAnExportError
+from edgeinfer.sdk.errors import GenerationError, GraphError, ManifestError, NotAnExportError
 from edgeinfer.sdk.manifest import GraphSpec, Manifest
 from edgeinfer.sdk.memory import give_back_freed_memory
 
@@ -38,7 +38,7 @@ CHECK_PROMPT = list(range(3, 43))
 CHECK_TOKENS = 8
 # What the runtime raises when a fused graph does not load (ONNX Runtime refuses it, or its inputs
 # are not the manifest's) or does not run.
-_DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError)
+_DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError, GenerationError)  # GenerationError: a batch it cannot run
 
 
 def fuse_graph(

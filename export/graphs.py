@@ -26,7 +26,7 @@ from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
 from .patches import onnx_float, weights_apart
 from .source import first_line
-from .trace import PAST_PREFIX, PRESENT_PREFIX, trace, trace_hidden
+from .trace import PAST_PREFIX, PRESENT_PREFIX, STATE_KINDS, trace, trace_hidden
 
 GRAPH_FILE = "model.onnx"
 LAST_POSITION_NODE = "edgeinfer_last_position"  # the Slice before the lm_head (attention.py replaces it)
@@ -272,7 +272,8 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
     """The KV cache's layout, read off the graph's past inputs: [batch, kv heads, past, head size]
     each, the sequence axis the one named past_sequence_length."""
     graph = onnx.load(str(folder / spec.file), load_external_data=False).graph
-    past = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
+    inputs = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
+    past = [i for i in inputs if not i.name.endswith(STATE_KINDS)]
     dims = [p.type.tensor_type.shape.dim for p in past]
     sequence_axis = next(k for k, d in enumerate(dims[0]) if "past_sequence_length" in d.dim_param)
     static = [[d.dim_value for k, d in enumerate(dim) if d.dim_value and k != sequence_axis] for dim in dims]
@@ -289,4 +290,17 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
         past=[i.name for i in past],
         present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX) :] for i in past],
         layers=layers if any(layer != layers[0] for layer in layers) else [],
+        state=[_state_entry(i) for i in inputs if i.name.endswith(STATE_KINDS)],
     )
+
+
+def _state_entry(value) -> dict:
+    """A linear-attention layer's state input as the manifest lists it."""
+    layer, kind = value.name[len(PAST_PREFIX) :].split(".")
+    return {
+        "layer": int(layer),
+        "kind": kind,
+        "past": value.name,
+        "present": PRESENT_PREFIX + value.name[len(PAST_PREFIX) :],
+        "shape": [d.dim_value for d in value.type.tensor_type.shape.dim[1:]],
+    }

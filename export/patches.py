@@ -54,6 +54,13 @@ PATCHES = (
         "torch.onnx's TorchScript exporter types falcon's bfloat16-by-integer ALiBi product as complex128",
     ),
     Patch(
+        "traceable_linear_attention",
+        "transformers",
+        "5.24",
+        ("tests/test_linear_attention.py::test_the_traced_deltanet_layer_gives_transformers_own",),
+        "transformers' gated DeltaNet loops over the prompt's chunks and tokens in Python, which a trace unrolls",
+    ),
+    Patch(
         "faster_gguf",
         "gguf",
         "0.19",
@@ -230,6 +237,31 @@ def _alibi_slopes(num_heads: int):
         base = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32)
         slopes = torch.cat([slopes, torch.pow(base, torch.arange(1, 1 + 2 * extra, 2))])
     return slopes
+
+
+# --- transformers: gated DeltaNet layers, traced into ONNX Runtime's ops -----------------------------
+
+_DELTANET = threading.Lock()  # the patch is process-wide: one trace uses it at a time
+
+
+@contextmanager
+def traceable_linear_attention():
+    """While a model is traced, Qwen 3.5's gated DeltaNet layers run export/linear_attention.py's
+    forward, whose convolution and delta rule trace into ONNX Runtime's CausalConvWithState and
+    LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
+    a trace would unroll for the traced length alone."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from .linear_attention import gated_deltanet_forward
+
+    layer = modeling_qwen3_5.Qwen3_5GatedDeltaNet
+    with _DELTANET:  # the original is read under the lock: another trace may have patched it until now
+        original = layer.forward
+        layer.forward = gated_deltanet_forward
+        try:
+            yield
+        finally:
+            layer.forward = original
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

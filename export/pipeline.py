@@ -520,7 +520,7 @@ def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifes
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
     bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
     return Manifest(
-        format_version=LAYERS_FORMAT_VERSION if kv.layers else SINGLE_FORMAT_VERSION,
+        format_version=LAYERS_FORMAT_VERSION if kv.layers or kv.state else SINGLE_FORMAT_VERSION,
         source=source,
         architecture=config.model_type,
         dtype="float32",

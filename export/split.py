@@ -38,6 +38,11 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None, s
     """Split the export in `folder` (its manifest saved) and check the two graphs against the one:
     the same prompts, a batch, and prompts shorter and longer than `prefill_length`, through the
     runtime. Returns the new manifest (saved) and the comparison; raises where they differ."""
+    if manifest.kv.state:
+        raise ExportError(
+            "--graphs split does not take a model with recurrent state (linear attention) yet: its prefill graph would "
+            "need the state's inputs; export with the default layout (one graph)"
+        )
     if static_context is not None and not manifest.kv.in_place:
         raise ExportError(
             "--static-context needs a graph that writes its KV cache in place (GroupQueryAttention), and this "

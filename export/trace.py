@@ -24,7 +24,9 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from .patches import constant_repeat_interleave, traceable_falcon_alibi
+from .patches import constant_repeat_interleave, traceable_falcon_alibi, traceable_linear_attention
+
+STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 OPSET = 14  # the opset optimum-onnx exported decoders with: the patterns export/attention_pattern.py reads were found in it
@@ -42,9 +44,10 @@ _AXES = {
 _TRACEABLE_EXPERTS = "batched_mm"
 
 
-def cache_names(layers: int) -> tuple[list[str], list[str]]:
-    """The past inputs' and present outputs' names, key then value for each layer."""
-    past = [f"{PAST_PREFIX}{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")]
+def cache_names(kinds: list[tuple[str, ...]]) -> tuple[list[str], list[str]]:
+    """The past inputs' and present outputs' names: for each cached layer, its tensors' kinds
+    (key and value; a linear-attention layer's conv and recurrent state)."""
+    past = [f"{PAST_PREFIX}{layer}.{kind}" for layer, names in enumerate(kinds) for kind in names]
     return past, [PRESENT_PREFIX + name[len(PAST_PREFIX) :] for name in past]
 
 
@@ -58,22 +61,28 @@ def trace(model, path: Path) -> None:
 
     ids = _dummy_ids(model.config.get_text_config().vocab_size, _PAST + _NEW)
     with torch.no_grad(), traceable_experts(model.config):
-        past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
-    decoder = Decoder(model, len(past) // 2).eval()
+        kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
+    decoder = Decoder(model, kinds).eval()
     inputs = {"input_ids": ids[:, _PAST:], "attention_mask": torch.ones(_BATCH, _PAST + _NEW, dtype=torch.int64)}
     if decoder.positions:
         inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(_BATCH, _NEW).contiguous()
-    past_names, present_names = cache_names(len(past) // 2)
+    past_names, present_names = cache_names(kinds)
     axes = {
         "input_ids": {0: _AXES["batch"], 1: _AXES["new"]},
         "attention_mask": {0: _AXES["batch"], 1: _AXES["total"]},
         "position_ids": {0: _AXES["batch"], 1: _AXES["new"]},
         "logits": {0: _AXES["batch"], 1: _AXES["new"]},
-        **{name: {0: _AXES["batch"], 2: _AXES["past"]} for name in past_names},
-        **{name: {0: _AXES["batch"], 2: _AXES["total"]} for name in present_names},
+        **{name: _cache_axes(name, _AXES["past"]) for name in past_names},
+        **{name: _cache_axes(name, _AXES["total"]) for name in present_names},
     }
     names = [*inputs, *past_names]
-    with warnings.catch_warnings(), traceable_experts(model.config), constant_repeat_interleave(), traceable_falcon_alibi():
+    with (
+        warnings.catch_warnings(),
+        traceable_experts(model.config),
+        constant_repeat_interleave(),
+        traceable_falcon_alibi(),
+        traceable_linear_attention(),
+    ):
         # The tracer's warnings about Python-side shape checks are expected for these models;
         # export's validation stage is the real check of the graph.
         warnings.simplefilter("ignore")
@@ -120,22 +129,42 @@ def _dummy_ids(vocab_size: int, length: int):
     return torch.randint(3, max(4, vocab_size), (_BATCH, length), generator=torch.Generator().manual_seed(0))
 
 
-def _cache_tensors(cache) -> list:
-    """Each caching layer's keys and values. Layers that read another layer's cache (Gemma 4's KV
-    sharing: always the last ones) hold none, and are left out."""
-    return [tensor for layer in cache.layers if layer.keys is not None for tensor in (layer.keys, layer.values)]
+def _cache_axes(name: str, length: str) -> dict[int, str]:
+    """A cache tensor's dynamic axes: keys and values grow along axis 2; a state has a fixed size."""
+    return {0: _AXES["batch"]} if name.endswith(STATE_KINDS) else {0: _AXES["batch"], 2: length}
 
 
-def full_length_cache(past):
-    """A transformers cache holding `past` (key, value, key, value, ... per layer) in layers that
-    keep every token. Built without `update`, whose first concatenation is with an empty tensor of
-    another rank, which ONNX's Concat does not take."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
+    """Each cached layer's tensor kinds and its tensors, in order. A linear-attention layer holds
+    its convolution's last kernel - 1 inputs and its recurrent state; layers that read another
+    layer's cache (Gemma 4's KV sharing: always the last ones) hold nothing and are left out."""
+    kinds, tensors = [], []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            kinds.append(STATE_KINDS)
+            tensors += [layer.conv_states[0][..., 1:], layer.recurrent_states[0]]
+        elif layer.keys is not None:
+            kinds.append(("key", "value"))
+            tensors += [layer.keys, layer.values]
+    return kinds, tensors
 
-    cache = DynamicCache()
-    for keys, values in zip(past[0::2], past[1::2]):
-        layer = DynamicLayer()
-        layer.keys, layer.values, layer.device, layer.is_initialized = keys, values, keys.device, True
+
+def full_length_cache(past, kinds):
+    """A transformers cache holding `past` (each layer's tensors, of `kinds`): attention layers
+    that keep every token, and linear-attention layers holding their state. Built without
+    `update`, whose first concatenation is with an empty tensor of another rank, which ONNX's
+    Concat does not take."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
+
+    cache, tensors = DynamicCache(), iter(past)
+    for names in kinds:
+        first, second = next(tensors), next(tensors)
+        if names == STATE_KINDS:
+            layer = LinearAttentionLayer()
+            layer.conv_states, layer.recurrent_states = {0: first}, {0: second}
+        else:
+            layer = DynamicLayer()
+            layer.keys, layer.values, layer.device, layer.is_initialized = first, second, first.device, True
         cache.layers.append(layer)
     return cache
 
@@ -147,17 +176,16 @@ def _decoder_class():
         """The model as a function of plain tensors: (input_ids, attention_mask[, position_ids],
         past...) -> (logits, present...)."""
 
-        def __init__(self, model, layers: int):
+        def __init__(self, model, kinds: list[tuple[str, ...]]):
             super().__init__()
-            self.model, self.layers, self.positions = model, layers, takes_positions(model)
+            self.model, self.kinds, self.positions = model, kinds, takes_positions(model)
 
         def forward(self, input_ids, attention_mask, *rest):
             positions = {"position_ids": rest[0]} if self.positions else {}
             past = rest[1:] if self.positions else rest
-            out = self.model(
-                input_ids=input_ids, attention_mask=attention_mask, cache=full_length_cache(past), use_cache=True, **positions
-            )
-            return out.logits, *_cache_tensors(out.cache)
+            cache = full_length_cache(past, self.kinds)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, **positions)
+            return out.logits, *_present(out.cache)
 
     return Decoder
 
@@ -182,8 +210,19 @@ def Hidden(base, names: list[str]):  # noqa: N802 - builds the class on first us
     return _hidden_class()(base, names)
 
 
-def Decoder(model, layers: int):  # noqa: N802 - builds the class on first use: torch is imported late
-    return _decoder_class()(model, layers)
+def _present(cache) -> list:
+    """The cache's tensors after the pass, in `_cache_tensors`'s order (a state as it is kept)."""
+    return [t for layer in cache.layers for t in _layer_tensors(layer)]
+
+
+def _layer_tensors(layer) -> tuple:
+    if hasattr(layer, "recurrent_states"):
+        return layer.conv_states[0], layer.recurrent_states[0]
+    return () if layer.keys is None else (layer.keys, layer.values)
+
+
+def Decoder(model, kinds: list[tuple[str, ...]]):  # noqa: N802 - builds the class on first use: torch is imported late
+    return _decoder_class()(model, kinds)
 
 
 @contextmanager

@@ -59,13 +59,14 @@ class GrowingCache:
         self.width, self.lengths = width, lengths
 
     def take(self, presents: dict) -> None:
-        """A pass's present outputs become the past of the next pass."""
-        self.buffers = {past: presents[present] for past, present in zip(self.spec.past, self.spec.present)}
+        """A pass's present outputs (keys and values, and any recurrent state) become the past of the next pass."""
+        self.buffers = {past: presents[present] for past, present in cache_pairs(self.spec)}
 
     def trim(self, row: int, count: int) -> int:
         """Forget the last `count` tokens of the single row (a copy through the host); returns how many."""
         if count <= 0:
             return 0
+        refuse_trim_of_state(self.spec)
         if len(self.lengths) != 1:
             raise GenerationError(
                 "this export keeps the attention as traced, whose cache forgets tokens for one prompt at "
@@ -119,17 +120,33 @@ class SlotCache:
     def trim(self, row: int, count: int) -> int:
         """Forget the row's last `count` tokens (the next pass writes over them); returns how many."""
         count = max(0, min(count, int(self.lengths[row])))
+        if count:
+            refuse_trim_of_state(self.spec)
         self.lengths[row] -= count
         return count
 
     @property
     def pooled(self) -> dict:
-        """Each past input's buffer with the present output written into it."""
-        return {past: (self.buffers[past], present) for past, present in zip(self.spec.past, self.spec.present)}
+        """Each past input's buffer with the present output written into it (a recurrent state too)."""
+        return {past: (self.buffers[past], present) for past, present in cache_pairs(self.spec)}
 
     @property
     def nbytes(self) -> int:
         return sum(_nbytes(value) for value in self.buffers.values())
+
+
+def cache_pairs(spec: KVSpec) -> list[tuple[str, str]]:
+    """(past input, present output) of every cache tensor: keys and values, then recurrent states."""
+    return [*zip(spec.past, spec.present), *((entry["past"], entry["present"]) for entry in spec.state)]
+
+
+def refuse_trim_of_state(spec: KVSpec) -> None:
+    """A recurrent state holds every token it has read in one fixed-size tensor: none can be taken back."""
+    if spec.state:
+        raise GenerationError(
+            "this model keeps a recurrent state (linear attention), which cannot take back tokens it has read, as "
+            "speculative decoding does with a rejected draft: generate without speculative decoding"
+        )
 
 
 def host_array(value) -> np.ndarray:

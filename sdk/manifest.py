@@ -19,7 +19,7 @@ from .errors import ManifestError, NotAnExportError
 # prefill graph without past inputs beside the decode graph), written only for `--graphs split`;
 # 4: LoRA adapters (the adapters' graph and files) or an embedding model, written only for an
 # export with adapters or of an embedding model; 5: layers whose caches differ in shape (`kv.layers`,
-# Gemma 4), written only for such exports. So exports stay readable by the edgeinfer versions that
+# Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports. So exports stay readable by the edgeinfer versions that
 # read what they use.
 LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 5, 4, 3, 2
 FORMAT_VERSION = LAYERS_FORMAT_VERSION  # the newest this edgeinfer reads
@@ -43,7 +43,11 @@ class KVSpec:
     `value_head_size`, which differs in some families (DeepSeek's multi-head latent attention).
     Where the layers' caches differ in shape (Gemma 4's full-attention layers are wider than its
     sliding ones), `layers` gives each layer's `kv_heads`, `head_size` and `value_head_size`, and
-    the fields above are layer 0's; else it is empty and they hold for every layer."""
+    the fields above are layer 0's; else it is empty and they hold for every layer. `past` and
+    `present` name the keys and values alone: layers of linear attention keep a fixed-size state
+    instead, listed in `state` (`layer`, its `kind`, conv or recurrent, the `past` input and
+    `present` output, and its `shape` after the rows axis), whose present replaces its past after
+    every pass."""
 
     num_layers: int
     num_kv_heads: int
@@ -57,12 +61,15 @@ class KVSpec:
     # (one buffer of fixed capacity per input, right-padded rows): export's GroupQueryAttention.
     in_place: bool = False
     layers: list[dict] = field(default_factory=list)
+    state: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.past) != len(self.present):
             raise ManifestError(f"KV layout lists {len(self.past)} past inputs but {len(self.present)} present outputs")
         if self.layers and len(self.layers) != self.num_layers:
             raise ManifestError(f"KV layout describes {len(self.layers)} layers but has {self.num_layers}: re-export the model")
+        if any(not {"past", "present", "shape"} <= set(entry) for entry in self.state):
+            raise ManifestError("KV layout lists a state without its past, present and shape: re-export the model")
 
     def layer_shapes(self) -> list[tuple[int, int, int]]:
         """Each layer's (KV heads, key head size, value head size)."""

@@ -21,23 +21,26 @@ _CGROUP = Path("/sys/fs/cgroup")
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes an engine holds: its weights (the graph files), its KV cache for `context` tokens in
-    each of `batch` rows, and what its prefix cache may hold."""
+    each of `batch` rows (and each row's recurrent state, for hybrid models), and what its prefix
+    cache may hold."""
 
     weights: int
     kv_per_token: int
     context: int
     batch: int
     prefix_cache: int = 0
+    state_per_row: int = 0
 
     @classmethod
     def of(cls, manifest: Manifest, context: int, batch: int, weight_copies: int = 1) -> MemoryPlan:
         """`weight_copies`: sessions that each hold the weights (the split layout's two on the CPU)."""
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
-        return cls(weights * weight_copies + adapter_memory(manifest, batch), kv_bytes_per_token(manifest), context, batch)
+        weights = weights * weight_copies + adapter_memory(manifest, batch)
+        return cls(weights, kv_bytes_per_token(manifest), context, batch, state_per_row=state_bytes_per_row(manifest))
 
     @property
     def kv(self) -> int:
-        return self.kv_per_token * self.context * self.batch
+        return (self.kv_per_token * self.context + self.state_per_row) * self.batch
 
     @property
     def total(self) -> int:
@@ -50,14 +53,14 @@ class MemoryPlan:
         need = f"{size_text(self.weights)} of weights and {size_text(self.kv)} of KV cache ({self.context} tokens x {self.batch} rows)"
         if self.prefix_cache:
             need += f" and a prefix cache of {size_text(self.prefix_cache)}"
-        room = available - self.weights - self.prefix_cache
-        if room < 2 * self.kv_per_token * self.batch:  # not even a context of 2 tokens
+        room = available - self.weights - self.prefix_cache - self.state_per_row * self.batch
+        if room < max(1, 2 * self.kv_per_token * self.batch):  # not even a context of 2 tokens
             raise SettingsError(
                 f"the model needs {need}, but {where} has {size_text(available)}: the weights alone do not fit; "
                 "use a quantized export (edgeinfer export --quantize int4) or free memory"
             )
-        fits = room // (self.kv_per_token * self.batch)
-        rows = room // (self.kv_per_token * self.context)
+        fits = room // max(1, self.kv_per_token * self.batch)
+        rows = (room + self.state_per_row * self.batch) // max(1, self.kv_per_token * self.context + self.state_per_row)
         batch_hint = f", or max_batch={rows}" if self.batch > 1 and rows >= 1 else ""
         raise SettingsError(
             f"the model needs {need}, but {where} has {size_text(available)}: load it with "
@@ -78,6 +81,12 @@ def kv_bytes_per_token(manifest: Manifest) -> int:
     """Bytes of keys and values one token adds to one row of the cache."""
     kv = manifest.kv
     return sum(heads * (key + value) for heads, key, value in kv.layer_shapes()) * np.dtype(kv.dtype).itemsize
+
+
+def state_bytes_per_row(manifest: Manifest) -> int:
+    """Bytes of recurrent state one row holds whatever its length (the linear-attention layers')."""
+    kv = manifest.kv
+    return sum(int(np.prod(entry["shape"])) for entry in kv.state) * np.dtype(kv.dtype).itemsize
 
 
 def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:

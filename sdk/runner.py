@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
-from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, host_array
+from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, cache_pairs, host_array
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, load_weights
@@ -78,7 +78,13 @@ class ModelRunner:
         self.copier = self._copier()
         # Off where a static decode graph would take a prompt's tail one token a pass, and where a
         # slot cache has no copier.
-        usable = not self.is_static and self.kv.sequence_axis == 2 and (not self.kv.in_place or self.copier is not None)
+        # Off too for a recurrent state (hybrid models): a block of tokens would need the state at its end.
+        usable = (
+            not self.is_static
+            and not self.kv.state
+            and self.kv.sequence_axis == 2
+            and (not self.kv.in_place or self.copier is not None)
+        )
         self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
         self._past_shapes = {name: self.graph.inputs[name].shape for name in self.kv.past}
         self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
@@ -89,7 +95,7 @@ class ModelRunner:
         graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
         graph.check_names(spec.inputs, spec.outputs)
         adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is self.manifest.lora else set()
-        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past) - adapters
+        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past) - {s["past"] for s in self.kv.state} - adapters
         if unknown:
             raise ManifestError(
                 f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
@@ -133,7 +139,16 @@ class ModelRunner:
             name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, capacity), self.kv.dtype)
             for name in self.kv.past
         }
-        return Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
+        buffers.update({s["past"]: self.graph.allocate([num_rows, *s["shape"]], self.kv.dtype) for s in self.kv.state})
+        batch = Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
+        for row in range(num_rows):
+            self._reset_state(batch, row)
+        return batch
+
+    def _reset_state(self, batch: Batch, row: int) -> None:
+        """Zero the row's recurrent state (hybrid models), as a new prompt starts from it."""
+        for entry in self.kv.state:
+            self.graph.write_row(batch.cache.buffers[entry["past"]], row, np.zeros(entry["shape"], np.dtype(self.kv.dtype)))
 
     def assign(self, batch: Batch, row: int, adapter: str | None) -> None:
         """Run `row` with LoRA adapter `adapter` (None: the base model) from its next pass on."""
@@ -204,8 +219,12 @@ class ModelRunner:
             return self._prefill_growing(batch, prompts)
         rows = [batch.cache.acquire() for _ in prompts]
         assert rows == list(range(len(prompts))), "prefill fills a new batch"
-        if len(prompts) > 1 and not (
-            self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts))
+        if (
+            len(prompts) > 1
+            and not self.kv.state
+            and not (  # a state reads padding as tokens: each row alone
+                self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts))
+            )
         ):
             logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
             batch.num_cached = [0] * len(prompts)
@@ -246,6 +265,8 @@ class ModelRunner:
         """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
         run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
         batch of one); returns the last position's logits [1, 1, vocab]."""
+        if start == 0:
+            self._reset_state(batch, row)
         return self._run_row(
             batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
         )
@@ -280,7 +301,13 @@ class ModelRunner:
         prompt starts from the prefix cache's blocks and leaves its own there."""
         cache, first = batch.cache, self.manifest.prefill_length if self.prefill_graph is not None else None
         width = max(max(len(p) for p in prompts), first or 0)
+        if self.kv.state and len(prompts) > 1:
+            raise GenerationError(
+                "this export keeps the attention as traced, and its recurrent state would read the padding of a batch "
+                "as tokens: generate the prompts one by one, or export the model again with the attention fused"
+            )
         shapes = {name: buffer_shape(self.kv, self._past_shapes[name], len(prompts), 0) for name in self.kv.past}
+        shapes.update({s["past"]: [len(prompts), *s["shape"]] for s in self.kv.state})
         buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
         root = self._root(batch, 0)
         num_cached, blocks = self.prefix_cache.take(prompts[0], root) if self._prefix_on and len(prompts) == 1 else (0, {})
@@ -305,11 +332,16 @@ class ModelRunner:
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
         binding, logits = self._decode_binding(batch, len(tokens))
-        if not batch.reuses_logits:
-            binding.run(inputs, fresh=("logits",))
-            return binding.outputs()[-1]
-        binding.run(inputs)
-        return logits
+        idle = self._idle_states(batch, tokens)
+        binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
+        for (name, row), values in idle.items():  # a state read the pad token of a row not decoding: put it back
+            self.graph.write_row(batch.cache.buffers[name], row, values)
+        return logits if batch.reuses_logits else binding.outputs()[-1]
+
+    def _idle_states(self, batch: Batch, tokens: list[int | None]) -> dict:
+        """A copy of the recurrent state of each row a decode pass carries without a token of its own."""
+        idle = [row for row, token in enumerate(tokens) if token is None] if self.kv.state else []
+        return {(s["past"], row): self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state for row in idle}
 
     def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> ort.OrtValue:
         """Several new tokens of one row in one pass, with the logits of each (of the last
@@ -393,7 +425,8 @@ class ModelRunner:
         adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
         inputs = {name: value for name, value in {**inputs, **adapters}.items() if name in graph.inputs}
         past = cache.buffers if graph is self.graph else {}
-        outputs, _ = graph.run({**inputs, **past}, on_device=[*self.kv.present, "logits"], to_host=[])
+        presents = [present for _, present in cache_pairs(self.kv)]
+        outputs, _ = graph.run({**inputs, **past}, on_device=[*presents, "logits"], to_host=[])
         cache.take(outputs)
         return outputs["logits"]
 

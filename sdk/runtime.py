@@ -203,6 +203,12 @@ class Graph:
         binding.bind_output("y", self.device, 0, dtype, [int(np.prod(shape[1:-1])), shape[-1]], buffer.data_ptr() + row * row_bytes)
         _run(copy.session, binding, copy.name)
 
+    def read_row(self, buffer: ort.OrtValue, row: int) -> np.ndarray:
+        """A host copy of row `row` of `buffer` [rows, ...]."""
+        if self.device == "cpu":
+            return self.host_view(buffer)[row].copy()
+        return buffer.numpy()[row].copy()
+
     def host_view(self, value: ort.OrtValue) -> np.ndarray:
         """A numpy array over a CPU value's own memory (writes go into the value); valid while the
         value lives."""

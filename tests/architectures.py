@@ -107,6 +107,16 @@ TINY = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "num_kv_shared_layers": 2,
     },
+    # gated DeltaNet (linear attention: a convolution and a recurrent state) in three layers of four
+    "qwen3_5_text": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    },
     "exaone4": {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
     "granite_swa": {"sliding_window": WINDOW, "layer_types": ["full_attention", "sliding_attention"]},
     "hunyuan_v1_dense": {"head_dim": 16},

@@ -77,6 +77,7 @@ RECORDED_IN_PLACE = {
     "gemma4_text",
     "hunyuan_v1_dense",
     "olmo3",
+    "qwen3_5_text",
     "seed_oss",
 }
 RECORDED_ROTARY_IN_ATTENTION = {

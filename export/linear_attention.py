@@ -1,0 +1,111 @@
+"""Linear-attention layers traced into ONNX Runtime's fused ops.
+
+A gated DeltaNet layer (Qwen 3.5's `linear_attention` layers) keeps a fixed-size state instead of a
+KV cache: a convolution state (the last kernel - 1 inputs of its causal depthwise convolution) and a
+recurrent state (one [key, value] matrix per value head). transformers computes them with Python
+loops over chunks and tokens, which a trace would unroll for the traced length alone. Here each
+becomes one op of ONNX Runtime's `com.microsoft` domain, which runs a prompt of any length in one
+pass (fused CPU kernels since ONNX Runtime 1.30):
+
+- `CausalConvWithState(input [B, C, T], weight [C, 1, K], past_state [B, C, K - 1], activation=silu)`
+  -> (output [B, C, T], present_state [B, C, K - 1]);
+- `LinearAttention(query [B, T, Hk * dk], key [B, T, Hk * dk], value [B, T, Hv * dv], past_state
+  [B, Hv, dk, dv], decay [B, T, Hv], beta [B, T, Hv], update_rule=gated_delta)` -> (output [B, T,
+  Hv * dv], present_state [B, Hv, dk, dv]).
+
+Each is a `torch.autograd.Function` whose forward computes the same values in PyTorch (the trace
+runs it) and whose `symbolic` writes the op. `gated_deltanet_forward` is Qwen 3.5's layer with them;
+export/patches.py puts it in place of transformers' while a model is traced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class CausalConv(torch.autograd.Function):
+    """SiLU(depthwise causal convolution of `x` [B, C, T] continued from `state` [B, C, K - 1])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state):
+        full = torch.cat([state, x], dim=-1)
+        out = F.silu(F.conv1d(full, weight, bias, groups=weight.shape[0]))
+        return out, full[:, :, -state.shape[-1] :]
+
+    @staticmethod
+    def symbolic(g, x, weight, bias, state):
+        return g.op("com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s="silu", outputs=2)
+
+
+class GatedDeltaRule(torch.autograd.Function):
+    """The gated delta rule over T tokens from `state` [B, Hv, dk, dv]: query and key [B, T, Hk *
+    dk] (L2-normalized), value [B, T, Hv * dv], decay (log-space) and beta [B, T, Hv]; each of the
+    `key_heads` key and query heads serves Hv / Hk consecutive value heads of the `heads`. Returns the output [B, T, Hv * dv] and the
+    state after the last token."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, state, decay, beta, key_heads: int, heads: int):
+        batch, length = query.shape[:2]
+        key_size, value_size = state.shape[2:]
+        q, k = (t.reshape(batch, length, -1, key_size) for t in (query, key))
+        q, k = (t.repeat_interleave(heads // t.shape[2], dim=2).transpose(1, 2) for t in (q, k))
+        v = value.reshape(batch, length, heads, value_size).transpose(1, 2)
+        q = q * key_size**-0.5
+        out, state = torch.empty_like(v), state.clone()
+        for t in range(length):
+            state = state * decay[:, t].exp()[:, :, None, None]
+            update = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * beta[:, t, :, None]
+            state = state + k[:, :, t, :, None] * update[:, :, None, :]
+            out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)
+        return out.transpose(1, 2).reshape(batch, length, heads * value_size), state
+
+    @staticmethod
+    def symbolic(g, query, key, value, state, decay, beta, key_heads: int, heads: int):
+        return g.op(
+            "com.microsoft::LinearAttention",
+            query,
+            key,
+            value,
+            state,
+            decay,
+            beta,
+            q_num_heads_i=key_heads,
+            kv_num_heads_i=heads,
+            scale_f=0.0,  # 1 / sqrt(key head size), the op's default
+            update_rule_s="gated_delta",
+            outputs=2,
+        )
+
+
+def _l2_normalized(x, size: int, eps: float = 1e-6):
+    """Each head of `x` [B, T, H * size] divided by its L2 norm, as transformers' l2norm does."""
+    heads = x.reshape(*x.shape[:2], -1, size)
+    return (heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + eps)).reshape(x.shape)
+
+
+def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """Qwen 3.5's `Qwen3_5GatedDeltaNet.forward` through the two ops, its state read from and
+    written to the cache layer's `conv_states[0]` and `recurrent_states[0]`. Every position is
+    taken as a real token (the runtime passes no padding to these layers)."""
+    batch, length, _ = hidden_states.shape
+    layer = cache.layers[self.layer_idx]
+    weight = self.conv1d.weight
+    bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
+    mixed, layer.conv_states[0] = CausalConv.apply(self.in_proj_qkv(hidden_states).transpose(1, 2), weight, bias, layer.conv_states[0])
+    query, key, value = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    beta = self.in_proj_b(hidden_states).sigmoid()
+    decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+    out, layer.recurrent_states[0] = GatedDeltaRule.apply(
+        _l2_normalized(query, self.head_k_dim),
+        _l2_normalized(key, self.head_k_dim),
+        value,
+        layer.recurrent_states[0],
+        decay,
+        beta,
+        self.num_k_heads,
+        self.num_v_heads,
+    )
+    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(batch, length, -1)
+    return self.out_proj(out)

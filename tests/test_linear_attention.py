@@ -1,0 +1,123 @@
+"""Hybrid models: Qwen 3.5's gated DeltaNet layers (a convolution and a recurrent state instead of
+a KV cache) traced into ONNX Runtime's CausalConvWithState and LinearAttention, and the runtime
+that keeps their state: against transformers, alone, in batches, in chunks, and in the scheduler's
+continuous batching, where rows join and leave while others decode."""
+
+import collections
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from architectures import tiny_config
+from conftest import build_tokenizer, in_threads
+from transformers import AutoModelForCausalLM
+
+from edgeinfer import Engine, Scheduler
+from edgeinfer.export import export_model
+from edgeinfer.export.trace import trace
+from edgeinfer.sdk.errors import SettingsError
+from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
+from edgeinfer.sdk.memory import MemoryPlan
+
+PROMPTS = [list(range(3, 43)), [5, 6, 7], list(range(100, 119)), [9] * 11]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(transformers model, export folder) of the tiny qwen3_5: three gated DeltaNet layers and one
+    of full attention."""
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).eval()
+    model.save_pretrained(folder / "hf")
+    build_tokenizer().save_pretrained(folder / "hf")
+    export_model(str(folder / "hf"), folder / "export")
+    return model, folder / "export"
+
+
+def transformers_greedy(model, ids, new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+    return out[0, len(ids) :].tolist()
+
+
+def test_the_traced_deltanet_layer_gives_transformers_own(tmp_path):
+    """The graph traced with export/patches.py's `traceable_linear_attention`: one op per layer for
+    the convolution and for the delta rule (no loop), and its logits over a prefill, two decode
+    steps and a chunk of two, each pass on the state the last one handed back, equal transformers'
+    over the whole sequence."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).eval()
+    trace(model, tmp_path / "model.onnx")
+    graph = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph
+    ops = collections.Counter(n.op_type for n in graph.node)
+    assert (ops["CausalConvWithState"], ops["LinearAttention"], ops["Loop"] + ops["Scan"]) == (3, 3, 0)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = [5, 9, 17, 33, 2, 71, 8, 100, 42, 7]
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    state = {
+        i.name: np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else d for d in i.shape], np.float32)
+        for i in session.get_inputs()
+        if i.name.startswith("past")
+    }
+    got = []
+    for start, end in ((0, 6), (6, 7), (7, 8), (8, 10)):
+        feed = {
+            "input_ids": np.array([ids[start:end]]),
+            "attention_mask": np.ones((1, end), np.int64),
+            "position_ids": np.arange(start, end)[None],
+            **state,
+        }
+        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feed)))
+        got.append(outputs["logits"][0])
+        state = {name.replace("present.", "past_key_values.", 1): value for name, value in outputs.items() if name != "logits"}
+    assert np.abs(np.concatenate(got) - expected).max() < 1e-4
+
+
+def test_the_manifest_lists_each_layers_state_and_the_plan_counts_it(hybrid):
+    manifest = Engine.load(hybrid[1], provider="cpu").manifest
+    assert manifest.format_version == LAYERS_FORMAT_VERSION and manifest.kv.num_layers == 1 and manifest.kv.in_place
+    assert [(s["layer"], s["kind"], s["shape"]) for s in manifest.kv.state] == [
+        (layer, kind, shape) for layer in range(3) for kind, shape in (("conv", [128, 3]), ("recurrent", [4, 16, 16]))
+    ]
+    plan = MemoryPlan.of(manifest, 64, 2)
+    assert plan.state_per_row == 3 * (128 * 3 + 4 * 16 * 16) * 4
+    assert plan.kv == (plan.kv_per_token * 64 + plan.state_per_row) * 2
+    assert manifest.validation["fusion"]["fused"]["LinearAttention"] == 3
+
+
+def test_generation_equals_transformers_alone_in_a_batch_and_in_chunks(hybrid):
+    model, folder = hybrid
+    expected = [transformers_greedy(model, p, 12) for p in PROMPTS]
+    engine = Engine.load(folder, provider="cpu")
+    assert [engine.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in PROMPTS] == expected
+    assert [r.token_ids for r in engine.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True)] == expected
+    chunked = Engine.load(folder, provider="cpu", prefill_chunk=4)  # a 40-token prompt in 10 passes on the state
+    assert chunked.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids == expected[0]
+    assert engine.runner.prefix_cache.budget == 0  # a block's state is not kept: the prefix cache is off
+
+
+def test_rows_joining_and_leaving_a_running_batch_each_get_what_they_get_alone(hybrid):
+    """The scheduler's decode passes carry rows that are not decoding (prefilling, or just ended):
+    their state must come out of such a pass as it went in."""
+    engine = Engine.load(hybrid[1], provider="cpu", prefill_chunk=5)
+    jobs = [(i % len(PROMPTS), 4 + 5 * i) for i in range(8)]
+    expected = [engine.generate(PROMPTS[p], max_new_tokens=n, ignore_eos=True).token_ids for p, n in jobs]
+    results = [None] * len(jobs)
+
+    def call(job):
+        prompt, tokens = jobs[job]
+        results[job] = scheduler.submit(PROMPTS[prompt], max_new_tokens=tokens, ignore_eos=True).result().token_ids
+
+    with Scheduler(engine, max_batch=3) as scheduler:
+        assert in_threads(call, len(jobs)) == []
+    assert results == expected
+
+
+def test_speculative_decoding_is_refused_with_the_reason(hybrid):
+    engine = Engine.load(hybrid[1], provider="cpu")
+    with pytest.raises(SettingsError, match="keeps a recurrent state .* generate without speculative decoding"):
+        engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt_lookup")
