@@ -81,7 +81,6 @@ SHARD_BYTES = 2 * 2**30
 def write(shape: str, out: Path, layers: int | None = None) -> int:
     """Write the checkpoint into `out`; returns its number of weights."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(SHAPES[shape])
@@ -93,22 +92,30 @@ def write(shape: str, out: Path, layers: int | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     generator, shard, size, index, total = torch.Generator().manual_seed(0), {}, 0, {}, 0
-    names = list(model.state_dict(keep_vars=True).items())
-    for position, (name, meta) in enumerate(names):
+    for name, meta in model.state_dict(keep_vars=True).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shard[name] = _random(tuple(meta.shape), "norm" in name, generator)
         size, total = size + shard[name].numel() * 2, total + shard[name].numel()
-        if size >= SHARD_BYTES or position == len(names) - 1:
-            file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
-            save_file(shard, str(out / file), metadata={"format": "pt"})
-            index.update(dict.fromkeys(shard, file))
+        if size >= SHARD_BYTES:
+            _save(shard, out, index)
             shard, size = {}, 0
+    if shard:
+        _save(shard, out, index)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": 2 * total}, "weight_map": index}, indent=1)
     )
     _tokenizer(out)
     return total
+
+
+def _save(shard: dict, out: Path, index: dict) -> None:
+    """Write one shard and note where its tensors are."""
+    from safetensors.torch import save_file
+
+    file = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+    save_file(shard, str(out / file), metadata={"format": "pt"})
+    index.update(dict.fromkeys(shard, file))
 
 
 def _random(shape: tuple, is_norm: bool, generator):

@@ -177,7 +177,13 @@ def export(
         matryoshka=_widths(matryoshka),
     )
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
-    say(f"exported {manifest.source} ({manifest.architecture}, {manifest.kv.num_layers} layers) to {output}")
+    stateful = len({entry["layer"] for entry in manifest.kv.state})
+    layers = (
+        f"{manifest.kv.num_layers} attention layers and {stateful} of linear attention"
+        if stateful
+        else f"{manifest.kv.num_layers} layers"
+    )
+    say(f"exported {manifest.source} ({manifest.architecture}, {layers}) to {output}")
 
 
 def _refuse_quantization_flags(**flags) -> None:

@@ -49,6 +49,7 @@ SUPPORTED = (
     "hunyuan_v1_dense",
     "ministral3",
     "olmo3",
+    "olmo_hybrid",
     "qwen3_5_text",
     "seed_oss",
 )

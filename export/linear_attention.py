@@ -35,7 +35,8 @@ class CausalConv(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, x, weight, bias, state):
-        return g.op("com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s="silu", outputs=2)
+        out, present = g.op("com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s="silu", outputs=2)
+        return _typed(out, x), _typed(present, state)
 
 
 class GatedDeltaRule(torch.autograd.Function):
@@ -62,7 +63,7 @@ class GatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, query, key, value, state, decay, beta, key_heads: int, heads: int):
-        return g.op(
+        out, present = g.op(
             "com.microsoft::LinearAttention",
             query,
             key,
@@ -76,6 +77,13 @@ class GatedDeltaRule(torch.autograd.Function):
             update_rule_s="gated_delta",
             outputs=2,
         )
+        return _typed(out, value), _typed(present, state)
+
+
+def _typed(output, like):
+    """`output` given the type (and shape) of `like`, for torch.onnx's shape inference, which knows no contrib op."""
+    output.setType(like.type())
+    return output
 
 
 def _l2_normalized(x, size: int, eps: float = 1e-6):
@@ -85,17 +93,17 @@ def _l2_normalized(x, size: int, eps: float = 1e-6):
 
 
 def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """Qwen 3.5's `Qwen3_5GatedDeltaNet.forward` through the two ops, its state read from and
-    written to the cache layer's `conv_states[0]` and `recurrent_states[0]`. Every position is
-    taken as a real token (the runtime passes no padding to these layers)."""
+    """A gated DeltaNet layer's forward (Qwen 3.5's, OLMo Hybrid's) through the two ops, its state
+    read from and written to the cache layer's `conv_states[0]` and `recurrent_states[0]`. Every
+    position is taken as a real token (the runtime passes no padding to these layers)."""
     batch, length, _ = hidden_states.shape
     layer = cache.layers[self.layer_idx]
+    mixed, a, beta, gate, norm, out_proj = _projections(self, hidden_states)
     weight = self.conv1d.weight
     bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
-    mixed, layer.conv_states[0] = CausalConv.apply(self.in_proj_qkv(hidden_states).transpose(1, 2), weight, bias, layer.conv_states[0])
+    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0])
     query, key, value = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    beta = self.in_proj_b(hidden_states).sigmoid()
-    decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+    decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     out, layer.recurrent_states[0] = GatedDeltaRule.apply(
         _l2_normalized(query, self.head_k_dim),
         _l2_normalized(key, self.head_k_dim),
@@ -106,6 +114,17 @@ def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None,
         self.num_k_heads,
         self.num_v_heads,
     )
-    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
-    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(batch, length, -1)
-    return self.out_proj(out)
+    out = norm(out.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim)).reshape(batch, length, -1)
+    return out_proj(out)
+
+
+def _projections(self, hidden_states):
+    """(query, key and value before the convolution, the decay's input, beta, the output gate, the
+    gated norm, the output projection), by each family's module names."""
+    if hasattr(self, "in_proj_qkv"):  # Qwen 3.5
+        beta = self.in_proj_b(hidden_states).sigmoid()
+        mixed = self.in_proj_qkv(hidden_states)
+        return mixed, self.in_proj_a(hidden_states), beta, self.in_proj_z(hidden_states), self.norm, self.out_proj
+    beta = self.b_proj(hidden_states).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)  # OLMo Hybrid
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+    return mixed, self.a_proj(hidden_states), beta, self.g_proj(hidden_states), self.o_norm, self.o_proj

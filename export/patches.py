@@ -57,7 +57,10 @@ PATCHES = (
         "traceable_linear_attention",
         "transformers",
         "5.24",
-        ("tests/test_linear_attention.py::test_the_traced_deltanet_layer_gives_transformers_own",),
+        (
+            "tests/test_linear_attention.py::test_the_traced_deltanet_layer_gives_transformers_own",
+            "tests/test_architectures.py::test_family_matches_transformers",
+        ),
         "transformers' gated DeltaNet loops over the prompt's chunks and tokens in Python, which a trace unrolls",
     ),
     Patch(
@@ -246,22 +249,25 @@ _DELTANET = threading.Lock()  # the patch is process-wide: one trace uses it at 
 
 @contextmanager
 def traceable_linear_attention():
-    """While a model is traced, Qwen 3.5's gated DeltaNet layers run export/linear_attention.py's
+    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, OLMo Hybrid's) run export/linear_attention.py's
     forward, whose convolution and delta rule trace into ONNX Runtime's CausalConvWithState and
     LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
     a trace would unroll for the traced length alone."""
+    from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     from .linear_attention import gated_deltanet_forward
 
-    layer = modeling_qwen3_5.Qwen3_5GatedDeltaNet
-    with _DELTANET:  # the original is read under the lock: another trace may have patched it until now
-        original = layer.forward
-        layer.forward = gated_deltanet_forward
+    layers = (modeling_qwen3_5.Qwen3_5GatedDeltaNet, modeling_olmo_hybrid.OlmoHybridGatedDeltaNet)
+    with _DELTANET:  # the originals are read under the lock: another trace may have patched them until now
+        originals = [layer.forward for layer in layers]
+        for layer in layers:
+            layer.forward = gated_deltanet_forward
         try:
             yield
         finally:
-            layer.forward = original
+            for layer, original in zip(layers, originals):
+                layer.forward = original
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

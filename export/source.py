@@ -105,8 +105,10 @@ def load_model(source: Source, with_tokenizer: bool = True):
         raise ModelNotFoundError(
             f"cannot load {source.name}: {first_line(e)}; check the path, or the connection to the Hugging Face hub"
         ) from None
-    except ValueError as e:  # transformers' word for a config or GGUF it cannot read
-        raise ExportError(f"transformers cannot load {source.name}: {first_line(e)}") from None
+    except (ValueError, IndexError, KeyError) as e:  # transformers' words for a config, checkpoint or GGUF it cannot read
+        raise ExportError(
+            f"transformers cannot load {source.name} ({type(e).__name__}: {first_line(e)}): check that its files are complete"
+        ) from None
     if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer

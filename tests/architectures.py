@@ -117,6 +117,16 @@ TINY = {
         "linear_value_head_dim": 16,
         "linear_conv_kernel_dim": 4,
     },
+    # gated DeltaNet with separate projections and beta up to 2 (negative eigenvalues)
+    "olmo_hybrid": {
+        "num_hidden_layers": 4,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_allow_neg_eigval": True,
+    },
     "exaone4": {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
     "granite_swa": {"sliding_window": WINDOW, "layer_types": ["full_attention", "sliding_attention"]},
     "hunyuan_v1_dense": {"head_dim": 16},

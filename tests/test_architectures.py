@@ -77,6 +77,7 @@ RECORDED_IN_PLACE = {
     "gemma4_text",
     "hunyuan_v1_dense",
     "olmo3",
+    "olmo_hybrid",
     "qwen3_5_text",
     "seed_oss",
 }
@@ -281,9 +282,12 @@ def test_every_dynamic_axis_has_a_name_the_runtime_reads(name, tmp_path):
     batch, new, past, total = (_AXES[k] for k in ("batch", "new", "past", "total"))
     assert shapes["input_ids"] == [batch, new] and shapes["attention_mask"] == [batch, total]
     assert shapes["logits"] == [batch, new, model_vocab(name)]
-    caches = [(n, s) for n, s in shapes.items() if n.startswith(("past_key_values.", "present."))]
+    caches = [(n, s) for n, s in shapes.items() if n.startswith(("past_key_values.", "present.")) and n.endswith(("key", "value"))]
     assert caches and all(s[0] == batch and s[2] == (past if n.startswith("past") else total) for n, s in caches)
     assert all(isinstance(a, int) and a > 0 for _, s in caches for k, a in enumerate(s) if k not in (0, 2))
+    states = [s for n, s in shapes.items() if n.endswith(("conv", "recurrent"))]  # linear attention: a fixed size
+    assert all(s[0] == batch and all(isinstance(a, int) and a > 0 for a in s[1:]) for s in states)
+    assert len(states) + len(caches) == len([n for n in shapes if n.startswith(("past_key_values.", "present."))])
 
 
 def model_vocab(name: str) -> int:
@@ -346,6 +350,11 @@ def test_the_split_layout_gives_the_single_graphs_results(name, exported, tmp_pa
     from edgeinfer.export.split import split_export
 
     model, folder, manifest = exported(name)
+    if manifest.kv.state:  # a recurrent state: refused, saying so
+        shutil.copytree(folder, tmp_path / "split")
+        with pytest.raises(ExportError, match="does not take a model with recurrent state"):
+            split_export(tmp_path / "split", manifest, None, None)
+        return
     variants = [(None, None)] + ([(48, min(64, manifest.max_context))] if manifest.kv.in_place else [])
     for prefill_length, static_context in variants:
         split = tmp_path / f"split-{prefill_length}"
