@@ -64,6 +64,13 @@ PATCHES = (
         "transformers' gated DeltaNet loops over the prompt's chunks and tokens in Python, which a trace unrolls",
     ),
     Patch(
+        "state_op_shapes",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_linear_attention.py::test_the_optimizer_fuses_a_hybrid_graphs_norms",),
+        "ONNX Runtime's symbolic shape inference knows no LinearAttention or CausalConvWithState and gives up on the graph",
+    ),
+    Patch(
         "faster_gguf",
         "gguf",
         "0.19",
@@ -519,6 +526,44 @@ def _forgetting(method):
 
     call.__name__ = method.__name__
     return call
+
+
+# --- onnxruntime: shape inference of the linear-attention ops ----------------------------------------
+
+_SHAPES = threading.Lock()  # the patch is process-wide: one optimizer run uses it at a time
+# Each op's outputs and the input whose shape and type each takes: (output index, input index).
+_STATE_OP_SHAPES = {"LinearAttention": ((0, 2), (1, 3)), "CausalConvWithState": ((0, 0), (1, 3))}
+
+
+@contextmanager
+def state_op_shapes():
+    """While ONNX Runtime's transformer optimizer runs, its symbolic shape inference knows
+    LinearAttention's and CausalConvWithState's output shapes (each output has one input's shape
+    and type). It knows no such op, gives up on the whole graph, and its fusions that need shapes
+    (skip + RMS norm) then leave a hybrid model's graph alone."""
+    from onnxruntime.transformers.shape_infer_helper import SymbolicShapeInferenceHelper
+
+    # the optimizer's helper derives from the module as its own path imports it (symbolic_shape_infer,
+    # not onnxruntime.tools.symbolic_shape_infer): a class of its own
+    inference = SymbolicShapeInferenceHelper.__mro__[1]
+
+    def with_state_ops(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            for op, pairs in _STATE_OP_SHAPES.items():
+                self.dispatcher_[op] = lambda node, pairs=pairs, self=self: [
+                    self._propagate_shape_and_type(node, source, output) for output, source in pairs
+                ]
+
+        return __init__
+
+    with _SHAPES:  # the original is read under the lock: another run may have patched it until now
+        original = inference.__init__
+        inference.__init__ = with_state_ops(original)
+        try:
+            yield
+        finally:
+            inference.__init__ = original
 
 
 # --- onnxruntime: the quantizer reads one weight at a time -----------------------------------------

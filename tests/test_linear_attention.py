@@ -121,3 +121,11 @@ def test_speculative_decoding_is_refused_with_the_reason(hybrid):
     engine = Engine.load(hybrid[1], provider="cpu")
     with pytest.raises(SettingsError, match="keeps a recurrent state .* generate without speculative decoding"):
         engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt_lookup")
+
+
+def test_the_optimizer_fuses_a_hybrid_graphs_norms(hybrid):
+    """With export/patches.py's `state_op_shapes`, ONNX Runtime's shape inference gets through the
+    linear-attention ops, and the skip + RMS norm fusion applies to the hybrid as to any family;
+    without it the optimizer gives up on the graph's shapes and leaves the norms as ops."""
+    fused = Engine.load(hybrid[1], provider="cpu").manifest.validation["fusion"]["fused"]
+    assert fused["SkipSimplifiedLayerNormalization"] == 2 * 4 and fused["GroupQueryAttention"] == 1  # two per layer
