@@ -99,11 +99,15 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
 def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num_heads: int, window: int) -> None:
     query_key_value = _attention_inputs(graph, view, name, layer)
     caches = layer.rotary.caches if layer.rotary else []
+    output = f"{name}_hidden" if layer.output_per_head else layer.output
+    if layer.output_per_head:  # [batch, seq, hidden] back to the [batch, seq, heads, head] the gate multiplies
+        shape = _heads_shape(graph, layer.head_size)
+        graph.node.append(helper.make_node("Reshape", [output, shape], [layer.output], name=f"{name}_per_head"))
     graph.node.append(
         helper.make_node(
             "GroupQueryAttention",
             [*query_key_value, layer.past_key, layer.past_value, _Shared.SEQLENS_K, _Shared.TOTAL, *caches],
-            [layer.output, layer.present_key, layer.present_value],
+            [output, layer.present_key, layer.present_value],
             name=name,
             domain="com.microsoft",
             num_heads=num_heads,
@@ -213,9 +217,7 @@ def _attention_inputs(graph, view: GraphView, name: str, layer: LayerAttention) 
 def _normed(graph, name: str, projection: str, norm, head_size: int) -> str:
     """`norm` (over each head's last axis) applied to `projection` [batch, seq, heads * head] as
     [batch, seq, heads, head], and the result as [batch, seq, heads * head] again."""
-    shape = f"edgeinfer_gqa_heads_{head_size}"
-    if not any(t.name == shape for t in graph.initializer):
-        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1, head_size], np.int64), shape))
+    shape = _heads_shape(graph, head_size)
     copy = helper.make_node(
         norm.op_type, [f"{name}_heads", *norm.input[1:]], [f"{name}_normed"], name=f"{name}_norm", domain=norm.domain
     )
@@ -228,6 +230,14 @@ def _normed(graph, name: str, projection: str, norm, head_size: int) -> str:
         ]
     )
     return f"{name}_projection"
+
+
+def _heads_shape(graph, head_size: int) -> str:
+    """The [0, 0, -1, head_size] shape constant ([batch, seq, hidden] -> [batch, seq, heads, head]), added once."""
+    shape = f"edgeinfer_gqa_heads_{head_size}"
+    if not any(t.name == shape for t in graph.initializer):
+        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1, head_size], np.int64), shape))
+    return shape
 
 
 def _pack_projections(graph, view: GraphView, name: str, projections: list[str]) -> str | None:

@@ -84,6 +84,7 @@ class LayerAttention:
     scale: float
     head_norms: list | None = None
     softcap: float = 0.0  # cap * tanh(scores / cap) before the softmax (Gemma 2); 0 for none
+    output_per_head: bool = False  # `output` is [batch, seq, heads, head] (a gate per head follows), not [batch, seq, hidden]
 
 
 class GraphView:
@@ -182,6 +183,7 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
         rotary,
         output=output.output[0],
         replaced=[key_concat, value_concat, output],
+        output_per_head=output.op_type == "Transpose",
         num_kv_heads=view.fixed_dim(past_key, 1, "number of KV heads"),
         head_size=head_size,
         scale=_scale(head_size, query_scale, key_scale, softmax_scale),
@@ -415,7 +417,8 @@ def _leads_to(view: GraphView, tensor: str, target: str, depth: int = 4) -> bool
 
 
 def _attention_output(view: GraphView, weighted):
-    """The Reshape that turns the attention output [batch, heads, seq, head] into [batch, seq, hidden].
+    """The Reshape that turns the attention output [batch, heads, seq, head] into [batch, seq, hidden]
+    (or the Transpose to [batch, seq, heads, head], where a gate per head multiplies that first).
     A Reshape may come first, one whose target shape is computed from the output's own (a Shape
     of it): it merges the [batch, kv heads, group, seq, head] of attention computed per KV head
     (Qwen 3.5's) into [batch, heads, seq, head], heads in GroupQueryAttention's order."""
@@ -426,6 +429,8 @@ def _attention_output(view: GraphView, weighted):
     if transpose is None or not _is_transpose(transpose, _TO_HEADS_FIRST):
         raise PatternError(f"the output of {weighted.name} is not transposed to [batch, seq, heads, head]")
     consumers = view.consumers[transpose.output[0]]
+    if len(consumers) == 1 and consumers[0].op_type == "Mul":  # a gate per head (LFM 3's) on [batch, seq, heads, head]
+        return transpose
     if len(consumers) != 1 or consumers[0].op_type != "Reshape":
         raise PatternError(f"the output of {transpose.name} is not reshaped to [batch, seq, hidden]")
     return consumers[0]

@@ -47,6 +47,8 @@ SUPPORTED = (
     "gemma4_text",
     "granite_swa",
     "hunyuan_v1_dense",
+    "lfm2",
+    "lfm3",
     "ministral3",
     "olmo3",
     "olmo_hybrid",

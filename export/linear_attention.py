@@ -8,7 +8,8 @@ becomes one op of ONNX Runtime's `com.microsoft` domain, which runs a prompt of 
 pass (fused CPU kernels since ONNX Runtime 1.30):
 
 - `CausalConvWithState(input [B, C, T], weight [C, 1, K], past_state [B, C, K - 1], activation=silu)`
-  -> (output [B, C, T], present_state [B, C, K - 1]);
+  -> (output [B, C, T], present_state [B, C, K - 1]) (LFM's short convolutions: no activation, and
+  no recurrent state);
 - `LinearAttention(query [B, T, Hk * dk], key [B, T, Hk * dk], value [B, T, Hv * dv], past_state
   [B, Hv, dk, dv], decay [B, T, Hv], beta [B, T, Hv], update_rule=gated_delta)` -> (output [B, T,
   Hv * dv], present_state [B, Hv, dk, dv]).
@@ -25,17 +26,18 @@ import torch.nn.functional as F
 
 
 class CausalConv(torch.autograd.Function):
-    """SiLU(depthwise causal convolution of `x` [B, C, T] continued from `state` [B, C, K - 1])."""
+    """The depthwise causal convolution of `x` [B, C, T] continued from `state` [B, C, K - 1],
+    through `activation` ("silu" or "none")."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state):
+    def forward(ctx, x, weight, bias, state, activation: str):
         full = torch.cat([state, x], dim=-1)
-        out = F.silu(F.conv1d(full, weight, bias, groups=weight.shape[0]))
-        return out, full[:, :, -state.shape[-1] :]
+        out = F.conv1d(full, weight, bias, groups=weight.shape[0])
+        return F.silu(out) if activation == "silu" else out, full[:, :, -state.shape[-1] :]
 
     @staticmethod
-    def symbolic(g, x, weight, bias, state):
-        out, present = g.op("com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s="silu", outputs=2)
+    def symbolic(g, x, weight, bias, state, activation: str):
+        out, present = g.op("com.microsoft::CausalConvWithState", x, weight, bias, state, activation_s=activation, outputs=2)
         return _typed(out, x), _typed(present, state)
 
 
@@ -101,7 +103,7 @@ def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None,
     mixed, a, beta, gate, norm, out_proj = _projections(self, hidden_states)
     weight = self.conv1d.weight
     bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
-    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0])
+    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0], "silu")
     query, key, value = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     out, layer.recurrent_states[0] = GatedDeltaRule.apply(
@@ -128,3 +130,15 @@ def _projections(self, hidden_states):
     beta = self.b_proj(hidden_states).sigmoid() * (2.0 if self.allow_neg_eigval else 1.0)  # OLMo Hybrid
     mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
     return mixed, self.a_proj(hidden_states), beta, self.g_proj(hidden_states), self.o_norm, self.o_proj
+
+
+def short_conv_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """LFM 2's and LFM 3's `ShortConv.forward` (a gated depthwise convolution, no activation)
+    through CausalConvWithState, its state read from and written to the cache layer's
+    `conv_states[0]`."""
+    layer = cache.layers[self.layer_idx]
+    gate_in, gate_out, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
+    weight = self.conv.weight
+    bias = self.conv.bias if self.conv.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
+    out, layer.conv_states[0] = CausalConv.apply(gate_in * x, weight, bias, layer.conv_states[0], "none")
+    return self.out_proj((gate_out * out).transpose(-1, -2).contiguous())

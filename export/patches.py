@@ -256,24 +256,32 @@ _DELTANET = threading.Lock()  # the patch is process-wide: one trace uses it at 
 
 @contextmanager
 def traceable_linear_attention():
-    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, OLMo Hybrid's) run export/linear_attention.py's
+    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, OLMo Hybrid's) and short
+    convolutions (LFM 2's and 3's) run export/linear_attention.py's
     forward, whose convolution and delta rule trace into ONNX Runtime's CausalConvWithState and
     LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
     a trace would unroll for the traced length alone."""
+    from transformers.models.lfm2 import modeling_lfm2
+    from transformers.models.lfm3 import modeling_lfm3
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    from .linear_attention import gated_deltanet_forward
+    from .linear_attention import gated_deltanet_forward, short_conv_forward
 
-    layers = (modeling_qwen3_5.Qwen3_5GatedDeltaNet, modeling_olmo_hybrid.OlmoHybridGatedDeltaNet)
+    forwards = {
+        modeling_qwen3_5.Qwen3_5GatedDeltaNet: gated_deltanet_forward,
+        modeling_olmo_hybrid.OlmoHybridGatedDeltaNet: gated_deltanet_forward,
+        modeling_lfm2.Lfm2ShortConv: short_conv_forward,
+        modeling_lfm3.Lfm3ShortConv: short_conv_forward,
+    }
     with _DELTANET:  # the originals are read under the lock: another trace may have patched them until now
-        originals = [layer.forward for layer in layers]
-        for layer in layers:
-            layer.forward = gated_deltanet_forward
+        originals = {layer: layer.forward for layer in forwards}
+        for layer, forward in forwards.items():
+            layer.forward = forward
         try:
             yield
         finally:
-            for layer, original in zip(layers, originals):
+            for layer, original in originals.items():
                 layer.forward = original
 
 

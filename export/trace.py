@@ -97,6 +97,29 @@ def trace(model, path: Path) -> None:
             opset_version=OPSET,
             do_constant_folding=True,
         )
+    _outputs_shaped(path, model.config.get_text_config().vocab_size)
+
+
+def _outputs_shaped(path: Path, vocab_size: int) -> None:
+    """Give the outputs the shapes they have: the tracer sometimes names a static axis it could not
+    follow (LFM 3's, as `Concatpresent.1.value_dim_1`), which ONNX Runtime sees as the size it is.
+    Each present output takes its past input's sizes (the sequence axis of keys and values
+    excepted), the logits [batch, sequence, vocabulary]."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)  # the weights are held apart, or in their file
+    graph = model.graph
+    pasts = {i.name: i.type.tensor_type.shape.dim for i in graph.input if i.name.startswith(PAST_PREFIX)}
+    for output in graph.output:
+        dims = output.type.tensor_type.shape.dim
+        if output.name == "logits":
+            dims[2].Clear()
+            dims[2].dim_value = vocab_size
+        for dim, given in zip(dims, pasts.get(PAST_PREFIX + output.name[len(PRESENT_PREFIX) :], [])):
+            if given.HasField("dim_value"):
+                dim.Clear()
+                dim.dim_value = given.dim_value
+    onnx.save(model, str(path))
 
 
 def trace_hidden(base, path: Path) -> None:
@@ -136,13 +159,15 @@ def _cache_axes(name: str, length: str) -> dict[int, str]:
 
 def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
     """Each cached layer's tensor kinds and its tensors, in order. A linear-attention layer holds
-    its convolution's last kernel - 1 inputs and its recurrent state; layers that read another
+    its convolution's last kernel - 1 inputs and its recurrent state (a short convolution's, the
+    first alone); layers that read another
     layer's cache (Gemma 4's KV sharing: always the last ones) hold nothing and are left out."""
     kinds, tensors = [], []
     for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):
-            kinds.append(STATE_KINDS)
-            tensors += [layer.conv_states[0][..., 1:], layer.recurrent_states[0]]
+        if hasattr(layer, "recurrent_states"):  # its convolution's state held K inputs: the op's holds K - 1
+            state = [layer.conv_states[0][..., 1:], layer.recurrent_states[0]]
+            kinds.append(STATE_KINDS[: 2 if state[1] is not None else 1])
+            tensors += state[: len(kinds[-1])]
         elif layer.keys is not None:
             kinds.append(("key", "value"))
             tensors += [layer.keys, layer.values]
@@ -158,13 +183,13 @@ def full_length_cache(past, kinds):
 
     cache, tensors = DynamicCache(), iter(past)
     for names in kinds:
-        first, second = next(tensors), next(tensors)
-        if names == STATE_KINDS:
+        values = [next(tensors) for _ in names]
+        if names[0] == "conv":  # a short convolution's layer has no recurrent state
             layer = LinearAttentionLayer()
-            layer.conv_states, layer.recurrent_states = {0: first}, {0: second}
+            layer.conv_states, layer.recurrent_states = {0: values[0]}, {0: values[1] if len(values) > 1 else None}
         else:
             layer = DynamicLayer()
-            layer.keys, layer.values, layer.device, layer.is_initialized = first, second, first.device, True
+            layer.keys, layer.values, layer.device, layer.is_initialized = *values, values[0].device, True
         cache.layers.append(layer)
     return cache
 
@@ -217,7 +242,7 @@ def _present(cache) -> list:
 
 def _layer_tensors(layer) -> tuple:
     if hasattr(layer, "recurrent_states"):
-        return layer.conv_states[0], layer.recurrent_states[0]
+        return tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
     return () if layer.keys is None else (layer.keys, layer.values)
 
 

@@ -127,6 +127,14 @@ TINY = {
         "linear_conv_kernel_dim": 4,
         "linear_allow_neg_eigval": True,
     },
+    # short convolutions (gated, no activation) beside full and sliding attention
+    "lfm3": {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "sliding_window": WINDOW,
+        "layer_types": ["conv", "full_attention", "conv", "sliding_attention"],
+    },
+    "lfm2": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "exaone4": {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
     "granite_swa": {"sliding_window": WINDOW, "layer_types": ["full_attention", "sliding_attention"]},
     "hunyuan_v1_dense": {"head_dim": 16},
