@@ -45,13 +45,17 @@ SUPPORTED = (
     # transformers 5's families
     "exaone4",
     "gemma4_text",
+    "glm4_moe_lite",
     "granite_swa",
     "hunyuan_v1_dense",
     "lfm2",
+    "lfm2_moe",
     "lfm3",
+    "minicpm3",
     "ministral3",
     "olmo3",
     "olmo_hybrid",
+    "qwen3_5_moe_text",
     "qwen3_5_text",
     "seed_oss",
 )

@@ -262,16 +262,20 @@ def traceable_linear_attention():
     LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
     a trace would unroll for the traced length alone."""
     from transformers.models.lfm2 import modeling_lfm2
+    from transformers.models.lfm2_moe import modeling_lfm2_moe
     from transformers.models.lfm3 import modeling_lfm3
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
     from .linear_attention import gated_deltanet_forward, short_conv_forward
 
     forwards = {
         modeling_qwen3_5.Qwen3_5GatedDeltaNet: gated_deltanet_forward,
+        modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet: gated_deltanet_forward,
         modeling_olmo_hybrid.OlmoHybridGatedDeltaNet: gated_deltanet_forward,
         modeling_lfm2.Lfm2ShortConv: short_conv_forward,
+        modeling_lfm2_moe.Lfm2MoeShortConv: short_conv_forward,
         modeling_lfm3.Lfm3ShortConv: short_conv_forward,
     }
     with _DELTANET:  # the originals are read under the lock: another trace may have patched them until now

@@ -77,9 +77,11 @@ RECORDED_IN_PLACE = {
     "gemma4_text",
     "hunyuan_v1_dense",
     "lfm2",
+    "lfm2_moe",
     "lfm3",
     "olmo3",
     "olmo_hybrid",
+    "qwen3_5_moe_text",
     "qwen3_5_text",
     "seed_oss",
 }
@@ -99,6 +101,7 @@ RECORDED_ROTARY_IN_ATTENTION = {
     "exaone4",
     "seed_oss",
     "lfm2",  # rotations after norms over each head
+    "lfm2_moe",
     "lfm3",
 }
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi"}
