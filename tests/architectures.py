@@ -20,6 +20,18 @@ COMMON = dict(
     pad_token_id=0,
 )
 WINDOW = 16  # sliding windows are shorter than the longer test prompt
+# Multi-head latent attention's compressed query and keys (deepseek_v3, minicpm3, glm4_moe_lite).
+LATENT = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6)
+# Gated DeltaNet layers (three of four): two key heads serve four value heads.
+DELTANET = dict(
+    num_hidden_layers=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 TINY = {
     "arcee": {},
@@ -29,11 +41,7 @@ TINY = {
     "deepseek_v3": {
         "hidden_size": 32,
         "intermediate_size": 64,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 6,
+        **LATENT,
         "n_routed_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 16,
@@ -108,47 +116,17 @@ TINY = {
         "num_kv_shared_layers": 2,
     },
     # gated DeltaNet (linear attention: a convolution and a recurrent state) in three layers of four
-    "qwen3_5_text": {
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-    },
+    "qwen3_5_text": {"head_dim": 16, **DELTANET},
     # Qwen 3.5's hybrid with a mixture of experts in every layer
-    "qwen3_5_moe_text": {
-        "num_hidden_layers": 4,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
-        "shared_expert_intermediate_size": 16,
-    },
+    "qwen3_5_moe_text": {"head_dim": 16, **DELTANET, **EXPERTS, "shared_expert_intermediate_size": 16},
     "lfm2_moe": {
         "num_hidden_layers": 4,
         "layer_types": ["conv", "full_attention", "conv", "full_attention"],
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16,
+        **EXPERTS,
         "num_dense_layers": 1,
     },
     # gated DeltaNet with separate projections and beta up to 2 (negative eigenvalues)
-    "olmo_hybrid": {
-        "num_hidden_layers": 4,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "linear_allow_neg_eigval": True,
-    },
+    "olmo_hybrid": {**DELTANET, "linear_allow_neg_eigval": True},
     # short convolutions (gated, no activation) beside full and sliding attention
     "lfm3": {
         "num_hidden_layers": 4,
@@ -158,22 +136,11 @@ TINY = {
     },
     "lfm2": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     # multi-head latent attention (compressed keys and values, as deepseek_v3's)
-    "minicpm3": {
-        "num_key_value_heads": 4,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 6,
-    },
+    "minicpm3": {"num_key_value_heads": 4, **LATENT},
     # multi-head latent attention and a mixture of experts
     "glm4_moe_lite": {
         "num_key_value_heads": 4,
-        "q_lora_rank": 16,
-        "kv_lora_rank": 16,
-        "qk_rope_head_dim": 4,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 6,
+        **LATENT,
         "n_routed_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 16,
