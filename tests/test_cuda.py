@@ -85,3 +85,32 @@ def test_cuda_runs_the_split_layout_on_one_copy_of_the_weights(tiny_llama, tmp_p
             gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
             == cpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
         )
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """The tiny qwen3_5 (three gated DeltaNet layers of four), exported: ONNX Runtime's
+    LinearAttention and CausalConvWithState run on CUDA with their state bound in place."""
+    import torch
+    from architectures import tiny_config
+    from conftest import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from edgeinfer.export import export_model
+
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).save_pretrained(folder / "hf")
+    build_tokenizer().save_pretrained(folder / "hf")
+    export_model(str(folder / "hf"), folder / "export")
+    return folder / "export"
+
+
+def test_cuda_runs_a_hybrid_models_state_as_the_cpu_does(hybrid):
+    gpu, cpu = Engine.load(hybrid, provider="cuda"), Engine.load(hybrid, provider="cpu")
+    prompts = [list(range(3, 43)), [5, 6, 7], list(range(100, 119))]
+    expected = [cpu.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+    assert [gpu.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts] == expected
+    assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)] == expected
+    batch = gpu.runner.new_batch(2, 64)
+    assert all(batch.cache.buffers[s["past"]].device_name().lower() == "cuda" for s in gpu.manifest.kv.state)
