@@ -90,6 +90,7 @@ def write(shape: str, out: Path, layers: int | None = None) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     out.mkdir(parents=True, exist_ok=True)
+    config.architectures = [type(model).__name__]  # what other builders (onnxruntime-genai's) read
     config.save_pretrained(out)
     generator, shard, size, index, total = torch.Generator().manual_seed(0), {}, 0, {}, 0
     for name, meta in model.state_dict(keep_vars=True).items():
