@@ -59,7 +59,8 @@ def trace(model, path: Path) -> None:
     """Trace `model` into the ONNX file `path` (its weights as torch.onnx writes them)."""
     import torch
 
-    ids = _dummy_ids(model.config.get_text_config().vocab_size, _PAST + _NEW)
+    vocab_size = model.config.get_text_config().vocab_size
+    ids = _dummy_ids(vocab_size, _PAST + _NEW)
     with torch.no_grad(), traceable_experts(model.config):
         kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
     decoder = Decoder(model, kinds).eval()
@@ -97,7 +98,7 @@ def trace(model, path: Path) -> None:
             opset_version=OPSET,
             do_constant_folding=True,
         )
-    _outputs_shaped(path, model.config.get_text_config().vocab_size)
+    _outputs_shaped(path, vocab_size)
 
 
 def _outputs_shaped(path: Path, vocab_size: int) -> None:
@@ -158,19 +159,15 @@ def _cache_axes(name: str, length: str) -> dict[int, str]:
 
 
 def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
-    """Each cached layer's tensor kinds and its tensors, in order. A linear-attention layer holds
-    its convolution's last kernel - 1 inputs and its recurrent state (a short convolution's, the
-    first alone); layers that read another
-    layer's cache (Gemma 4's KV sharing: always the last ones) hold nothing and are left out."""
+    """Each cached layer's tensor kinds and its tensors, in order, from the cache transformers
+    filled for a prompt: a linear-attention layer's convolution state there holds the kernel's K
+    inputs, the op's K - 1. Layers that read another layer's cache (Gemma 4's KV sharing: always
+    the last ones) hold nothing and are left out."""
     kinds, tensors = [], []
-    for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):  # its convolution's state held K inputs: the op's holds K - 1
-            state = [layer.conv_states[0][..., 1:], layer.recurrent_states[0]]
-            kinds.append(STATE_KINDS[: 2 if state[1] is not None else 1])
-            tensors += state[: len(kinds[-1])]
-        elif layer.keys is not None:
-            kinds.append(("key", "value"))
-            tensors += [layer.keys, layer.values]
+    for names, values in map(_layer_tensors, cache.layers):
+        if names:
+            kinds.append(names)
+            tensors += [values[0][..., 1:], *values[1:]] if names[0] == "conv" else values
     return kinds, tensors
 
 
@@ -237,13 +234,17 @@ def Hidden(base, names: list[str]):  # noqa: N802 - builds the class on first us
 
 def _present(cache) -> list:
     """The cache's tensors after the pass, in `_cache_tensors`'s order (a state as it is kept)."""
-    return [t for layer in cache.layers for t in _layer_tensors(layer)]
+    return [t for layer in cache.layers for t in _layer_tensors(layer)[1]]
 
 
-def _layer_tensors(layer) -> tuple:
+def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
+    """A cache layer's tensor kinds and tensors: keys and values; a linear-attention layer's
+    convolution and recurrent state (a short convolution's, the first alone); none for a layer
+    that reads another's cache."""
     if hasattr(layer, "recurrent_states"):
-        return tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
-    return () if layer.keys is None else (layer.keys, layer.values)
+        tensors = tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
+        return STATE_KINDS[: len(tensors)], tensors
+    return ((), ()) if layer.keys is None else (("key", "value"), (layer.keys, layer.values))
 
 
 def Decoder(model, kinds: list[tuple[str, ...]]):  # noqa: N802 - builds the class on first use: torch is imported late
