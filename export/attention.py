@@ -251,8 +251,7 @@ def _pack_projections(graph, view: GraphView, name: str, projections: list[str])
     weights = [view.constants.get(m.input[1]) for m in matmuls]
     if any(w is None or len(w.dims) != 2 for w in weights):
         return None
-    packed = np.concatenate([view.array(w) for w in weights], axis=1)
-    graph.initializer.append(numpy_helper.from_array(packed, f"{name}_qkv_weight"))
+    graph.initializer.append(view.joined(weights, f"{name}_qkv_weight"))
     graph.node.append(
         helper.make_node("MatMul", [matmuls[0].input[0], f"{name}_qkv_weight"], [f"{name}_qkv"], name=f"{name}_qkv_proj")
     )

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import numpy_helper
 
-from .graphs import PAST_PREFIX, PRESENT_PREFIX
+from .graphs import GRAPH_FILE, PAST_PREFIX, PRESENT_PREFIX
+from .stream import defer, is_deferred, made
+
+PACKED_FILE = f"{GRAPH_FILE}.packed.data"  # the packed weights of a rewrite, until the graph is saved
 
 # Ops a key or value passes through between the cache and the attention MatMuls: head repeats,
 # the key's transpose, the scale.
@@ -103,8 +108,43 @@ class GraphView:
                 self.constants[node.output[0]] = node.attribute[0].t
         self.inputs = {i.name: i for i in graph.input}
 
+    def joined(self, tensors: list[onnx.TensorProto], name: str) -> onnx.TensorProto:
+        """The initializers `tensors` side by side along their last axis, as the initializer `name`.
+        Where they are all deferred (export/stream.py), so is it. Else, where the graph's weights are
+        in files (`weights_from`), its bytes go to that folder's PACKED_FILE, so that the packed
+        weights are never all in memory at once; `graphs.save_graph` copies them from there."""
+        if all(is_deferred(t) for t in tensors):
+            parts = [onnx.TensorProto() for _ in tensors]
+            for part, tensor in zip(parts, tensors):
+                part.CopyFrom(tensor)
+            shape = [*tensors[0].dims[:-1], sum(t.dims[-1] for t in tensors)]
+
+            def make():
+                return np.concatenate([made(part) for part in parts], axis=-1)
+
+            make.parts = parts
+            return defer(name, make, shape, tensors[0].data_type)
+        joined = np.concatenate([self.array(t) for t in tensors], axis=-1)
+        if not self.weights_from:
+            return numpy_helper.from_array(joined, name)
+        with open(Path(self.weights_from) / PACKED_FILE, "ab") as out:
+            offset = out.tell()
+            joined.tofile(out)
+        tensor = onnx.TensorProto(
+            name=name,
+            dims=joined.shape,
+            data_type=onnx.helper.np_dtype_to_tensor_dtype(joined.dtype),
+            data_location=onnx.TensorProto.EXTERNAL,
+        )
+        for key, value in (("location", PACKED_FILE), ("offset", str(offset)), ("length", str(joined.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        return tensor
+
     def array(self, tensor) -> np.ndarray:
         """A constant's values, read from the data file where the graph was loaded without them."""
+        if is_deferred(tensor):
+            return made(tensor)
         return numpy_helper.to_array(tensor, self.weights_from or "")
 
     def scalar(self, name: str) -> float | None:

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import onnx
 
-from edgeinfer.sdk.errors import GenerationError, GraphError, ManifestError, NotAnExportError
+from edgeinfer.sdk.errors import ExportError, GenerationError, GraphError, ManifestError, NotAnExportError
 from edgeinfer.sdk.manifest import GraphSpec, Manifest
 from edgeinfer.sdk.memory import give_back_freed_memory
 
 from .attention import PatternError, layer_windows, rewrite_attention
+from .attention_pattern import PACKED_FILE
 from .check import check_against
 from .graphs import GRAPH_FILE, save_graph
 from .optimize import load_without_weights, optimize
@@ -42,11 +43,25 @@ _DOES_NOT_RUN = (NotAnExportError, ManifestError, GraphError, GenerationError)  
 
 
 def fuse_graph(
-    folder: Path, config, reference: Reference, manifest: Manifest, progress=lambda doing, fraction=None: None
+    folder: Path,
+    config,
+    reference: Reference | None,
+    manifest: Manifest,
+    progress=lambda doing, fraction=None: None,
+    like: dict | None = None,
 ) -> tuple[dict, Manifest]:
     """Replace the graph in `folder` by its fused form where that checks out against PyTorch's
     `reference` (of CHECK_PROMPT, CHECK_TOKENS tokens); returns what was fused (or why not) and the manifest of
-    the graph kept. `config` is the model's; `progress` hears what it is doing."""
+    the graph kept. `config` is the model's; `progress` hears what it is doing. Without a
+    reference (a streamed export), the graph kept is of the kind the check copy kept (`like`, its
+    fusion entry), unchecked: the check copy's was checked."""
+    try:
+        return _fused(folder, config, reference, manifest, progress, like)
+    finally:
+        (folder / PACKED_FILE).unlink(missing_ok=True)
+
+
+def _fused(folder: Path, config, reference: Reference | None, manifest: Manifest, progress, like: dict | None):
     optimized = optimize(
         load_without_weights(folder / GRAPH_FILE),
         getattr(config, "num_attention_heads", 0) or 0,
@@ -56,6 +71,8 @@ def fuse_graph(
     _trim_rotary_caches(optimized.graph, manifest.max_context)
     progress("rewriting attention to GroupQueryAttention")
     rewritten, why_not = _rewrite(optimized, config, manifest, folder)
+    if reference is None:
+        return _fused_like(folder, optimized, rewritten, why_not, manifest, like)
     if rewritten is not None:
         progress("checking the fused graph against PyTorch: logits, tokens, a batch")
         in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
@@ -68,6 +85,24 @@ def fuse_graph(
     if problem:
         return {"fused": {}, "skipped": problem, "attention": why_not}, manifest
     return {"fused": _contrib_ops(optimized), "attention": why_not}, manifest
+
+
+def _fused_like(folder: Path, optimized, rewritten, why_not: str | None, manifest: Manifest, like: dict) -> tuple[dict, Manifest]:
+    """The graph of the kind the check copy kept (`like`): GroupQueryAttention, the optimizer's
+    graph, or the graph as exported."""
+    if "GroupQueryAttention" in like["fused"]:
+        if rewritten is None:
+            raise ExportError(
+                f"the check copy's attention became GroupQueryAttention and the whole model's cannot ({why_not}): "
+                "this is a bug in edgeinfer, please report it; --no-fuse exports without fusing"
+            )
+        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
+        _try(folder, rewritten, None, in_place)
+        return {"fused": _contrib_ops(rewritten)}, in_place
+    if like["fused"]:
+        _try(folder, optimized, None, manifest)
+        return {"fused": _contrib_ops(optimized), "attention": like.get("attention")}, manifest
+    return dict(like), manifest
 
 
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
@@ -87,8 +122,9 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
     return rewritten, None
 
 
-def _try(folder: Path, graph: onnx.ModelProto, reference: Reference, manifest: Manifest) -> str | None:
-    """Put `graph` in place of the export's graph if it passes the checks; else why not."""
+def _try(folder: Path, graph: onnx.ModelProto, reference: Reference | None, manifest: Manifest) -> str | None:
+    """Put `graph` in place of the export's graph if it passes the checks (none without a
+    `reference`); else why not."""
     trial = folder / ".fused"
     trial.mkdir()
     try:
@@ -99,7 +135,7 @@ def _try(folder: Path, graph: onnx.ModelProto, reference: Reference, manifest: M
                 shutil.copy(name, trial / name.name)
         manifest.save(trial)
         give_back_freed_memory()  # what the optimizer and the rewrite freed, before the check's session loads
-        problem = _check(trial, reference)
+        problem = None if reference is None else _check(trial, reference)
         if problem is None:
             for name in (GRAPH_FILE, f"{GRAPH_FILE}.data"):
                 (trial / name).replace(folder / name)

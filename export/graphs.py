@@ -26,6 +26,8 @@ from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 
 from .patches import onnx_float, weights_apart
 from .source import first_line
+from . import stream
+from .stream import hollow_weights, is_deferred, made, streamed
 from .trace import PAST_PREFIX, PRESENT_PREFIX, STATE_KINDS, trace, trace_hidden
 
 GRAPH_FILE = "model.onnx"
@@ -38,9 +40,12 @@ _ONNX_TYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "flo
 _POSITIONWISE = {"Mul", "Div", "Tanh", "Add", "Cast", "Identity"}
 
 
-def export_graph(model, folder: Path) -> GraphSpec:
-    """Export the graph into `folder` as model.onnx, its weights in model.onnx.data."""
-    return _exported(model, folder, trace, f"this {model.config.model_type} model")
+def export_graph(model, folder: Path, defer: bool = False) -> GraphSpec:
+    """Export the graph into `folder` as model.onnx, its weights in model.onnx.data: traced with
+    its matrices hollow, then written from the loaded model one at a time (export/stream.py), so
+    that the model may be loaded in its checkpoint's precision and no fp32 copy is ever whole.
+    `defer`: the matrices are not written but deferred (`stream.defer`), inside `stream.deferring`."""
+    return _exported(model, folder, trace, f"this {model.config.model_type} model", defer)
 
 
 def export_hidden_graph(base, folder: Path) -> GraphSpec:
@@ -50,20 +55,23 @@ def export_hidden_graph(base, folder: Path) -> GraphSpec:
     return _exported(base, folder, trace_hidden, f"this {base.config.model_type} model's hidden states")
 
 
-def _exported(model, folder: Path, tracer, what: str) -> GraphSpec:
+def _exported(model, folder: Path, tracer, what: str, defer: bool = False) -> GraphSpec:
     """Trace `model` with `tracer` into a scratch folder, its weights written apart one at a time,
     then save the graph into `folder` (the generation graph with its logits for the last positions)."""
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
         with weights_apart() as weights:
-            tracer(model, scratch / GRAPH_FILE)
-            write_weights(scratch / GRAPH_FILE, weights)
+            with hollow_weights(model) as hollow:
+                tracer(model, scratch / GRAPH_FILE)
+            write_weights(scratch / GRAPH_FILE, streamed(weights, hollow), defer)
             weights.clear()
         graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
         if tracer is trace:
             last_position_logits(graph.graph)
-        save_graph(graph, folder, weights_from=scratch)
+        if (scratch / f"{GRAPH_FILE}.data").exists():  # the weights as written: moved, not copied
+            (scratch / f"{GRAPH_FILE}.data").replace(folder / f"{GRAPH_FILE}.data")
+        save_graph(graph, folder, append=True)
     except _TRACE_ERRORS as e:
         raise ExportError(f"torch.onnx could not export {what}: {type(e).__name__}: {first_line(e)}") from e
     finally:
@@ -78,36 +86,47 @@ def drop_unused_initializers(graph: onnx.GraphProto) -> None:
         graph.initializer.remove(tensor)
 
 
-def save_graph(model: onnx.ModelProto, folder: Path, weights_from: Path | None = None) -> None:
+def save_graph(
+    model: onnx.ModelProto, folder: Path, weights_from: Path | None = None, append: bool = False, make: bool = False
+) -> None:
     """Write `model` as the export's graph: model.onnx, its tensors of 1 KiB or more in
     model.onnx.data. Tensors the model still references in a data file (it was loaded without
     them) are copied from `weights_from`'s, one at a time, so that the weights need not all be in
     memory; the data file written holds the graph's tensors and nothing else. The model's tensors
-    then reference the new file."""
+    then reference the new file. `append`: `folder`'s data file is kept, the tensors it holds stay
+    where they are, and the others are added at its end (no copy of the weights already there).
+    Deferred weights (export/stream.py) stay deferred, or are made and written with `make`."""
     folder = Path(folder)
     data, partial = folder / f"{GRAPH_FILE}.data", folder / f".{GRAPH_FILE}.data.partial"
+    target = data if append else partial
     sources = {}
     try:
-        with open(partial, "wb") as out:
+        with open(target, "ab" if append else "wb") as out:
             for tensor in _graph_tensors(model.graph):
-                raw = _tensor_bytes(tensor, weights_from, sources)
-                if raw is None:
+                if append and uses_external_data(tensor) and _external(tensor)["location"] == data.name:
                     continue
-                offset = out.tell()
-                out.write(raw)
-                tensor.ClearField("raw_data")
-                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-                    tensor.ClearField(field)
-                del tensor.external_data[:]
-                for key, value in (("location", f"{GRAPH_FILE}.data"), ("offset", str(offset)), ("length", str(len(raw)))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key, value
-                tensor.data_location = onnx.TensorProto.EXTERNAL
+                raw = _tensor_bytes(tensor, folder if append else weights_from, sources, make)
+                if raw is not None:
+                    _point_at(tensor, out.tell(), len(raw))
+                    out.write(raw)
     finally:
         for handle in sources.values():
             handle.close()
-    partial.replace(data)
+    if not append:
+        partial.replace(data)
     onnx.save(model, str(folder / GRAPH_FILE))
+
+
+def _point_at(tensor: onnx.TensorProto, offset: int, length: int) -> None:
+    """Make `tensor` reference its bytes at `offset` in the graph's data file."""
+    tensor.ClearField("raw_data")
+    for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    for key, value in (("location", f"{GRAPH_FILE}.data"), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
 def _graph_tensors(graph: onnx.GraphProto):
@@ -121,10 +140,13 @@ def _graph_tensors(graph: onnx.GraphProto):
                     yield from _graph_tensors(subgraph)
 
 
-def _tensor_bytes(tensor: onnx.TensorProto, weights_from: Path | None, sources: dict) -> bytes | None:
-    """The tensor's bytes where it belongs in the data file (1 KiB or more, or already in one); else None."""
+def _tensor_bytes(tensor: onnx.TensorProto, weights_from: Path | None, sources: dict, make: bool = False) -> bytes | None:
+    """The tensor's bytes where it belongs in the data file (1 KiB or more, or already in one; a
+    deferred weight with `make`); else None."""
     from onnx import numpy_helper
 
+    if is_deferred(tensor):
+        return np.ascontiguousarray(made(tensor)).tobytes() if make else None
     if uses_external_data(tensor):
         if weights_from is None:
             raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
@@ -214,10 +236,13 @@ def _transposed_equal(table: onnx.TensorProto, weight: onnx.TensorProto, folder:
     """Whether `table` is `weight` transposed, compared `rows` rows of the table at a time, each
     block through mappings of its own: mapping both whole would keep every page read resident until
     the end."""
-    for start in range(0, table.dims[0], rows):
-        if not np.array_equal(
-            tensor_array(table, folder)[start : start + rows], tensor_array(weight, folder)[:, start : start + rows].T
-        ):
+    if is_deferred(table) and is_deferred(weight):  # tied: made from one parameter
+        return stream.source_of(table) is not None and stream.source_of(table) == stream.source_of(weight)
+    if is_deferred(table) or is_deferred(weight):  # made once each, not once a block
+        table, weight = tensor_array(table, folder), tensor_array(weight, folder)
+    read = lambda tensor: tensor if isinstance(tensor, np.ndarray) else tensor_array(tensor, folder)  # noqa: E731
+    for start in range(0, table.shape[0] if isinstance(table, np.ndarray) else table.dims[0], rows):
+        if not np.array_equal(read(table)[start : start + rows], read(weight)[:, start : start + rows].T):
             return False
     return True
 
@@ -226,6 +251,8 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
     """The tensor's values: mapped from `folder`'s data file where it is there, else from the message."""
     from onnx import numpy_helper
 
+    if is_deferred(tensor):
+        return made(tensor)
     if not uses_external_data(tensor):
         return numpy_helper.to_array(tensor)
     if folder is None:
@@ -237,9 +264,10 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
     )
 
 
-def write_weights(path: Path, weights: dict) -> None:
-    """Make the graph inputs named in `weights` (torch tensors) initializers again, their bytes
-    written to the graph's data file one tensor at a time."""
+def write_weights(path: Path, weights: dict, defer: bool = False) -> None:
+    """Make the graph inputs named in `weights` (torch tensors, or functions that make them)
+    initializers again, their bytes written to the graph's data file one tensor at a time
+    (`defer`: a function's tensor is deferred instead, `stream.defer`)."""
     import torch
 
     if not weights:
@@ -253,7 +281,11 @@ def write_weights(path: Path, weights: dict) -> None:
         )
     data = path.with_name(f"{path.name}.data")
     with open(data, "ab") as out:
-        for name, tensor in weights.items():
+        for name, value in weights.items():
+            if defer and callable(value):
+                model.graph.initializer.append(stream.defer(name, value, _input_shape(model.graph, name), onnx.TensorProto.FLOAT))
+                continue
+            tensor = value() if callable(value) else value
             offset = out.tell()
             out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             proto = onnx.TensorProto(
@@ -266,6 +298,11 @@ def write_weights(path: Path, weights: dict) -> None:
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     onnx.save(model, str(path))
+
+
+def _input_shape(graph: onnx.GraphProto, name: str) -> list[int]:
+    (value,) = [i for i in graph.input if i.name == name]
+    return [d.dim_value for d in value.type.tensor_type.shape.dim]
 
 
 def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:

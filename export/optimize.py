@@ -21,6 +21,7 @@ import onnx
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 from .patches import fast_model_class, state_op_shapes
+from .stream import is_deferred
 
 # The inputs that only matrix products and embedding lookups read: the weights, whose values no fusion needs.
 _WEIGHT_INPUTS = {"MatMul": 1, "Gemm": 1, "Gather": 0}
@@ -36,7 +37,7 @@ def load_without_weights(path: Path) -> onnx.ModelProto:
         if n.op_type in _WEIGHT_INPUTS and len(n.input) > _WEIGHT_INPUTS[n.op_type]
     }
     for tensor in model.graph.initializer:
-        if uses_external_data(tensor) and tensor.name not in weights:
+        if uses_external_data(tensor) and tensor.name not in weights and not is_deferred(tensor):
             load_external_data_for_tensor(tensor, str(path.parent))
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.external_data[:]

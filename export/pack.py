@@ -60,11 +60,11 @@ def _groups(graph, view: GraphView) -> list[list]:
 
 
 def _pack(graph, view: GraphView, matmuls: list) -> None:
-    weights = [view.array(view.constants[m.input[1]]) for m in matmuls]
+    weights = [view.constants[m.input[1]] for m in matmuls]
     name = packed_name([m.name for m in matmuls])
     weight, packed, sizes = f"{name}.weight", f"{name}_output", f"{name}_sizes"
-    graph.initializer.append(numpy_helper.from_array(np.concatenate(weights, axis=1), weight))
-    graph.initializer.append(numpy_helper.from_array(np.array([w.shape[1] for w in weights], np.int64), sizes))
+    graph.initializer.append(view.joined(weights, weight))
+    graph.initializer.append(numpy_helper.from_array(np.array([w.dims[1] for w in weights], np.int64), sizes))
     position = min(list(graph.node).index(m) for m in matmuls)
     for m in matmuls:
         graph.node.remove(m)

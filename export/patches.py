@@ -590,12 +590,20 @@ def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
     from onnx.external_data_helper import uses_external_data
     from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
 
+    from .stream import forget, is_deferred, standalone
+
     quantize = node_quantizer.quantize
 
     def one_weight(node, graph_stack):
         weight = get_initializer(node.input[1], graph_stack)[0] if len(node.input) > 1 else None
         if weight is None or not uses_external_data(weight):
             return quantize(node, graph_stack)
+        if is_deferred(weight):
+            with initializer_standing_in(standalone(weight)):
+                quantized = quantize(node, graph_stack)
+            if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
+                forget(weight)
+            return quantized
         (location,) = [entry for entry in weight.external_data if entry.key == "location"]
         relative, location.value = location.value, str(Path(folder).resolve() / location.value)
         try:
@@ -613,12 +621,20 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
     from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
 
+    from .stream import forget, is_deferred, standalone
+
     quantize = node_quantizer.quantize
 
     def one_weight(node, graph_stack):
         weight = get_initializer(node.input[1], graph_stack)[0] if len(node.input) > 1 else None
         if weight is None or not uses_external_data(weight):
             return quantize(node, graph_stack)
+        if is_deferred(weight):
+            with initializer_standing_in(standalone(weight)):
+                quantized = quantize(node, graph_stack)
+            if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
+                forget(weight)
+            return quantized
         reference = onnx.TensorProto()
         reference.CopyFrom(weight)
         load_external_data_for_tensor(weight, str(folder))
@@ -630,3 +646,23 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
             weight.CopyFrom(reference)
 
     node_quantizer.quantize = one_weight
+
+
+@contextmanager
+def initializer_standing_in(tensor):
+    """ONNX Runtime's quantizer finds `tensor` (a message of its own) for the graph's initializer
+    of its name meanwhile: a deferred weight (export/stream.py), made for the time it is quantized.
+    Put into the graph's own message, its bytes would stay there until the whole graph goes."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as module
+
+    original = module.get_initializer
+
+    def get_initializer(name, graph_path):
+        found, graph = original(name, graph_path)
+        return (tensor, graph) if found is not None and name == tensor.name else (found, graph)
+
+    module.get_initializer = get_initializer
+    try:
+        yield
+    finally:
+        module.get_initializer = original

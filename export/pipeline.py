@@ -34,11 +34,22 @@ from .fp16 import convert_to_fp16
 from .fuse import CHECK_PROMPT, CHECK_TOKENS, fuse_graph
 from .embedding import CHECK_TEXTS, base_model, pooling_config, torch_embeddings
 from .embedding import check as check_embeddings
-from .graphs import export_graph, export_hidden_graph, kv_layout
+from .graphs import GRAPH_FILE, export_graph, export_hidden_graph, kv_layout, save_graph
 from .lora import PeftAdapter, add_adapters, check_fits, checked_name, peft_reference, read_peft
 from .quantize import Quantization, quality, quality_reference, quantize_graph
-from .source import first_line, load_model, manifest_source, resolve_source, source_parameters
+from .source import (
+    Sizes,
+    Source,
+    check_layers,
+    first_line,
+    load_model,
+    manifest_source,
+    resolve_source,
+    source_parameters,
+    source_sizes,
+)
 from .split import split_export
+from .stream import deferring
 from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
 
@@ -98,6 +109,8 @@ class ExportOptions:
     task: str = "generation"  # or "embedding": the hidden states of an embedding model (export/embedding.py)
     pooling: str | None = None  # embedding: "last" or "mean" [default: the model's sentence-transformers config]
     matryoshka: tuple[int, ...] = ()  # embedding: the shorter widths the model was trained to give (Matryoshka)
+    stream: bool | None = None  # loaded in its checkpoint's precision, checked on a copy of its first layers; None: for large models
+    layers: int | None = None  # only the model's first that many layers (a streamed export's check copy)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -255,8 +268,14 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
         "adapters": bool(options.adapters),
     }
     adapters = {name: read_peft(folder) for name, folder in options.adapters}  # a bad folder is refused before any work
+    source = resolve_source(model, say)
+    streamed = _streams(source, options)
+    if streamed is not None:
+        return _export_streamed(source, *streamed, work, options, say, live)
+    if options.layers is None:
+        check_memory_before_load(source_parameters(source))
     stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
-    torch_model, manifest, weights = _traced(model, work, options, stage, adapters)
+    torch_model, manifest, weights = _traced(source, work, options, stage, adapters)
     with stage("validate"):
         stage.progress("PyTorch's logits and tokens for the checks")
         config, references = torch_model.config, _references(torch_model, work, options, adapters)
@@ -269,7 +288,18 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     if adapters:
         with stage("adapters"):
             manifest = _adapters(work, manifest, adapters, references["adapters"], stage)
+    return _written(work, manifest, stage, weights)
+
+
+def _written(work: Path, manifest: Manifest, stage: _Stages, weights: int, make: bool = False) -> Manifest:
+    """The write stage: the weights still deferred made and written (`make`), the manifest, with
+    the export's files, saved in `work`; then the peak memory said."""
     with stage("write"):
+        if make:
+            stage.progress("the weights left to write, one at a time")
+            import onnx
+
+            save_graph(onnx.load(str(work / GRAPH_FILE), load_external_data=False), work, append=True, make=True)
         manifest = dataclasses.replace(manifest, files=describe_files(work))
         manifest.save(work)
     peak = peak_memory()
@@ -281,18 +311,117 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     return manifest
 
 
-def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adapters: dict[str, PeftAdapter]):
-    """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32 bytes."""
+# A model with this many bytes of fp32 weights (about 0.5B parameters) is exported streamed where it can be.
+STREAM_FROM = 2**31
+STREAMED_STAGES = ("check", "load", "export graph", "tokenizer", "fuse", "quantize", "write")
+
+
+def _streams(source: Source, options: ExportOptions) -> tuple[Sizes, int, int] | None:
+    """The checkpoint's sizes, the check copy's layers and the model's where this export is
+    streamed; None where it is not. --stream where it cannot be is refused."""
+    from transformers import AutoConfig
+
+    if options.stream is False or options.layers is not None:
+        return None
+    sizes = source_sizes(source)
+    why_not = _not_streamable(options, sizes)
+    if why_not and options.stream:
+        raise ExportError(f"--stream cannot export this model: {why_not}; leave --stream out")
+    if why_not or (options.stream is None and 4 * sizes.parameters < STREAM_FROM):
+        return None
+    config = AutoConfig.from_pretrained(source.path)
+    layers = check_layers(config)
+    if layers >= config.num_hidden_layers:
+        return None  # a check copy would be the whole model: it is exported whole and checked as such
+    return sizes, layers, config.num_hidden_layers
+
+
+def _not_streamable(options: ExportOptions, sizes: Sizes | None) -> str | None:
+    if sizes is None:
+        return "it reads safetensors files, and this source has none (a GGUF, or PyTorch .bin files)"
+    for flag, given in (("--dtype fp16", options.dtype == "fp16"), ("--graphs split", options.graphs == "split")):
+        if given:
+            return f"{flag} converts the whole graph in memory"
+    if options.adapters:
+        return "--adapter checks each adapter on the whole model"
+    return None
+
+
+def _export_streamed(source: Source, sizes: Sizes, layers: int, total: int, work: Path, options: ExportOptions, say, live) -> Manifest:
+    """Export a large model without its fp32 weights in memory: a copy of its first layers is
+    exported and checked against PyTorch first (the check stage, in a scratch folder); then the
+    model, loaded in its checkpoint's precision, is traced with its matrices hollow and its weights
+    written one at a time (export/stream.py), fused and quantized as the copy was, unchecked."""
+    check_memory_streamed(sizes, layers, total, options.quantization)
+    check_free_space(work.parent, streamed_disk(sizes, layers, total, options.quantization))
+    wanted = {"fuse": options.fuse, "quantize": bool(options.quantization)}
+    stage = _Stages(say, [s for s in STREAMED_STAGES if wanted.get(s, True)], live)
+    with stage("check"):
+        checked = _check_copy(source, layers, work / ".check", options, stage)
+    with deferring():
+        return _streamed_rest(source, work, options, stage, checked)
+
+
+def _streamed_rest(source: Source, work: Path, options: ExportOptions, stage: _Stages, checked: Manifest) -> Manifest:
+    """A streamed export's stages after its check copy's. Without calibration to run, its weights
+    are deferred (export/stream.py) until they are quantized or written."""
+    defer = _deferred(options.quantization)
+    torch_model, manifest, weights = _traced(source, work, options, stage, {}, streamed=True, defer=defer)
+    config = torch_model.config
+    del torch_model
+    gc.collect()
+    give_back_freed_memory()
+    validation = {
+        **checked.validation,
+        "checked_on": f"a copy of the first {checked.kv.num_layers} of the model's {config.num_hidden_layers} layers",
+    }
+    validation.pop("fusion", None)
+    if options.fuse:
+        with stage("fuse"):
+            stage.progress("as the check copy was fused, unchecked")
+            validation["fusion"], manifest = fuse_graph(
+                work, config, None, manifest, stage.progress, like=checked.validation["fusion"]
+            )
+            manifest.save(work)
+    quantization = {}
+    if options.quantization:
+        with stage("quantize"):
+            stage.progress("with the MatMuls the check copy kept at 8 bits")
+            kept = dataclasses.replace(options.quantization, keep_int8=tuple(checked.quantization["keep_int8"]))
+            done = quantize_graph(work, kept, head_first=True)
+            quantization = {**dataclasses.asdict(done), "quality": "not measured (a streamed export)"}
+    manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization)
+    return _written(work, manifest, stage, weights, make=defer)
+
+
+def _check_copy(source: Source, layers: int, folder: Path, options: ExportOptions, stage: _Stages) -> Manifest:
+    """The manifest of a copy of the model's first `layers` layers, exported with `options` and
+    checked against PyTorch in `folder`, which is then removed."""
+    stage.progress(f"the model's first {layers} layers, exported as the model will be and checked against PyTorch")
+    folder.mkdir()
+    try:
+        copy = dataclasses.replace(options, layers=layers, stream=False, force=False, quality=False)
+        return _export_into(source.path, folder, copy, lambda line: stage.say(f"      check copy: {line.strip()}"), None)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _traced(source: Source, work: Path, options: ExportOptions, stage: _Stages, adapters: dict, streamed=False, defer=False):
+    """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32
+    bytes. `streamed`: the model is loaded in its checkpoint's precision (export/stream.py);
+    `defer`: its weights deferred."""
     with stage("load"):
-        source, torch_model, tokenizer = _loaded(model, stage)
+        stage.progress(f"reading {Path(source.gguf_file or source.path).name}" + (" in its own precision" if streamed else ""))
+        torch_model, tokenizer = load_model(source, layers=options.layers, precision="source" if streamed else "fp32")
         for adapter in adapters.values():
             check_fits(adapter, torch_model)
     weights = fp32_weights(torch_model)
-    check_free_space(work.parent, fp32_weights(torch_model, as_written=True))
-    check_memory(weights)
+    if not streamed:  # a streamed export checked the disk it needs before its check copy
+        check_free_space(work.parent, fp32_weights(torch_model, as_written=True))
+        check_memory(weights)
     with stage("export graph"):
         stage.progress("tracing the model with torch.onnx")
-        graph = export_graph(torch_model, work)
+        graph = export_graph(torch_model, work, defer=defer)
     with stage("tokenizer"):
         tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
     context = max_context(torch_model.config, tokenizer, options.max_context)
@@ -302,7 +431,7 @@ def _traced(model: str, work: Path, options: ExportOptions, stage: _Stages, adap
 
 
 def _loaded(model: str, stage: _Stages):
-    """The model's source, its PyTorch model and its tokenizer (the load stage's work)."""
+    """The model's source, its PyTorch model and its tokenizer (an embedding export's load stage)."""
     source = resolve_source(model, stage.say)
     check_memory_before_load(source_parameters(source))
     stage.progress(f"reading {Path(source.gguf_file or source.path).name}")
@@ -497,6 +626,61 @@ def check_memory_before_load(parameters: int | None) -> None:
             f"{size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: nothing was loaded; "
             "export on a machine with more memory and copy the export folder over (it runs anywhere)"
         )
+
+
+def _copy_parameters(sizes: Sizes, layers: int, total: int) -> int:
+    """About how many weights a check copy of `layers` of the model's `total` layers holds."""
+    return sizes.parameters - sizes.layered + sizes.layered * layers // max(1, total)
+
+
+def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> int:
+    """The bytes a streamed export writes at most: its check copy's fp32 graph (twice while its fuse
+    stage rewrites it), or the model's graph: deferred weights quantized (a byte a weight covers 4 or
+    8 bits, scales and zero points) beside one fp32 table, else the fp32 weights (twice, as the copy's)."""
+    if quantization is None:
+        model = 4 * sizes.parameters  # the fp32 graph, its weights written once, at the end
+    else:
+        model = sizes.parameters + 4 * sizes.largest if _deferred(quantization) else 8 * sizes.parameters
+    return max(8 * _copy_parameters(sizes, layers, total), model)
+
+
+def _deferred(quantization: Quantization | None) -> bool:
+    """Whether a streamed export defers its weights until they are quantized or written: unless
+    its quantization runs the fp32 graph over a calibration text (gptq; k_quant given one)."""
+    return quantization is None or (quantization.algorithm != "gptq" and quantization.calibration is None)
+
+
+def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> None:
+    """Refuse, before any weight is read, where this machine cannot hold a streamed export: its
+    check copy, exported as `check_memory_before_load` counts a model; then the model, whose
+    checkpoint is mapped from its files and let go as it is read, so that what it holds is its
+    quantized weights (about a byte a weight), its largest tensor twice in fp32 (made, then
+    copied for the quantizer) and `EXPORT_MEMORY_BASE` twice; or, where its weights are not
+    deferred, the fp32 graph that ONNX Runtime holds whole to run the calibration or to check it."""
+    available = available_memory()
+    copy = (1 + EXPORT_MEMORY_FACTOR) * 4 * _copy_parameters(sizes, layers, total) + EXPORT_MEMORY_BASE
+    deferred = _deferred(quantization)
+    model = (sizes.parameters + 8 * sizes.largest if deferred else 4 * sizes.parameters) + 2 * EXPORT_MEMORY_BASE
+    need = max(copy, model)
+    if available is None or need <= available:
+        return
+    what = (
+        f"a copy of its first {layers} layers in fp32, checked against PyTorch"
+        if copy >= model
+        else "its quantized weights and its largest tensor twice in fp32"
+        if deferred
+        else "its fp32 graph in ONNX Runtime, for the calibration or the checks"
+    )
+    raise ExportError(
+        f"exporting this model needs about {size_text(need)} of memory ({what}), and this machine has "
+        f"{size_text(available)} available: nothing was loaded; "
+        + (
+            ""
+            if deferred or copy >= model
+            else "quantize with --algorithm rtn or hqq (no calibration, weights never held in fp32), or "
+        )
+        + "export on a machine with more memory and copy the export folder over (it runs anywhere)"
+    )
 
 
 def available_memory() -> int | None:

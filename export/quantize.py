@@ -87,16 +87,17 @@ class Quantization:
         if self.algorithm != "rtn" and self.symmetric:
             raise ExportError(f"{self.algorithm} fits a zero point to every block: leave out --symmetric, or use --algorithm rtn")
 
-    def passes(self, graph) -> list[tuple[int, str, list[str]]]:
+    def passes(self, graph, head_first: bool = False) -> list[tuple[int, str, list[str]]]:
         """(bits, algorithm, MatMul names) in the order they are quantized: the MatMuls `keep_int8`
         names at 8 bits; under hqq the lm_head rounded (its blocks are shared with a tied embedding
-        table, and GatherBlockQuantized takes only integer zero points); then the rest."""
+        table, and GatherBlockQuantized takes only integer zero points), or with `head_first` (a
+        streamed export: the largest weight made while the least else is held); then the rest."""
         bits, names, rounded = BITS[self.method], _matmuls(graph), "rtn" if self.algorithm == "hqq" else self.algorithm
         kept = kept_int8(graph.graph, self.keep_int8) if bits == 4 else []
         head = lm_head_node(graph.graph)
         passes = [(8, rounded, kept)] if kept else []
-        if self.algorithm == "hqq" and head and head not in kept:
-            passes.append((bits, "rtn", [head]))
+        if head and head not in kept and (head_first or self.algorithm == "hqq"):
+            passes.append((bits, "rtn" if self.algorithm == "hqq" else self.algorithm, [head]))
         done = {name for _, _, group in passes for name in group}
         return [*passes, (bits, self.algorithm, [n for n in names if n not in done])]
 
@@ -145,14 +146,15 @@ def matmul_role(name: str) -> tuple[int | None, str]:
     return layer, (parts[-1] if parts else name)
 
 
-def quantize_graph(folder: Path, quantization: Quantization) -> Quantization:
+def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = False) -> Quantization:
     """Replace model.onnx and its weights in `folder` by the quantized graph: ONNX Runtime's
     MatMulNBitsQuantizer, given the graph without its weights, reads each MatMul's fp32 weight from
     the data file as it packs it (`patches.one_weight_at_a_time`, `patches.one_weight_loaded`), so
     one fp32 weight is in memory at a time, and the files written are the bytes of the quantizer's
     own run on the loaded graph. Tensors the quantizer leaves alone (the embedding table, norms)
     are copied from the old data file by `save_graph`. The MatMuls go in `Quantization.passes`.
-    Returns `quantization` with `keep_int8` "auto" replaced by the modules chosen."""
+    Returns `quantization` with `keep_int8` "auto" replaced by the modules chosen. `head_first`:
+    the lm_head in a pass of its own before the others (`Quantization.passes`)."""
     graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
     scratch = folder / "calibration"
     try:
@@ -160,7 +162,7 @@ def quantize_graph(folder: Path, quantization: Quantization) -> Quantization:
         fitted = {}  # 4-bit blocks the auto choice fitted, by weight name, for the pass that writes them
         if quantization.keep_int8 == (AUTO,):
             quantization = replace(quantization, keep_int8=tuple(_auto_kept(folder, quantization, activations, fitted)))
-        for bits, algorithm, names in quantization.passes(graph):
+        for bits, algorithm, names in quantization.passes(graph, head_first):
             included = set(names)
             exclude = [n for n in _matmuls(graph) if n not in included]
             graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)

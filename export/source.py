@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,10 @@ def _folder_source(path: Path) -> Source:
     return Source(str(path.resolve()), str(path.resolve()))
 
 
-def load_model(source: Source, with_tokenizer: bool = True):
-    """The fp32 PyTorch model and its fast tokenizer (None without `with_tokenizer`)."""
+def load_model(source: Source, with_tokenizer: bool = True, layers: int | None = None, precision: str = "fp32"):
+    """The PyTorch model and its fast tokenizer (None without `with_tokenizer`). `layers`: only
+    the first that many of its layers (a check copy, `truncated`); `precision`: "fp32", or
+    "source" for the checkpoint's own (bfloat16 for most), half the memory."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -93,7 +96,11 @@ def load_model(source: Source, with_tokenizer: bool = True):
         with faster_gguf(bool(source.gguf_file)):
             config = AutoConfig.from_pretrained(converted or source.path, **({} if converted else kwargs))
             check_supported(config.model_type)
-            model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=torch.float32, **kwargs).eval()
+            if layers is not None:
+                config = truncated(config, layers)
+            dtype = torch.float32 if precision == "fp32" else "auto"
+            with _quiet(layers is not None):  # a check copy leaves most weights unread, which transformers would list
+                model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=dtype, **kwargs).eval()
             tokenizer = None
             if with_tokenizer:
                 tokenizer = AutoTokenizer.from_pretrained(converted or source.path, **({} if converted else kwargs))
@@ -167,6 +174,66 @@ def _conversion_folder(source: Source) -> Path:
     return cache_root() / "converted" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+@contextmanager
+def _quiet(quiet: bool):
+    """transformers' messages at error level only, meanwhile."""
+    from transformers.utils import logging
+
+    before = logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
+
+
+def truncated(config, layers: int):
+    """A copy of `config` with its first `layers` layers: every per-layer list (layer types,
+    windows) cut to them. transformers loads such a model from the whole checkpoint, reading
+    only those layers' weights."""
+    copy = config.__class__.from_dict(config.to_dict())
+    total = config.num_hidden_layers
+    for name, value in vars(config).items():
+        if isinstance(value, (list, tuple)) and len(value) == total and name != "num_hidden_layers":
+            setattr(copy, name, type(value)(value[:layers]))
+    copy.num_hidden_layers = layers
+    if getattr(copy, "num_kv_shared_layers", 0):  # Gemma 4's last layers read earlier ones' caches: a copy of the first has none
+        copy.num_kv_shared_layers = 0
+    return copy
+
+
+def check_layers(config) -> int:
+    """How many of the model's first layers a check copy takes: at least two, and up to the first
+    layer of each kind the model has (`layer_types`: linear attention, sliding and full attention)."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    last_new = max((kinds.index(kind) for kind in set(kinds)), default=0)
+    return min(config.num_hidden_layers, max(2, last_new + 1))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A checkpoint's size as its files' headers give it."""
+
+    parameters: int  # how many weights
+    stored: int  # their bytes as stored (bfloat16 for most)
+    largest: int  # the most weights in one tensor
+    layered: int  # the weights of the numbered layers (names with `.N.`), the rest being embeddings, norms, heads
+
+
+def source_sizes(source: Source) -> Sizes | None:
+    """The size of a safetensors checkpoint, read from its files' headers alone; None for other
+    sources (a GGUF, PyTorch .bin files)."""
+    files = [] if source.gguf_file else sorted(Path(source.path).glob("*.safetensors"))
+    if not files:
+        return None
+    entries = dict(item for path in files for item in _safetensors_entries(path).items())
+    counts = {name: int(np.prod(entry.get("shape", []), dtype=np.int64)) for name, entry in entries.items()}
+    stored = sum(end - start for entry in entries.values() for start, end in [entry.get("data_offsets", (0, 0))])
+    layered = sum(count for name, count in counts.items() if re.search(r"\.\d+\.", name))
+    return Sizes(parameters=sum(counts.values()), stored=stored, largest=max(counts.values(), default=0), layered=layered)
+
+
 def source_parameters(source: Source) -> int | None:
     """How many weights the source holds, read from its files' headers alone (a safetensors
     header, a GGUF's tensor infos), so that export can refuse a model too big for the machine
@@ -176,15 +243,13 @@ def source_parameters(source: Source) -> int | None:
 
         with faster_gguf(True):
             return sum(int(tensor.n_elements) for tensor in GGUFReader(Path(source.path) / source.gguf_file).tensors)
-    files = sorted(Path(source.path).glob("*.safetensors"))
-    if not files:
-        return None
-    return sum(_safetensors_parameters(path) for path in files)
+    sizes = source_sizes(source)
+    return None if sizes is None else sizes.parameters
 
 
-def _safetensors_parameters(path: Path) -> int:
-    """The number of weights a safetensors file holds, from its header: 8 bytes of little-endian
-    length, then a JSON map of tensor names to dtype, shape and offsets."""
+def _safetensors_entries(path: Path) -> dict[str, dict]:
+    """The tensors a safetensors file holds (dtype, shape, data_offsets each), from its header: 8
+    bytes of little-endian length, then a JSON map of tensor names to those."""
     try:
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
@@ -193,12 +258,7 @@ def _safetensors_parameters(path: Path) -> int:
         raise ExportError(f"{path} is not a readable safetensors file ({first_line(e)}): download the model again") from None
     if not isinstance(header, dict):
         raise ExportError(f"{path} has no safetensors header: download the model again")
-    total = 0
-    for name, entry in header.items():
-        if name != "__metadata__":
-            shape = entry.get("shape", []) if isinstance(entry, dict) else []
-            total += int(np.prod(shape, dtype=np.int64)) if shape else 1
-    return total
+    return {name: entry for name, entry in header.items() if name != "__metadata__" and isinstance(entry, dict)}
 
 
 def check_supported(model_type: str) -> None:

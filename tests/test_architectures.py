@@ -305,10 +305,13 @@ def model_vocab(name: str) -> int:
 
 @pytest.mark.parametrize("name", [n if n in OPTIMIZER_SAMPLE else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own(name, tmp_path, monkeypatch):
-    """export_graph hands torch.onnx's exporter the weights as graph inputs and writes them to the
-    data file itself (export/patches.py `weights_apart`); the graph must be the one torch.onnx's
-    own export of the same trace writes, with the logits cut to the last positions: the same
-    nodes, inputs, outputs, and initializers (names, types, shapes and bytes)."""
+    """export_graph traces the model with its matrices hollow (export/stream.py), hands torch.onnx's
+    exporter the weights as graph inputs and writes them to the data file itself, each from the
+    model's own tensor (export/patches.py `weights_apart`); the graph must be the one torch.onnx's
+    own export of the same trace over the real weights writes, with the logits cut to the last
+    positions: the same nodes, inputs, outputs, and initializers (names, types, shapes and bytes).
+    The weights are drawn at random, as a checkpoint's are: torch.onnx merges initializers of equal
+    values (the zeros a new model's expert biases start at), which a trace of hollow weights does not."""
     import onnx
     from onnx import numpy_helper
 
@@ -317,9 +320,12 @@ def test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own(name, tmp_p
 
     held = []
     write = graphs.write_weights
-    monkeypatch.setattr(graphs, "write_weights", lambda path, weights: (held.append(len(weights)), write(path, weights)))
+    monkeypatch.setattr(graphs, "write_weights", lambda path, weights, defer: (held.append(len(weights)), write(path, weights, defer)))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.1)
     (tmp_path / "ours").mkdir()
     graphs.export_graph(model, tmp_path / "ours")
     (tmp_path / "theirs").mkdir()

@@ -1,0 +1,192 @@
+"""Streamed export (export/stream.py): a large model exported streamed (loaded in its checkpoint's
+precision, checked on a copy of its first layers, its weights deferred until quantized or
+written) gives transformers' tokens. That the graph traced with its matrices hollow is torch.onnx's
+own over the real weights, every family: tests/test_architectures.py."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from architectures import tiny_config
+from conftest import build_llama
+from edgeinfer.export import ExportOptions, Quantization, export_model
+from edgeinfer.export import pipeline
+from edgeinfer.export.graphs import GRAPH_FILE
+from edgeinfer.export.source import Source, check_layers, source_sizes, truncated
+from edgeinfer.export.stream import streamed
+from edgeinfer.sdk import Engine
+from edgeinfer.sdk.errors import ExportError
+
+PROMPT = [1, 5, 9, 33, 70, 12]
+
+
+def test_a_fold_that_computes_from_a_hollow_weight_is_refused_with_the_way_out():
+    hollow_view = torch.full((6,), float("nan")).as_strided((2, 3), (1, 2))
+    computed = hollow_view * 2  # a new tensor: not a view of the hollow storage, and NaN
+    with pytest.raises(ExportError, match=r"folded a large weight into w2 \(\(2, 3\)\).*--no-stream"):
+        streamed({"w2": computed}, {hollow_view.untyped_storage().data_ptr(): ("w", torch.ones(2, 3), (1, 2))})
+    sliced = hollow_view[:, 1:]
+    with pytest.raises(ExportError, match=r"folded the weight w into a view of shape \(2, 2\) that is not a permutation"):
+        streamed({"w2": sliced}, {hollow_view.untyped_storage().data_ptr(): ("w", torch.ones(2, 3), (1, 2))})
+    loaded = torch.arange(6.0, dtype=torch.bfloat16).reshape(2, 3)
+    made = streamed({"w2": hollow_view.t()}, {hollow_view.untyped_storage().data_ptr(): ("w", loaded, (1, 2))})["w2"]()
+    assert made.dtype == torch.float32 and torch.equal(made, loaded.float().t())
+
+
+def test_a_check_copy_takes_the_first_layer_of_each_kind():
+    llama = tiny_config("llama")
+    llama.num_hidden_layers = 16
+    assert check_layers(llama) == 2
+    hybrid = tiny_config("qwen3_5_text")
+    hybrid.layer_types, hybrid.num_hidden_layers = hybrid.layer_types * 2, 2 * hybrid.num_hidden_layers
+    assert hybrid.layer_types[:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert check_layers(hybrid) == 4
+    copy = truncated(hybrid, 4)
+    assert copy.num_hidden_layers == 4 and copy.layer_types == hybrid.layer_types[:4]
+    assert hybrid.num_hidden_layers == len(hybrid.layer_types) == 8  # the model's own config is left alone
+
+
+@pytest.fixture(scope="module")
+def deep_bf16_llama(tmp_path_factory):
+    """A 5-layer llama saved in bfloat16 (as most checkpoints are), and its fp32 model."""
+    folder = tmp_path_factory.mktemp("deep") / "hf"
+    build_llama(folder, num_hidden_layers=5).to(torch.bfloat16).save_pretrained(folder)
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _greedy(model, ids, n=12):
+    with torch.no_grad():
+        return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+
+
+def test_a_streamed_export_checks_a_copy_and_gives_the_models_tokens(deep_bf16_llama, tmp_path):
+    folder, model = deep_bf16_llama
+    said = []
+    manifest = export_model(str(folder), tmp_path / "out", ExportOptions(stream=True), say=said.append)
+    assert (
+        said[0] == "[1/6] check" and "[2/6] load" in said and any(line.startswith("      check copy: [4/6] validate") for line in said)
+    )
+    validation = manifest.validation
+    assert validation["checked_on"] == "a copy of the first 2 of the model's 5 layers" and validation["passed"]
+    assert validation["max_abs_diff_prefill"] <= validation["tolerance"]
+    assert validation["fusion"]["fused"]["GroupQueryAttention"] == 5  # the whole model fused as its copy was
+    assert manifest.kv.num_layers == 5 and manifest.kv.in_place
+    assert Engine.load(tmp_path / "out").generate(PROMPT, max_new_tokens=12).token_ids == _greedy(model, PROMPT)
+    assert not (tmp_path / "out" / ".check").exists() and not list((tmp_path / "out").glob("*.packed.data"))
+
+
+def test_a_streamed_int4_export_keeps_at_8_bits_what_its_copy_chose(deep_bf16_llama, tmp_path):
+    folder, _ = deep_bf16_llama
+    manifest = export_model(
+        str(folder), tmp_path / "out", ExportOptions(stream=True, quantization=Quantization("int4", algorithm="rtn"))
+    )
+    quantization = manifest.quantization
+    assert quantization["quality"] == "not measured (a streamed export)" and quantization["algorithm"] == "rtn"
+    assert quantization["keep_int8"] and "auto" not in quantization["keep_int8"]
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "out" / GRAPH_FILE), load_external_data=False).graph
+    bits = {node.name: next(a.i for a in node.attribute if a.name == "bits") for node in graph.node if node.op_type == "MatMulNBits"}
+    kept = [name for name, b in bits.items() if b == 8]
+    assert len(bits) == 5 * 4 + 1 and kept  # qkv, o, gate_up and down in each layer, and the lm_head
+    assert all(any(module in name for module in quantization["keep_int8"]) for name in kept)
+    result = Engine.load(tmp_path / "out").generate(PROMPT, max_new_tokens=8)
+    assert len(result.token_ids) == 8
+
+
+def test_stream_is_refused_where_it_cannot_apply_and_left_out_for_small_models(deep_bf16_llama, tmp_path):
+    folder, _ = deep_bf16_llama
+    with pytest.raises(
+        ExportError, match=r"--stream cannot export this model: --dtype fp16 converts the whole graph in memory; leave --stream out"
+    ):
+        export_model(str(folder), tmp_path / "a", ExportOptions(stream=True, dtype="fp16"))
+    said = []
+    export_model(str(folder), tmp_path / "b", say=said.append)  # 0.4 MiB of weights: exported whole, checked whole
+    assert said[0] == "[1/6] load" and not any("check copy" in line for line in said)
+    sizes = source_sizes(Source("deep", str(folder)))
+    assert sizes.stored == 2 * sizes.parameters and sizes.largest == 320 * 64  # bfloat16; the embedding table
+
+
+def test_a_streamed_export_too_big_for_the_machine_is_refused_before_loading(deep_bf16_llama, tmp_path, monkeypatch):
+    folder, _ = deep_bf16_llama
+    monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(
+        ExportError,
+        match=r"needs about 1.00 GiB of memory \(its fp32 graph in ONNX Runtime, for the calibration or the checks\), and this "
+        r"machine has 100.0 KiB available: nothing was loaded; quantize with --algorithm rtn or hqq \(no calibration",
+    ):
+        export_model(str(folder), tmp_path / "out", ExportOptions(stream=True, quantization=Quantization("int4")))
+    with pytest.raises(ExportError, match=r"needs about 1.00 GiB of memory \(its quantized weights and its largest tensor twice"):
+        export_model(str(folder), tmp_path / "out", ExportOptions(stream=True, quantization=Quantization("int4", algorithm="rtn")))
+    assert not re.search("partial", " ".join(p.name for p in tmp_path.iterdir()))
+
+
+def test_pages_let_go_of_a_mapped_checkpoint_read_back_the_same_and_written_ones_stay(deep_bf16_llama):
+    """A weight loaded in its checkpoint's precision is a view of the mapped file: its pages are let
+    go once it is made (export/stream.py `release_file_pages`), and read again from the file if
+    touched. A page written to is no longer the file's: then nothing is let go."""
+    from edgeinfer.export.stream import _PAGE, _file_pages, _in_mapped_checkpoint, release_file_pages
+
+    folder, _ = deep_bf16_llama
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    table = model.model.embed_tokens.weight.data
+    start = table.untyped_storage().data_ptr() + table.storage_offset() * table.element_size()
+    first, last = -(-start // _PAGE) * _PAGE, (start + table.numel() * table.element_size()) // _PAGE * _PAGE
+    assert table.dtype == torch.bfloat16 and last - first >= 4 * _PAGE
+    assert _in_mapped_checkpoint(first, last) and _file_pages(first, last)
+    before = table.clone()
+    release_file_pages(table)
+    assert torch.equal(table, before)
+    table[table.shape[0] // 2, 0] += 1  # the page is copied on write: the file's no longer
+    written = table.clone()
+    assert not _file_pages(first, last)
+    release_file_pages(table)
+    assert torch.equal(table, written) and not torch.equal(table, before)
+    assert not _in_mapped_checkpoint(*(lambda a: (a, a + _PAGE))(-(-torch.zeros(4096).data_ptr() // _PAGE) * _PAGE))
+
+
+def test_the_command_line_streams_with_stream_and_refuses_what_cannot_be(deep_bf16_llama, tmp_path):
+    import json
+
+    from test_cli import edgeinfer
+
+    folder, _ = deep_bf16_llama
+    done = edgeinfer("export", str(folder), "-o", str(tmp_path / "out"), "--stream")
+    assert done.returncode == 0 and "check copy: [4/6] validate" in done.stderr, done.stderr
+    manifest = json.loads((tmp_path / "out" / "edgeinfer.json").read_text())
+    assert manifest["validation"]["checked_on"] == "a copy of the first 2 of the model's 5 layers"
+    done = edgeinfer("export", str(folder), "-o", str(tmp_path / "split"), "--stream", "--graphs", "split")
+    assert done.returncode != 0 and "--stream cannot export this model: --graphs split converts the whole graph" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "split").exists()
+    done = edgeinfer("export", str(folder), "-o", str(tmp_path / "whole"), "--no-stream")
+    assert done.returncode == 0 and "check copy" not in done.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "hqq"])
+def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf16_llama, tmp_path, algorithm):
+    """Streamed, each weight is made from the bf16 checkpoint as it is quantized (packed ones
+    too); unstreamed, the same weights are read from the fp32 graph's data file: the same tensors,
+    byte for byte, and the same nodes."""
+    import onnx
+
+    from edgeinfer.export.graphs import tensor_array
+
+    folder, _ = deep_bf16_llama
+    quantization = Quantization("int4", algorithm=algorithm, keep_int8=("down_proj",))
+    graphs = {}
+    for stream in (True, False):
+        out = tmp_path / str(stream)
+        export_model(str(folder), out, ExportOptions(stream=stream, quantization=quantization, quality=False))
+        model = onnx.load(str(out / GRAPH_FILE), load_external_data=False)
+        tensors = {t.name: np.asarray(tensor_array(t, out)).tobytes() for t in model.graph.initializer}
+        graphs[stream] = tensors, sorted(n.SerializeToString() for n in model.graph.node)
+    assert graphs[True][0].keys() == graphs[False][0].keys()
+    assert [n for n in graphs[True][0] if graphs[True][0][n] != graphs[False][0][n]] == []
+    assert graphs[True][1] == graphs[False][1]
+    assert sum(name.endswith("_Q8") for name in graphs[True][0]) == 5  # down_proj in each layer, at 8 bits
