@@ -267,9 +267,9 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
 def write_weights(path: Path, weights: dict, defer: bool = False) -> None:
     """Make the graph inputs named in `weights` (torch tensors, or functions that make them)
     initializers again, their bytes written to the graph's data file one tensor at a time
-    (`defer`: a function's tensor is deferred instead, `stream.defer`)."""
-    import torch
-
+    (`defer`: a function's tensor is deferred instead, `stream.defer`). A tensor equal to one
+    written before (type, shape and bytes) is read through that one's name, as torch.onnx merges
+    equal initializers, which it cannot see in a trace of hollow weights."""
     if not weights:
         return
     model = onnx.load(str(path), load_external_data=False)
@@ -279,25 +279,45 @@ def write_weights(path: Path, weights: dict, defer: bool = False) -> None:
             "torch.onnx's graph does not take every weight held apart as an input: this is a bug in edgeinfer, "
             "please report it with the output of --debug"
         )
-    data = path.with_name(f"{path.name}.data")
+    data, written, same = path.with_name(f"{path.name}.data"), {}, {}
     with open(data, "ab") as out:
         for name, value in weights.items():
             if defer and callable(value):
                 model.graph.initializer.append(stream.defer(name, value, _input_shape(model.graph, name), onnx.TensorProto.FLOAT))
                 continue
-            tensor = value() if callable(value) else value
-            offset = out.tell()
-            out.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            proto = onnx.TensorProto(
-                name=name, dims=list(tensor.shape), data_type=onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL
-            )
-            for key, value in (("location", data.name), ("offset", str(offset)), ("length", str(out.tell() - offset))):
-                entry = proto.external_data.add()
-                entry.key, entry.value = key, value
-            model.graph.initializer.append(proto)
+            proto, digest = _written_tensor(out, data.name, name, value() if callable(value) else value, written)
+            if proto is None:
+                same[name] = written[digest]
+            else:
+                written[digest] = name
+                model.graph.initializer.append(proto)
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            node.input[index] = same.get(name, name)
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     onnx.save(model, str(path))
+
+
+def _written_tensor(out, location: str, name: str, tensor, written: dict):
+    """The initializer `name` of `tensor`'s bytes, appended to the data file `out` (named
+    `location`), and its digest; None for the initializer where `written` (digests of the tensors
+    written) has its bytes already."""
+    import hashlib
+
+    import torch
+
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    digest = (onnx_float(tensor), tuple(tensor.shape), hashlib.sha1(raw.data).hexdigest())
+    if digest in written:
+        return None, digest
+    offset = out.tell()
+    out.write(raw.data)
+    proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(out.tell() - offset))):
+        entry = proto.external_data.add()
+        entry.key, entry.value = key, value
+    return proto, digest
 
 
 def _input_shape(graph: onnx.GraphProto, name: str) -> list[int]:

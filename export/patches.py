@@ -590,7 +590,7 @@ def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
     from onnx.external_data_helper import uses_external_data
     from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
 
-    from .stream import forget, is_deferred, standalone
+    from .stream import is_deferred
 
     quantize = node_quantizer.quantize
 
@@ -599,11 +599,7 @@ def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
         if weight is None or not uses_external_data(weight):
             return quantize(node, graph_stack)
         if is_deferred(weight):
-            with initializer_standing_in(standalone(weight)):
-                quantized = quantize(node, graph_stack)
-            if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
-                forget(weight)
-            return quantized
+            return quantized_deferred(quantize, node, graph_stack, weight)
         (location,) = [entry for entry in weight.external_data if entry.key == "location"]
         relative, location.value = location.value, str(Path(folder).resolve() / location.value)
         try:
@@ -621,7 +617,7 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
     from onnxruntime.quantization.matmul_nbits_quantizer import get_initializer
 
-    from .stream import forget, is_deferred, standalone
+    from .stream import is_deferred
 
     quantize = node_quantizer.quantize
 
@@ -630,11 +626,7 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
         if weight is None or not uses_external_data(weight):
             return quantize(node, graph_stack)
         if is_deferred(weight):
-            with initializer_standing_in(standalone(weight)):
-                quantized = quantize(node, graph_stack)
-            if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
-                forget(weight)
-            return quantized
+            return quantized_deferred(quantize, node, graph_stack, weight)
         reference = onnx.TensorProto()
         reference.CopyFrom(weight)
         load_external_data_for_tensor(weight, str(folder))
@@ -646,6 +638,18 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
             weight.CopyFrom(reference)
 
     node_quantizer.quantize = one_weight
+
+
+def quantized_deferred(quantize, node, graph_stack, weight):
+    """`quantize(node, graph_stack)` with the node's deferred `weight` (export/stream.py) made for
+    the time it takes, then let go where the node no longer reads it."""
+    from .stream import forget, standalone
+
+    with initializer_standing_in(standalone(weight)):
+        quantized = quantize(node, graph_stack)
+    if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
+        forget(weight)
+    return quantized
 
 
 @contextmanager

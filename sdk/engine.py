@@ -148,7 +148,8 @@ class Engine:
 
     def attach_draft(self, draft: Engine) -> None:
         """Use `draft` (an engine of a smaller model with the same tokenizer) to propose tokens
-        for `speculative="draft"`. Refused where its vocabulary differs from this model's."""
+        for `speculative="draft"`. Refused where its vocabulary differs from this model's, or where
+        it keeps a recurrent state."""
         if (
             draft.manifest.vocab_size != self.manifest.vocab_size
             or draft.tokenizer.vocabulary.tokens != self.tokenizer.vocabulary.tokens
@@ -156,6 +157,11 @@ class Engine:
             raise ManifestError(
                 f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
                 f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer"
+            )
+        if draft.manifest.kv.state:
+            raise ManifestError(
+                f"the draft model {draft.folder} keeps a recurrent state (linear attention), which cannot take back the "
+                "guesses the model rejects: use a draft of attention layers only, or speculative='prompt_lookup'"
             )
         self.draft = draft
 

@@ -117,10 +117,12 @@ class SlotCache:
                 )
         self.lengths[rows] += count
 
-    def trim(self, row: int, count: int) -> int:
-        """Forget the row's last `count` tokens (the next pass writes over them); returns how many."""
+    def trim(self, row: int, count: int, state_put_back: bool = False) -> int:
+        """Forget the row's last `count` tokens (the next pass writes over them); returns how many.
+        A recurrent state cannot forget tokens: refused unless the caller puts the row's state
+        back as it was before them (`state_put_back`, runner.take_back)."""
         count = max(0, min(count, int(self.lengths[row])))
-        if count:
+        if count and not state_put_back:
             refuse_trim_of_state(self.spec)
         self.lengths[row] -= count
         return count

@@ -76,10 +76,10 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
             "--force`)",
             "speculative",
         )
-    if engine.manifest.kv.state:
+    if engine.manifest.kv.state and not engine.manifest.kv.in_place:
         raise SettingsError(
-            "this model keeps a recurrent state (linear attention), which cannot take back the tokens of a rejected "
-            "draft: generate without speculative decoding",
+            "this export keeps the attention as traced beside a recurrent state (linear attention), whose cache "
+            "cannot take back the tokens of a rejected draft: generate without speculative decoding",
             "speculative",
         )
     if num_rows > 1 and not engine.manifest.kv.in_place:

@@ -343,6 +343,25 @@ class ModelRunner:
         idle = [row for row, token in enumerate(tokens) if token is None] if self.kv.state else []
         return {(s["past"], row): self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state for row in idle}
 
+    def row_state(self, batch: Batch, row: int) -> dict:
+        """A copy of the row's recurrent state (hybrid models; empty for others): what `take_back`
+        puts back where a speculative pass's tokens are rejected."""
+        return {s["past"]: self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state}
+
+    def take_back(self, batch: Batch, row: int, tokens: list[int], count: int, state: dict) -> None:
+        """Forget the last `count` of the `tokens` a verify pass ran on the row. A recurrent state
+        cannot forget what it read: it is put back as it was before the pass (`state`, from
+        `row_state`), and the tokens kept run again, one pass more."""
+        if count <= 0:
+            return
+        if not state:
+            batch.cache.trim(row, count)
+            return
+        batch.cache.trim(row, len(tokens), state_put_back=True)
+        for name, values in state.items():
+            self.graph.write_row(batch.cache.buffers[name], row, values)
+        self.verify(batch, row, tokens[:-count], num_logits=1)
+
     def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> ort.OrtValue:
         """Several new tokens of one row in one pass, with the logits of each (of the last
         `num_logits`, where given), [1, positions, vocab], left on the device."""

@@ -97,12 +97,15 @@ def step(runner, batch, row: int, sequence) -> Iterator:
     """One speculative step of one row (the only one, for the engine and the scheduler alike): its
     newest token (not yet in the cache) and the proposed ones run in one pass; each position's
     choice is taken while it equals the proposal, and the first that differs (or the one after
-    the last proposal) is the step's last. The cache then forgets the rejected proposals. Yields
-    the row's pieces."""
+    the last proposal) is the step's last. The cache then forgets the rejected proposals (a
+    recurrent state is put back and the kept tokens run again: runner.take_back). Yields the row's
+    pieces."""
     speculation = sequence.speculation
     room = sequence.max_new_tokens - sequence.num_generated - 1
     proposal = speculation.propose(sequence.history, room) if speculation else []
-    logits = runner.verify(batch, row, [sequence.history[-1], *proposal])
+    tokens = [sequence.history[-1], *proposal]
+    state = runner.row_state(batch, row) if proposal else {}
+    logits = runner.verify(batch, row, tokens)
     greedy = runner.heads.tokens(logits)[0] if sequence.chooses_by_argmax else None
     every = None if greedy is not None else runner.heads.every(logits)[0]
     accepted = 0
@@ -119,7 +122,7 @@ def step(runner, batch, row: int, sequence) -> Iterator:
             break
     if speculation:
         speculation.record(len(proposal), accepted)
-    batch.cache.trim(row, len(proposal) - accepted)
+    runner.take_back(batch, row, tokens, len(proposal) - accepted, state)
 
 
 @dataclass

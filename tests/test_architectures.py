@@ -310,8 +310,8 @@ def test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own(name, tmp_p
     model's own tensor (export/patches.py `weights_apart`); the graph must be the one torch.onnx's
     own export of the same trace over the real weights writes, with the logits cut to the last
     positions: the same nodes, inputs, outputs, and initializers (names, types, shapes and bytes).
-    The weights are drawn at random, as a checkpoint's are: torch.onnx merges initializers of equal
-    values (the zeros a new model's expert biases start at), which a trace of hollow weights does not."""
+    The weights are drawn at random: torch.onnx merges equal initializers with Identity nodes, where
+    export reads the one kept under both names (tests/test_stream.py)."""
     import onnx
     from onnx import numpy_helper
 
@@ -323,7 +323,7 @@ def test_the_graph_with_its_weights_written_apart_is_torch_onnxs_own(name, tmp_p
     monkeypatch.setattr(graphs, "write_weights", lambda path, weights, defer: (held.append(len(weights)), write(path, weights, defer)))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
-    with torch.no_grad():
+    with torch.no_grad():  # random, as a checkpoint's are: equal weights are merged otherwise (test_stream.py)
         for parameter in model.parameters():
             parameter.normal_(0, 0.1)
     (tmp_path / "ours").mkdir()

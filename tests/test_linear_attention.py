@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from edgeinfer import Engine, Scheduler
 from edgeinfer.export import export_model
 from edgeinfer.export.trace import trace
-from edgeinfer.sdk.errors import SettingsError
+from edgeinfer.sdk.errors import ManifestError
 from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
 from edgeinfer.sdk.memory import MemoryPlan
 
@@ -117,10 +117,21 @@ def test_rows_joining_and_leaving_a_running_batch_each_get_what_they_get_alone(h
     assert results == expected
 
 
-def test_speculative_decoding_is_refused_with_the_reason(hybrid):
+def test_speculative_decoding_puts_the_state_back_where_a_proposal_is_rejected(hybrid):
+    """A recurrent state cannot forget the tokens of a rejected proposal: it is put back as it was
+    before the pass and the kept tokens run again (runner.take_back). The greedy tokens are plain
+    decoding's, alone and in a batch; a draft model with a state is refused."""
     engine = Engine.load(hybrid[1], provider="cpu")
-    with pytest.raises(SettingsError, match="keeps a recurrent state .* generate without speculative decoding"):
-        engine.generate(PROMPTS[0], max_new_tokens=4, speculative="prompt_lookup")
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9] * 11, [100, 101, 102, 9, 100, 101, 102], list(range(3, 40))]
+    plain = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    fast = [engine.generate(p, max_new_tokens=24, ignore_eos=True, speculative="prompt_lookup") for p in prompts]
+    assert [r.token_ids for r in fast] == plain
+    assert sum(r.accepted_tokens for r in fast) > 0  # passes saved
+    assert any(r.proposed_tokens > r.accepted_tokens for r in fast)  # and the state put back
+    batch = engine.generate_batch(prompts, max_new_tokens=24, ignore_eos=True, speculative="prompt_lookup")
+    assert [r.token_ids for r in batch] == plain
+    with pytest.raises(ManifestError, match=r"keeps a recurrent state .* or speculative='prompt_lookup'"):
+        engine.attach_draft(Engine.load(hybrid[1], provider="cpu"))
 
 
 def test_the_optimizer_fuses_a_hybrid_graphs_norms(hybrid):

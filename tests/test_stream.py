@@ -16,7 +16,7 @@ from architectures import tiny_config
 from conftest import build_llama
 from edgeinfer.export import ExportOptions, Quantization, export_model
 from edgeinfer.export import pipeline
-from edgeinfer.export.graphs import GRAPH_FILE
+from edgeinfer.export.graphs import GRAPH_FILE, export_graph
 from edgeinfer.export.source import Source, check_layers, source_sizes, truncated
 from edgeinfer.export.stream import streamed
 from edgeinfer.sdk import Engine
@@ -190,3 +190,31 @@ def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf
     assert [n for n in graphs[True][0] if graphs[True][0][n] != graphs[False][0][n]] == []
     assert graphs[True][1] == graphs[False][1]
     assert sum(name.endswith("_Q8") for name in graphs[True][0]) == 5  # down_proj in each layer, at 8 bits
+
+
+def test_equal_weights_are_written_once_and_read_under_one_name(tmp_path):
+    """torch.onnx merges equal initializers, which a trace of hollow weights cannot see: export
+    merges them as it writes them (a new gpt_oss's expert biases all start at zero), and the
+    graph computes what the model does."""
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.copy_(model.model.layers[0].mlp.up_proj.weight)
+    export_graph(model, tmp_path)
+    graph = onnx.load(str(tmp_path / GRAPH_FILE), load_external_data=False).graph
+    ups = [n for n in graph.node if n.op_type == "MatMul" and "up_proj" in n.name]
+    assert len(ups) == 2 and ups[0].input[1] == ups[1].input[1]  # one initializer, read by both layers
+    assert sum(t.name == ups[0].input[1] for t in graph.initializer) == 1
+    ids = np.array([[5, 9, 33, 70]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None], "logits_to_keep": np.array(4)}
+    session = ort.InferenceSession(str(tmp_path / GRAPH_FILE), providers=["CPUExecutionProvider"])
+    for value in session.get_inputs():
+        if value.name.startswith("past_key_values"):
+            feeds[value.name] = np.zeros([1, value.shape[1], 0, value.shape[3]], np.float32)
+    logits = session.run(["logits"], feeds)[0]
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
