@@ -19,7 +19,7 @@ import onnx
 from onnx import numpy_helper
 
 from .graphs import GRAPH_FILE, PAST_PREFIX, PRESENT_PREFIX
-from .stream import defer, is_deferred, made
+from .stream import defer, is_deferred, made, refer
 
 PACKED_FILE = f"{GRAPH_FILE}.packed.data"  # the packed weights of a rewrite, until the graph is saved
 
@@ -130,15 +130,8 @@ class GraphView:
         with open(Path(self.weights_from) / PACKED_FILE, "ab") as out:
             offset = out.tell()
             joined.tofile(out)
-        tensor = onnx.TensorProto(
-            name=name,
-            dims=joined.shape,
-            data_type=onnx.helper.np_dtype_to_tensor_dtype(joined.dtype),
-            data_location=onnx.TensorProto.EXTERNAL,
-        )
-        for key, value in (("location", PACKED_FILE), ("offset", str(offset)), ("length", str(joined.nbytes))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
+        tensor = onnx.TensorProto(name=name, dims=joined.shape, data_type=onnx.helper.np_dtype_to_tensor_dtype(joined.dtype))
+        refer(tensor, PACKED_FILE, offset, joined.nbytes)
         return tensor
 
     def array(self, tensor) -> np.ndarray:

@@ -75,7 +75,7 @@ def _fused(folder: Path, config, reference: Reference | None, manifest: Manifest
         return _fused_like(folder, optimized, rewritten, why_not, manifest, like)
     if rewritten is not None:
         progress("checking the fused graph against PyTorch: logits, tokens, a batch")
-        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
+        in_place = _in_place(manifest, rewritten)
         problem = _try(folder, rewritten, reference, in_place)
         if problem is None:
             return {"fused": _contrib_ops(rewritten)}, in_place
@@ -96,7 +96,7 @@ def _fused_like(folder: Path, optimized, rewritten, why_not: str | None, manifes
                 f"the check copy's attention became GroupQueryAttention and the whole model's cannot ({why_not}): "
                 "this is a bug in edgeinfer, please report it; --no-fuse exports without fusing"
             )
-        in_place = dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
+        in_place = _in_place(manifest, rewritten)
         _try(folder, rewritten, None, in_place)
         return {"fused": _contrib_ops(rewritten)}, in_place
     if like["fused"]:
@@ -148,6 +148,11 @@ def _copy(graph: onnx.ModelProto) -> onnx.ModelProto:
     copy = onnx.ModelProto()
     copy.CopyFrom(graph)
     return copy
+
+
+def _in_place(manifest: Manifest, rewritten: onnx.ModelProto) -> Manifest:
+    """The manifest of the graph with GroupQueryAttention: its inputs, and its cache written in place."""
+    return dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
 
 
 def _graph_spec(graph: onnx.ModelProto) -> GraphSpec:

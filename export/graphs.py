@@ -107,7 +107,7 @@ def save_graph(
                     continue
                 raw = _tensor_bytes(tensor, folder if append else weights_from, sources, make)
                 if raw is not None:
-                    _point_at(tensor, out.tell(), len(raw))
+                    stream.refer(tensor, data.name, out.tell(), len(raw))
                     out.write(raw)
     finally:
         for handle in sources.values():
@@ -115,18 +115,6 @@ def save_graph(
     if not append:
         partial.replace(data)
     onnx.save(model, str(folder / GRAPH_FILE))
-
-
-def _point_at(tensor: onnx.TensorProto, offset: int, length: int) -> None:
-    """Make `tensor` reference its bytes at `offset` in the graph's data file."""
-    tensor.ClearField("raw_data")
-    for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-        tensor.ClearField(field)
-    del tensor.external_data[:]
-    for key, value in (("location", f"{GRAPH_FILE}.data"), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-    tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
 def _graph_tensors(graph: onnx.GraphProto):
@@ -239,10 +227,11 @@ def _transposed_equal(table: onnx.TensorProto, weight: onnx.TensorProto, folder:
     if is_deferred(table) and is_deferred(weight):  # tied: made from one parameter
         return stream.source_of(table) is not None and stream.source_of(table) == stream.source_of(weight)
     if is_deferred(table) or is_deferred(weight):  # made once each, not once a block
-        table, weight = tensor_array(table, folder), tensor_array(weight, folder)
-    read = lambda tensor: tensor if isinstance(tensor, np.ndarray) else tensor_array(tensor, folder)  # noqa: E731
-    for start in range(0, table.shape[0] if isinstance(table, np.ndarray) else table.dims[0], rows):
-        if not np.array_equal(read(table)[start : start + rows], read(weight)[:, start : start + rows].T):
+        return np.array_equal(tensor_array(table, folder), tensor_array(weight, folder).T)
+    for start in range(0, table.dims[0], rows):
+        if not np.array_equal(
+            tensor_array(table, folder)[start : start + rows], tensor_array(weight, folder)[:, start : start + rows].T
+        ):
             return False
     return True
 
@@ -311,12 +300,9 @@ def _written_tensor(out, location: str, name: str, tensor, written: dict):
     digest = (onnx_float(tensor), tuple(tensor.shape), hashlib.sha1(raw.data).hexdigest())
     if digest in written:
         return None, digest
-    offset = out.tell()
+    proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=onnx_float(tensor))
+    stream.refer(proto, location, out.tell(), raw.nbytes)
     out.write(raw.data)
-    proto = onnx.TensorProto(name=name, dims=list(tensor.shape), data_type=onnx_float(tensor), data_location=onnx.TensorProto.EXTERNAL)
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(out.tell() - offset))):
-        entry = proto.external_data.add()
-        entry.key, entry.value = key, value
     return proto, digest
 
 

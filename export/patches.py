@@ -120,7 +120,7 @@ def installed_version(library: str) -> str | None:
 # --- torch: the weights held apart from torch.onnx's messages -------------------------------------
 
 _EXPORTING = threading.Lock()  # the patch is process-wide: one export uses it at a time
-_APART = 1024  # bytes: floating-point tensors this large are written apart from torch.onnx's message
+APART_BYTES = 1024  # floating-point tensors this large are written apart from torch.onnx's message
 
 
 @contextmanager
@@ -137,7 +137,7 @@ def weights_apart():
     export_original, infer_original = graph_class._export_onnx, torch._C._jit_pass_onnx_graph_shape_type_inference
 
     def small(params):
-        return {name: tensor for name, tensor in params.items() if not (onnx_float(tensor) and nbytes(tensor) >= _APART)}
+        return {name: tensor for name, tensor in params.items() if not (onnx_float(tensor) and nbytes(tensor) >= APART_BYTES)}
 
     def infer(graph, params, *args, **kwargs):
         return infer_original(graph, small(params), *args, **kwargs)

@@ -30,7 +30,12 @@ from onnx import numpy_helper
 
 from edgeinfer.sdk.errors import ExportError
 
-HOLLOW_BYTES = 1024  # fp32 matrices this large are hollow while tracing (smaller ones are kept in the graph's message)
+from .patches import APART_BYTES
+
+# fp32 matrices this large are hollow while tracing: exactly those that torch.onnx's message leaves
+# out (`patches.weights_apart`) and that are written from the loaded tensor; a smaller one would be
+# kept in the message, hollow.
+HOLLOW_BYTES = APART_BYTES
 
 
 @contextmanager
@@ -106,7 +111,7 @@ def _maker(name: str, loaded, strides: tuple[int, ...], view):
     order = [strides.index(stride) for stride in view.stride()]
 
     def make():
-        value = loaded.detach().permute(order).contiguous().float()  # transposed in its own precision: 5x faster than in fp32
+        value = loaded.detach().permute(order).contiguous().float()  # transposed in its own precision: fewer bytes to move
         release_file_pages(loaded)
         return value
 
@@ -136,22 +141,34 @@ def defer(name: str, maker, shape, data_type: int) -> onnx.TensorProto:
     when they are read or written, not before: its location names the maker."""
     key = f"{DEFERRED}{next(_KEYS)}"
     _MAKERS[key] = maker
-    tensor = onnx.TensorProto(name=name, dims=list(shape), data_type=data_type, data_location=onnx.TensorProto.EXTERNAL)
-    for entry_key, value in (("location", key), ("offset", "0"), ("length", str(4 * int(np.prod(shape, dtype=np.int64))))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = entry_key, value
+    tensor = onnx.TensorProto(name=name, dims=list(shape), data_type=data_type)
+    refer(tensor, key, 0, 4 * int(np.prod(shape, dtype=np.int64)))
     return tensor
 
 
+def refer(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make `tensor` reference its bytes in a data file (`location`, `offset`, `length`), none in the message."""
+    tensor.ClearField("raw_data")
+    for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+        tensor.ClearField(field)
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _location(tensor: onnx.TensorProto) -> str:
+    return next(e.value for e in tensor.external_data if e.key == "location")
+
+
 def is_deferred(tensor: onnx.TensorProto) -> bool:
-    return tensor.data_location == onnx.TensorProto.EXTERNAL and any(
-        e.key == "location" and e.value.startswith(DEFERRED) for e in tensor.external_data
-    )
+    return tensor.data_location == onnx.TensorProto.EXTERNAL and _location(tensor).startswith(DEFERRED)
 
 
 def made(tensor: onnx.TensorProto) -> np.ndarray:
     """A deferred weight's values, made now."""
-    (location,) = [e.value for e in tensor.external_data if e.key == "location"]
+    location = _location(tensor)
     if location not in _MAKERS:
         raise ExportError(
             f"weight {tensor.name} was deferred by an export that has ended: this is a bug in edgeinfer, please report it"
@@ -210,15 +227,13 @@ def _file_pages(first: int, last: int) -> bool:
 
 def source_of(tensor: onnx.TensorProto) -> str | None:
     """The name of the parameter a deferred weight is made from (None for a packed one)."""
-    (location,) = [e.value for e in tensor.external_data if e.key == "location"]
-    return getattr(_MAKERS.get(location), "source", None)
+    return getattr(_MAKERS.get(_location(tensor)), "source", None)
 
 
 def forget(tensor: onnx.TensorProto) -> None:
     """Let a deferred weight go once it is quantized: its function, those of the weights it joins,
     and with the last of them the loaded tensor it is made from."""
-    (location,) = [e.value for e in tensor.external_data if e.key == "location"]
-    maker = _MAKERS.pop(location, None)
+    maker = _MAKERS.pop(_location(tensor), None)
     for part in getattr(maker, "parts", ()):
         forget(part)
 

@@ -332,21 +332,21 @@ class ModelRunner:
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
         binding, logits = self._decode_binding(batch, len(tokens))
-        idle = self._idle_states(batch, tokens)
+        idle = {row: self.row_state(batch, row) for row, token in enumerate(tokens) if token is None} if self.kv.state else {}
         binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
-        for (name, row), values in idle.items():  # a state read the pad token of a row not decoding: put it back
-            self.graph.write_row(batch.cache.buffers[name], row, values)
+        for row, state in idle.items():  # a state read the pad token of a row not decoding: put it back
+            self._put_state(batch, row, state)
         return logits if batch.reuses_logits else binding.outputs()[-1]
-
-    def _idle_states(self, batch: Batch, tokens: list[int | None]) -> dict:
-        """A copy of the recurrent state of each row a decode pass carries without a token of its own."""
-        idle = [row for row, token in enumerate(tokens) if token is None] if self.kv.state else []
-        return {(s["past"], row): self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state for row in idle}
 
     def row_state(self, batch: Batch, row: int) -> dict:
         """A copy of the row's recurrent state (hybrid models; empty for others): what `take_back`
         puts back where a speculative pass's tokens are rejected."""
         return {s["past"]: self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state}
+
+    def _put_state(self, batch: Batch, row: int, state: dict) -> None:
+        """Write `state` (from `row_state`) back into the row's recurrent state."""
+        for name, values in state.items():
+            self.graph.write_row(batch.cache.buffers[name], row, values)
 
     def take_back(self, batch: Batch, row: int, tokens: list[int], count: int, state: dict) -> None:
         """Forget the last `count` of the `tokens` a verify pass ran on the row. A recurrent state
@@ -358,8 +358,7 @@ class ModelRunner:
             batch.cache.trim(row, count)
             return
         batch.cache.trim(row, len(tokens), state_put_back=True)
-        for name, values in state.items():
-            self.graph.write_row(batch.cache.buffers[name], row, values)
+        self._put_state(batch, row, state)
         self.verify(batch, row, tokens[:-count], num_logits=1)
 
     def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> ort.OrtValue:
