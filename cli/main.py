@@ -185,13 +185,17 @@ def export(
         matryoshka=_widths(matryoshka),
     )
     manifest = exporter.export_model(model, output, options, say, live=live_stream())
-    stateful = len({entry["layer"] for entry in manifest.kv.state})
-    layers = (
-        f"{manifest.kv.num_layers} attention layers and {stateful} of linear attention"
-        if stateful
-        else f"{manifest.kv.num_layers} layers"
-    )
-    say(f"exported {manifest.source} ({manifest.architecture}, {layers}) to {output}")
+    say(f"exported {manifest.source} ({manifest.architecture}, {_layers_text(manifest.kv)}) to {output}")
+
+
+def _layers_text(kv) -> str:
+    """The layers of an export, as its last line says: how many, which keep a state or a window."""
+    stateful = len({entry["layer"] for entry in kv.state})
+    text = f"{kv.num_layers} attention layers and {stateful} of linear attention" if stateful else f"{kv.num_layers} layers"
+    windows = [w for w in kv.windows if w > 0]
+    if windows:
+        text += f", {len(windows)} of them keeping only their {'/'.join(map(str, sorted(set(windows))))}-token window"
+    return text
 
 
 def _refuse_quantization_flags(**flags) -> None:

@@ -37,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .attention_pattern import GraphView, LayerAttention, PatternError, find_layer, key_value_pairs
 from .graphs import LAST_POSITION_NODE, LOGITS_TO_KEEP, PAST_PREFIX, PRESENT_PREFIX, drop_unused_initializers
 
-__all__ = ["PatternError", "layer_windows", "rewrite_attention"]
+__all__ = ["PatternError", "cached_windows", "layer_windows", "rewrite_attention"]
 
 
 class _Shared:
@@ -69,6 +69,18 @@ def layer_windows(config, num_layers: int) -> list[int]:
     return [window] * num_layers
 
 
+def cached_windows(model: onnx.ModelProto, past: list[str]) -> list[int]:
+    """Each cached layer's window where its GroupQueryAttention keeps only the window (-1 where it
+    keeps every token), in the order of the past inputs `past` (each layer's keys, then values);
+    empty where no layer keeps a window."""
+    windows = [-1] * (len(past) // 2)
+    for node in model.graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "GroupQueryAttention" and attributes.get("sliding_window_cache"):
+            windows[past.index(node.input[3]) // 2] = attributes["local_window_size"]
+    return windows if any(w > 0 for w in windows) else []
+
+
 def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int], positions: int, weights_from=None) -> int:
     """Rewrite every layer's attention in place, for contexts of up to `positions` tokens; returns
     the number of layers rewritten. Raises PatternError, before changing anything, where a layer
@@ -86,7 +98,7 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
     layers = _with_evaluated_caches(model, view, layers, positions)
     _add_lengths(graph)
     for index, (layer, window) in enumerate(zip(layers, windows)):
-        _replace_layer(graph, view, f"edgeinfer_gqa_{index}", layer, num_heads, window)
+        _replace_layer(graph, view, f"edgeinfer_gqa_{index}", layer, num_heads, window, windowed=0 < window < positions)
     _gather_last_positions(graph)
     _drop_dead_nodes(graph)
     _name_cache_axes(graph)
@@ -96,7 +108,10 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
     return len(layers)
 
 
-def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num_heads: int, window: int) -> None:
+def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num_heads: int, window: int, windowed: bool) -> None:
+    """One layer's attention as GroupQueryAttention. A sliding layer (`windowed`) keeps only its
+    window: its past is a buffer of a few more slots than the window, in which the op keeps the
+    latest positions from slot 0 and evicts the oldest (`sliding_window_cache`)."""
     query_key_value = _attention_inputs(graph, view, name, layer)
     caches = layer.rotary.caches if layer.rotary else []
     output = f"{name}_hidden" if layer.output_per_head else layer.output
@@ -114,6 +129,7 @@ def _replace_layer(graph, view: GraphView, name: str, layer: LayerAttention, num
             kv_num_heads=layer.num_kv_heads,
             scale=layer.scale,
             local_window_size=window,
+            sliding_window_cache=int(windowed),
             softcap=layer.softcap,
             do_rotary=int(layer.rotary is not None),
             rotary_interleaved=layer.rotary.interleaved if layer.rotary else 0,

@@ -23,10 +23,10 @@ from pathlib import Path
 import onnx
 
 from edgeinfer.sdk.errors import ExportError, GenerationError, GraphError, ManifestError, NotAnExportError
-from edgeinfer.sdk.manifest import GraphSpec, Manifest
+from edgeinfer.sdk.manifest import WINDOWS_FORMAT_VERSION, GraphSpec, Manifest
 from edgeinfer.sdk.memory import give_back_freed_memory
 
-from .attention import PatternError, layer_windows, rewrite_attention
+from .attention import PatternError, cached_windows, layer_windows, rewrite_attention
 from .attention_pattern import PACKED_FILE
 from .check import check_against
 from .graphs import GRAPH_FILE, save_graph
@@ -151,8 +151,12 @@ def _copy(graph: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _in_place(manifest: Manifest, rewritten: onnx.ModelProto) -> Manifest:
-    """The manifest of the graph with GroupQueryAttention: its inputs, and its cache written in place."""
-    return dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, in_place=True), graph=_graph_spec(rewritten))
+    """The manifest of the graph with GroupQueryAttention: its inputs, its cache written in place,
+    and the layers whose cache keeps only their window."""
+    windows = cached_windows(rewritten, manifest.kv.past)
+    version = max(manifest.format_version, WINDOWS_FORMAT_VERSION) if windows else manifest.format_version
+    kv = dataclasses.replace(manifest.kv, in_place=True, windows=windows)
+    return dataclasses.replace(manifest, kv=kv, graph=_graph_spec(rewritten), format_version=version)
 
 
 def _graph_spec(graph: onnx.ModelProto) -> GraphSpec:

@@ -8,6 +8,9 @@ graphs the design names, for runtimes and accelerators that want each phase's sh
   its past inputs and presents have that fixed capacity, its attention mask that width, and it
   takes one token per row (only a graph that writes its cache in place can: `kv.in_place`).
 
+Both keep every token in every layer: a sliding layer's cache that keeps only its window
+(`kv.windows`) would give the prefill graph no past to evict from, so the split turns it off.
+
 Both read the same weights file, `weights.data`: the split costs no second copy on disk.
 """
 
@@ -61,6 +64,7 @@ def split_export(folder: Path, manifest: Manifest, prefill_length: int | None, s
     prefill, decode = split_graphs(folder, manifest.kv, prefill_length, static_context)
     manifest = dataclasses.replace(
         manifest,
+        kv=dataclasses.replace(manifest.kv, windows=[]),
         graph=decode,
         prefill=prefill,
         prefill_length=prefill_length,
@@ -130,6 +134,7 @@ def split_graphs(
     folder = Path(folder)
     decode = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
     _point_weights_at(decode.graph, WEIGHTS_FILE)
+    whole_windows(decode.graph)
     prefill = copy.deepcopy(decode)
     _without_past(prefill.graph, kv)
     if prefill_length is not None:
@@ -153,6 +158,14 @@ def _point_weights_at(graph: onnx.GraphProto, location: str) -> None:
             for entry in tensor.external_data:
                 if entry.key == "location":
                     entry.value = location
+
+
+def whole_windows(graph: onnx.GraphProto) -> None:
+    """Sliding layers keep every token (their attention still reads only the window)."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            if node.op_type == "GroupQueryAttention" and attribute.name == "sliding_window_cache":
+                attribute.i = 0
 
 
 def _without_past(graph: onnx.GraphProto, kv: KVSpec) -> None:

@@ -14,7 +14,7 @@ needs no table of its own: multi-query or expanded heads, keys and values of dif
 
 Every layer gets a cache that keeps all its tokens. Sliding-window layers still attend within their
 window, through the attention mask transformers builds from the layer types; a cache that stops at
-the window is the runtime's business (the manifest's attention window), not the traced graph's.
+the window is the fused graph's (export/attention.py: the manifest's `kv.windows`), not the traced one's.
 """
 
 from __future__ import annotations

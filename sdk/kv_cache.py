@@ -9,6 +9,10 @@ where the past grows), `append`, `trim`, `buffers` (each past input's value) and
   input, [rows, kv_heads, capacity, head_size], allocated once and written in place; rows are
   right-padded (a row's tokens fill its slots from 0) and handed out and taken back (`acquire`,
   `release`), so one cache serves a generation's batch or a scheduler's many requests.
+
+A sliding layer may keep only its window (`kv.windows`): its buffer has `window_capacity` slots,
+and GroupQueryAttention keeps a row's latest `resident` positions from slot 0, evicting the oldest
+several at a time. The books still count every token a row holds (its positions).
 """
 
 from __future__ import annotations
@@ -87,8 +91,10 @@ class SlotCache:
     """Buffers written in place, one row (a slot) per generation: `acquire` hands out the lowest
     free row, `release` takes it back; `lengths` says how many tokens each row holds."""
 
-    def __init__(self, spec: KVSpec, buffers: dict, num_rows: int, capacity: int):
+    def __init__(self, spec: KVSpec, buffers: dict, num_rows: int, capacity: int, windows: dict | None = None):
+        """`windows`: (window, slots) of each buffer whose layer keeps only its window."""
         self.spec, self.buffers, self.num_rows, self.capacity = spec, buffers, num_rows, capacity
+        self.windows = windows or {}
         self.lengths = np.zeros(self.num_rows, np.int64)
         self._free = list(range(self.num_rows))
 
@@ -124,8 +130,22 @@ class SlotCache:
         count = max(0, min(count, int(self.lengths[row])))
         if count and not state_put_back:
             refuse_trim_of_state(self.spec)
+            if self.moves_window(row, -count):
+                raise GenerationError(
+                    f"the last {count} tokens of row {row} moved a sliding layer's window, which cannot take them "
+                    "back: put the row's buffers back as they were before them (runner.row_state) first"
+                )
         self.lengths[row] -= count
         return count
+
+    def moves_window(self, row: int, count: int) -> bool:
+        """Whether `count` more tokens on the row (fewer, where negative) make a layer that keeps
+        its window evict positions: then the row's buffers cannot simply forget them again."""
+        tokens = int(self.lengths[row])
+        return any(
+            resident(tokens + count, slots, window) != resident(tokens, slots, window) + count
+            for window, slots in self.windows.values()
+        )
 
     @property
     def pooled(self) -> dict:
@@ -135,6 +155,24 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return sum(_nbytes(value) for value in self.buffers.values())
+
+
+def window_capacity(window: int, capacity: int, exact: bool = False) -> int:
+    """Slots of the buffer of a layer that keeps its `window`, in a cache of `capacity` slots per
+    row: the window and an eighth more, so that the op evicts an eighth of a window at once instead
+    of one position a pass; only the window where the op takes no more (`exact`: CUDA). At least
+    the window (the op's floor), at most what the rows hold."""
+    return window if exact else max(window, min(capacity, window + max(1, window // 8) - 1))
+
+
+def resident(tokens: int, slots: int, window: int) -> int:
+    """How many of a row's latest positions a windowed buffer of `slots` holds once the row has
+    read `tokens` (GroupQueryAttention's rule): all of them up to `slots`; past it, the op evicts
+    `slots - window + 1` at a time, so never fewer than the window."""
+    if tokens <= slots:
+        return tokens
+    at_once = slots - window + 1
+    return tokens - at_once * -(-(tokens - slots) // at_once)
 
 
 def cache_pairs(spec: KVSpec) -> list[tuple[str, str]]:

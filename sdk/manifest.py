@@ -19,10 +19,11 @@ from .errors import ManifestError, NotAnExportError
 # prefill graph without past inputs beside the decode graph), written only for `--graphs split`;
 # 4: LoRA adapters (the adapters' graph and files) or an embedding model, written only for an
 # export with adapters or of an embedding model; 5: layers whose caches differ in shape (`kv.layers`,
-# Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports. So exports stay readable by the edgeinfer versions that
-# read what they use.
-LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 5, 4, 3, 2
-FORMAT_VERSION = LAYERS_FORMAT_VERSION  # the newest this edgeinfer reads
+# Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports; 6:
+# sliding layers whose cache keeps only their window (`kv.windows`), written only for such exports.
+# So exports stay readable by the edgeinfer versions that read what they use.
+WINDOWS_FORMAT_VERSION, LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 6, 5, 4, 3, 2
+FORMAT_VERSION = WINDOWS_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -47,7 +48,10 @@ class KVSpec:
     `present` name the keys and values alone: layers of linear attention keep a fixed-size state
     instead, listed in `state` (`layer`, its `kind`, conv or recurrent, the `past` input and
     `present` output, and its `shape` after the rows axis), whose present replaces its past after
-    every pass."""
+    every pass. `windows`: each layer's sliding window where its attention keeps only the window
+    (GroupQueryAttention's `sliding_window_cache`: the buffer holds the latest positions from slot
+    0, a few more than the window, and the op evicts the oldest), -1 where it keeps every token;
+    empty where no layer keeps a window."""
 
     num_layers: int
     num_kv_heads: int
@@ -62,6 +66,7 @@ class KVSpec:
     in_place: bool = False
     layers: list[dict] = field(default_factory=list)
     state: list[dict] = field(default_factory=list)
+    windows: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.past) != len(self.present):
@@ -70,6 +75,14 @@ class KVSpec:
             raise ManifestError(f"KV layout describes {len(self.layers)} layers but has {self.num_layers}: re-export the model")
         if any(not {"past", "present", "shape"} <= set(entry) for entry in self.state):
             raise ManifestError("KV layout lists a state without its past, present and shape: re-export the model")
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ManifestError(f"KV layout gives {len(self.windows)} windows for {self.num_layers} layers: re-export the model")
+
+    def past_windows(self) -> dict[str, int]:
+        """The window of each past input whose layer keeps only its window (`windows`)."""
+        return {
+            name: self.windows[index // 2] for index, name in enumerate(self.past) if self.windows and self.windows[index // 2] > 0
+        }
 
     def layer_shapes(self) -> list[tuple[int, int, int]]:
         """Each layer's (KV heads, key head size, value head size)."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import GenerationError, SettingsError
 from .adapters import adapter_memory
+from .kv_cache import window_capacity
 from .manifest import Manifest
 
 _GRAPH_FILES = (".onnx", ".data")
@@ -21,8 +22,8 @@ _CGROUP = Path("/sys/fs/cgroup")
 @dataclass(frozen=True)
 class MemoryPlan:
     """Bytes an engine holds: its weights (the graph files), its KV cache for `context` tokens in
-    each of `batch` rows (and each row's recurrent state, for hybrid models), and what its prefix
-    cache may hold."""
+    each of `batch` rows (and what each row holds whatever its length: a recurrent state, windows),
+    and what its prefix cache may hold."""
 
     weights: int
     kv_per_token: int
@@ -36,7 +37,7 @@ class MemoryPlan:
         """`weight_copies`: sessions that each hold the weights (the split layout's two on the CPU)."""
         weights = sum(f["size"] for name, f in manifest.files.items() if name.endswith(_GRAPH_FILES))
         weights = weights * weight_copies + adapter_memory(manifest, batch)
-        return cls(weights, kv_bytes_per_token(manifest), context, batch, state_per_row=state_bytes_per_row(manifest))
+        return cls(weights, kv_bytes_per_token(manifest), context, batch, state_per_row=state_bytes_per_row(manifest, context))
 
     @property
     def kv(self) -> int:
@@ -78,15 +79,26 @@ def tokenizer_bytes(manifest: Manifest) -> int:
 
 
 def kv_bytes_per_token(manifest: Manifest) -> int:
-    """Bytes of keys and values one token adds to one row of the cache."""
+    """Bytes of keys and values one token adds to one row of the cache (in the layers that keep every token)."""
     kv = manifest.kv
-    return sum(heads * (key + value) for heads, key, value in kv.layer_shapes()) * np.dtype(kv.dtype).itemsize
+    windows = kv.windows or [-1] * kv.num_layers
+    return (
+        sum(h * (key + value) for (h, key, value), window in zip(kv.layer_shapes(), windows) if window <= 0)
+        * np.dtype(kv.dtype).itemsize
+    )
 
 
-def state_bytes_per_row(manifest: Manifest) -> int:
-    """Bytes of recurrent state one row holds whatever its length (the linear-attention layers')."""
+def state_bytes_per_row(manifest: Manifest, context: int) -> int:
+    """Bytes one row holds whatever its length: the recurrent state of the linear-attention layers,
+    and the keys and values of the layers that keep only their window (their buffers' slots on the
+    CPU, which are the most: kv_cache.window_capacity), in rows of `context` tokens."""
     kv = manifest.kv
-    return sum(int(np.prod(entry["shape"])) for entry in kv.state) * np.dtype(kv.dtype).itemsize
+    windowed = sum(
+        h * (key + value) * window_capacity(window, context)
+        for (h, key, value), window in zip(kv.layer_shapes(), kv.windows)
+        if window > 0
+    )
+    return (sum(int(np.prod(entry["shape"])) for entry in kv.state) + windowed) * np.dtype(kv.dtype).itemsize
 
 
 def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:
@@ -134,14 +146,14 @@ def _cuda_free() -> int | None:
 def check_generation(plan: MemoryPlan, batch: int, capacity: int, device: str, limit: int | None) -> None:
     """Before a generation allocates its KV cache (`batch` rows of `capacity` tokens): it must fit
     beside the weights within the memory limit, or else in what the device has free now."""
-    need = plan.kv_per_token * batch * capacity
+    need = (plan.kv_per_token * capacity + plan.state_per_row) * batch
     free, where = available_bytes(device, limit)
     if free is None:
         return
     if limit is not None:
         free -= plan.weights + plan.prefix_cache
     if need > free:
-        rows = free // (plan.kv_per_token * capacity)
+        rows = free // (plan.kv_per_token * capacity + plan.state_per_row)
         way = (
             f"run at most {rows} prompts at a time, or ask for fewer new tokens"
             if rows >= 1

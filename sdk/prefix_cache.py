@@ -11,6 +11,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .kv_cache import resident
+
 
 class RowCopier(Protocol):
     """Copies the first tokens of one row of buffers [rows, kv_heads, capacity, head_size] to and
@@ -21,25 +23,59 @@ class RowCopier(Protocol):
     def read(self, buffer, row: int, tokens: int) -> np.ndarray: ...
 
 
-def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0) -> int:
-    """The cached blocks that start `ids` (under `root`) written into `row` of `buffers`; how many tokens they hold."""
-    num_cached, blocks = prefix.take(ids, root)
-    for name, values in blocks.items():
-        copier.write(buffers[name], row, values)
-    return num_cached
+def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, windows=None) -> int:
+    """The cached blocks that start `ids` (under `root`) written into `row` of `buffers`; how many
+    tokens they hold. A buffer that keeps a window (`windows`: name -> (window, slots)) gets the
+    latest positions it would hold after those tokens, from slot 0: only as many blocks are taken
+    as have kept those positions for every such buffer."""
+    windows = windows or {}
+    blocks = prefix.blocks(ids, root, lambda found: _usable(found, prefix.block, windows))
+    count = len(blocks) * prefix.block
+    for name in blocks[-1].kv if blocks else ():  # the last block has every part (_usable)
+        held = resident(count, windows[name][1], windows[name][0]) if name in windows else count
+        first = (count - held) // prefix.block
+        values = np.concatenate([b.kv[name] for b in blocks[first:]], axis=1)
+        copier.write(buffers[name], row, values[:, values.shape[1] - held :])
+    return count
 
 
-def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0) -> None:
-    """Keep the whole blocks of `ids` (under `root`), prefilled in `row` of `buffers`."""
+def _usable(found: list[_Block], block: int, windows: dict) -> int:
+    """How many of the `found` blocks can start a row: the most whose end every windowed buffer
+    can be filled at (the blocks of the positions it would hold have kept them)."""
+    for count in range(len(found), 0, -1):
+        end = count * block
+        if all(
+            name in b.kv
+            for name, (window, slots) in windows.items()
+            for b in found[(end - resident(end, slots, window)) // block : count]
+        ):
+            return count
+    return 0
+
+
+def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, windows=None) -> None:
+    """Keep the whole blocks of `ids` (under `root`), prefilled in `row` of `buffers`. A buffer that
+    keeps a window (`windows`: name -> (window, slots)) holds only the latest positions: only the
+    blocks among them keep its part."""
     whole = len(ids) // prefix.block * prefix.block
-    if prefix.budget and whole:
-        prefix.store(ids, {name: copier.read(buffer, row, whole) for name, buffer in buffers.items()}, root)
+    if not (prefix.budget and whole):
+        return
+    rows, starts = {}, {}
+    for name, buffer in buffers.items():
+        if name in (windows or {}):
+            held = resident(len(ids), windows[name][1], windows[name][0])
+            rows[name], starts[name] = copier.read(buffer, row, held), len(ids) - held
+        else:
+            rows[name] = copier.read(buffer, row, whole)
+    prefix.store(ids, rows, root, starts)
 
 
 @dataclass
 class _Block:
     id: int
-    kv: dict[str, np.ndarray]  # each past input's keys or values of the block's tokens [kv_heads, block, head_size]
+    # each past input's keys or values of the block's tokens [kv_heads, block, head_size]; a layer
+    # that keeps a window has a part only where its buffer still held the block's tokens when stored
+    kv: dict[str, np.ndarray]
 
 
 @dataclass
@@ -73,11 +109,20 @@ class PrefixCache:
     def take(self, ids: list[int], root=0) -> tuple[int, dict[str, np.ndarray]]:
         """The cached blocks that start `ids`, joined: how many tokens, and each past input's keys
         or values of them [kv_heads, tokens, head_size] (a cache that grows from its past)."""
-        with self._lock:
-            blocks = self._match(ids, root)
+        blocks = self.blocks(ids, root)
         if not blocks:
             return 0, {}
         return len(blocks) * self.block, {name: np.concatenate([b.kv[name] for b in blocks], axis=1) for name in blocks[0].kv}
+
+    def blocks(self, ids: list[int], root=0, usable=len) -> list[_Block]:
+        """The cached blocks that start `ids`, the first `usable(found)` of them (all, by default);
+        their tokens count as hits, the rest of `ids` as misses."""
+        with self._lock:
+            found = self._match(ids, root)
+            found = found[: usable(found)]
+            self.hit_tokens += len(found) * self.block
+            self.missed_tokens += len(ids) - len(found) * self.block
+        return found
 
     def _match(self, ids: list[int], root) -> list[_Block]:
         found, parent = [], root
@@ -89,26 +134,30 @@ class PrefixCache:
             self._blocks.move_to_end(key)
             found.append(block)
             parent = block.id
-        self.hit_tokens += len(found) * self.block
-        self.missed_tokens += len(ids) - len(found) * self.block
         return found
 
-    def store(self, ids: list[int], rows: dict[str, np.ndarray], root=0) -> None:
-        """Keep the whole blocks of `ids`, whose keys and values `rows` now hold."""
+    def store(self, ids: list[int], rows: dict[str, np.ndarray], root=0, starts: dict | None = None) -> None:
+        """Keep the whole blocks of `ids`, whose keys and values `rows` now hold: each from
+        position `starts[name]` (0 where not given) to the end of its array. A block keeps the
+        part of each array that holds all its positions, and gains the parts it lacked."""
         with self._lock:
-            self._store(ids, rows, root)
+            self._store(ids, rows, root, starts or {})
 
-    def _store(self, ids: list[int], rows: dict[str, np.ndarray], root) -> None:
+    def _store(self, ids: list[int], rows: dict[str, np.ndarray], root, starts: dict) -> None:
         parent = root
         for start in range(0, len(ids) - self.block + 1, self.block) if self.budget else ():
             key = (parent, tuple(ids[start : start + self.block]))
-            if key not in self._blocks:
-                kv = {name: row[:, start : start + self.block].copy() for name, row in rows.items()}
-                self._blocks[key] = _Block(self._next_id, kv)
+            block = self._blocks.get(key)
+            if block is None:
+                block = self._blocks[key] = _Block(self._next_id, {})
                 self._next_id += 1
-                self.num_bytes += sum(a.nbytes for a in kv.values())
+            for name, row in rows.items():
+                offset = start - starts.get(name, 0)
+                if name not in block.kv and 0 <= offset and offset + self.block <= row.shape[1]:
+                    block.kv[name] = row[:, offset : offset + self.block].copy()
+                    self.num_bytes += block.kv[name].nbytes
             self._blocks.move_to_end(key)
-            parent = self._blocks[key].id
+            parent = block.id
         while self.num_bytes > self.budget and self._blocks:
             _, dropped = self._blocks.popitem(last=False)
             self.num_bytes -= sum(a.nbytes for a in dropped.kv.values())

@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
-from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, cache_pairs, host_array
+from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, cache_pairs, host_array, window_capacity
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, load_weights
@@ -87,6 +87,7 @@ class ModelRunner:
         )
         self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
         self._past_shapes = {name: self.graph.inputs[name].shape for name in self.kv.past}
+        self.exact_windows = provider == "cuda"  # CUDA's windowed buffers hold the window exactly (kv_cache.window_capacity)
         self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
         self._no_adapter: dict | None = None  # rank-0 tensors for passes of base rows alone, once the adapters' graph serves
         self._switching = threading.Lock()
@@ -135,12 +136,14 @@ class ModelRunner:
         if not self.kv.in_place:
             return Batch(GrowingCache(self.kv, {}, [0] * num_rows), reuses_logits)
         capacity = self.manifest.static_context if self.is_static else capacity or self.max_context
+        windows = {name: (w, window_capacity(w, capacity, self.exact_windows)) for name, w in self.kv.past_windows().items()}
+        slots = {name: windows[name][1] if name in windows else capacity for name in self.kv.past}
         buffers = {
-            name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, capacity), self.kv.dtype)
+            name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, slots[name]), self.kv.dtype)
             for name in self.kv.past
         }
         buffers.update({s["past"]: self.graph.allocate([num_rows, *s["shape"]], self.kv.dtype) for s in self.kv.state})
-        batch = Batch(SlotCache(self.kv, buffers, num_rows, capacity), reuses_logits)
+        batch = Batch(SlotCache(self.kv, buffers, num_rows, capacity, windows), reuses_logits)
         for row in range(num_rows):
             self._reset_state(batch, row)
         return batch
@@ -200,14 +203,15 @@ class ModelRunner:
         """Fill an empty row of a slot cache with the cached blocks that start `ids`; how many tokens they hold."""
         if not self._prefix_on:
             return 0
-        num_cached = restore_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row))
+        cache = batch.cache
+        num_cached = restore_row(self.prefix_cache, ids, cache.buffers, row, self.copier, self._root(batch, row), cache.windows)
         batch.cache.append([row], num_cached)
         return num_cached
 
     def store(self, batch: Batch, row: int, ids: list[int]) -> None:
         """Keep the whole blocks of a prompt that a row of a slot cache holds, prefilled."""
         if self._prefix_on:
-            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row))
+            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row), batch.cache.windows)
 
     # Prefill.
 
@@ -221,10 +225,9 @@ class ModelRunner:
         assert rows == list(range(len(prompts))), "prefill fills a new batch"
         if (
             len(prompts) > 1
-            and not self.kv.state
-            and not (  # a state reads padding as tokens: each row alone
-                self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts))
-            )
+            and not self.kv.state  # a state reads padding as tokens: each row alone
+            and not self.kv.windows  # a windowed cache takes no padding in a pass (GroupQueryAttention refuses it)
+            and not (self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts)))
         ):
             logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
             batch.num_cached = [0] * len(prompts)
@@ -248,6 +251,8 @@ class ModelRunner:
                 logits = self._prefill_together(batch, [ids], stop)
             else:
                 logits = self.prefill_span(batch, row, ids, start, stop)
+            if batch.cache.windows:  # a window evicts: its blocks are kept while it holds them
+                self.store(batch, row, ids[:stop])
         return logits, num_cached
 
     def spans(self, start: int, end: int, by_prefill_graph: bool = True) -> Iterator[tuple[int, int]]:
@@ -332,26 +337,31 @@ class ModelRunner:
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
         binding, logits = self._decode_binding(batch, len(tokens))
-        idle = {row: self.row_state(batch, row) for row, token in enumerate(tokens) if token is None} if self.kv.state else {}
+        idle = {row: self.row_state(batch, row, 1) for row, token in enumerate(tokens) if token is None}
         binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
-        for row, state in idle.items():  # a state read the pad token of a row not decoding: put it back
+        for row, state in idle.items():  # a state read the pad token of a row not decoding (or a window moved): put it back
             self._put_state(batch, row, state)
         return logits if batch.reuses_logits else binding.outputs()[-1]
 
-    def row_state(self, batch: Batch, row: int) -> dict:
-        """A copy of the row's recurrent state (hybrid models; empty for others): what `take_back`
-        puts back where a speculative pass's tokens are rejected."""
-        return {s["past"]: self.graph.read_row(batch.cache.buffers[s["past"]], row) for s in self.kv.state}
+    def row_state(self, batch: Batch, row: int, ahead: int) -> dict:
+        """A copy of what the row could not forget after `ahead` more tokens: its recurrent state
+        (hybrid models), and the buffers of the layers that keep a window where those tokens move
+        it; empty where the cache can forget them. What `take_back` puts back where a speculative
+        pass's tokens are rejected."""
+        names = [s["past"] for s in self.kv.state]
+        if isinstance(batch.cache, SlotCache) and batch.cache.moves_window(row, ahead):
+            names += list(batch.cache.windows)
+        return {name: self.graph.read_row(batch.cache.buffers[name], row) for name in names}
 
     def _put_state(self, batch: Batch, row: int, state: dict) -> None:
-        """Write `state` (from `row_state`) back into the row's recurrent state."""
+        """Write `state` (from `row_state`) back into the row's buffers."""
         for name, values in state.items():
             self.graph.write_row(batch.cache.buffers[name], row, values)
 
     def take_back(self, batch: Batch, row: int, tokens: list[int], count: int, state: dict) -> None:
         """Forget the last `count` of the `tokens` a verify pass ran on the row. A recurrent state
-        cannot forget what it read: it is put back as it was before the pass (`state`, from
-        `row_state`), and the tokens kept run again, one pass more."""
+        cannot forget what it read, nor a window what it evicted: they are put back as they were
+        before the pass (`state`, from `row_state`), and the tokens kept run again, one pass more."""
         if count <= 0:
             return
         if not state:

@@ -104,7 +104,7 @@ def step(runner, batch, row: int, sequence) -> Iterator:
     room = sequence.max_new_tokens - sequence.num_generated - 1
     proposal = speculation.propose(sequence.history, room) if speculation else []
     tokens = [sequence.history[-1], *proposal]
-    state = runner.row_state(batch, row) if proposal else {}
+    state = runner.row_state(batch, row, len(tokens)) if proposal else {}
     logits = runner.verify(batch, row, tokens)
     greedy = runner.heads.tokens(logits)[0] if sequence.chooses_by_argmax else None
     every = None if greedy is not None else runner.heads.every(logits)[0]

@@ -177,20 +177,22 @@ def test_the_record_of_optimisations_is_current(name, exported):
 
 def test_layers_whose_caches_differ_are_each_described_and_counted(exported):
     """Gemma 4's full-attention layer is wider than its sliding ones: the manifest gives each layer's
-    shape (format version 5), the memory plan counts each, and every buffer the runtime binds has
-    its layer's width."""
+    shape (format version 5, and 6 for the sliding layers' windows), the memory plan counts each
+    (the sliding layers' once per row, the full layer's per token), and every buffer the runtime
+    binds has its layer's width."""
     from edgeinfer.sdk.engine import Engine
-    from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
-    from edgeinfer.sdk.memory import kv_bytes_per_token
+    from edgeinfer.sdk.manifest import WINDOWS_FORMAT_VERSION
+    from edgeinfer.sdk.memory import kv_bytes_per_token, state_bytes_per_row
 
     _, folder, manifest = exported("gemma4_text")
-    assert manifest.format_version == LAYERS_FORMAT_VERSION
+    assert manifest.format_version == WINDOWS_FORMAT_VERSION and manifest.kv.windows == [WINDOW, WINDOW, -1]
     assert [(layer["kv_heads"], layer["head_size"], layer["value_head_size"]) for layer in manifest.kv.layers] == [
         (2, 16, 16),
         (2, 16, 16),
         (2, 32, 32),
     ]
-    assert kv_bytes_per_token(manifest) == 4 * 2 * (32 + 32 + 64)
+    assert kv_bytes_per_token(manifest) == 4 * 2 * 64
+    assert state_bytes_per_row(manifest, 64) == 4 * 2 * (32 + 32) * (WINDOW + WINDOW // 8 - 1)
     batch = Engine.load(folder, provider="cpu").runner.new_batch(1, 8)
     widths = [batch.cache.buffers[name].shape()[-1] for name in manifest.kv.past]
     assert widths == [16, 16, 16, 16, 32, 32]
