@@ -114,3 +114,36 @@ def test_cuda_runs_a_hybrid_models_state_as_the_cpu_does(hybrid):
     assert [r.token_ids for r in gpu.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)] == expected
     batch = gpu.runner.new_batch(2, 64)
     assert all(batch.cache.buffers[s["past"]].device_name().lower() == "cuda" for s in gpu.manifest.kv.state)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """The tiny EXAONE 4 (a sliding layer of window 16 beside a full one), exported: CUDA's
+    GroupQueryAttention keeps the window in a buffer of exactly the window's slots."""
+    import torch
+    from architectures import tiny_config
+    from conftest import build_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from edgeinfer.export import export_model
+
+    folder = tmp_path_factory.mktemp("exaone4")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("exaone4")).save_pretrained(folder / "hf")
+    build_tokenizer().save_pretrained(folder / "hf")
+    export_model(str(folder / "hf"), folder / "export")
+    return folder / "export"
+
+
+def test_cuda_keeps_a_sliding_layers_window_as_the_cpu_does(windowed):
+    gpu, cpu = Engine.load(windowed, provider="cuda", prefill_chunk=8), Engine.load(windowed, provider="cpu", prefill_chunk=8)
+    prompts = [list(range(3, 43)), [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(100, 119))]
+    settings = dict(max_new_tokens=30, ignore_eos=True)
+    expected = [cpu.generate(p, **settings).token_ids for p in prompts]
+    assert [gpu.generate(p, **settings).token_ids for p in prompts] == expected
+    assert [gpu.generate(p, speculative="prompt_lookup", **settings).token_ids for p in prompts] == expected
+    assert [r.token_ids for r in gpu.generate_batch(prompts, **settings)] == expected
+    assert gpu.generate(prompts[0], **settings).token_ids == expected[0]  # again, from the prefix cache
+    batch = gpu.runner.new_batch(2, 64)
+    name = gpu.manifest.kv.past[0]  # the sliding layer's keys
+    assert gpu.manifest.kv.windows[0] > 0 and batch.cache.buffers[name].shape()[2] == gpu.manifest.kv.windows[0]
