@@ -83,8 +83,8 @@ class Engine:
         prefix_cache: int | None = None,
         draft: str | Path | None = None,
         chat_template: str | None = None,
-    ) -> Engine:
-        """Load an export folder made by `edgeinfer export`. `provider` is "auto" (CUDA where it
+    ) -> Engine | Embedder:
+        """Load an export folder made by `edgeinfer export` (an embedding export gives an Embedder). `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
         Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
 
@@ -346,8 +346,11 @@ def _is_batch(prompt) -> bool:
 
 
 def _only_pieces(events: Iterator[tuple[int, Piece]]) -> Iterator[Piece]:
+    """The pieces of a single prompt's stream; where it failed (a constraint's dead end), its error is raised."""
     try:
         for _, piece in events:
+            if piece.error is not None:
+                raise piece.error
             yield piece
     finally:
         events.close()

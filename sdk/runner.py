@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
 from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, cache_pairs, host_array, window_capacity
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
-from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, load_weights
+from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
 from .sequence import Sequence
 
 STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
@@ -215,7 +214,7 @@ class ModelRunner:
 
     # Prefill.
 
-    def prefill(self, batch: Batch, prompts: list[list[int]]) -> ort.OrtValue:
+    def prefill(self, batch: Batch, prompts: list[list[int]]) -> Value:
         """Prompts into the rows of a new batch, in chunks of `prefill_chunk` (the same logits as one
         pass, with a smaller peak), each starting from the prefix cache where it can; returns the
         last position's logits [rows, 1, vocab], left on the device."""
@@ -241,7 +240,7 @@ class ModelRunner:
             self.store(batch, row, ids)
         return logits
 
-    def _prefill_row(self, batch: Batch, row: int, ids: list[int], end: int, alone: bool = True) -> tuple[ort.OrtValue | None, int]:
+    def _prefill_row(self, batch: Batch, row: int, ids: list[int], end: int, alone: bool = True) -> tuple[Value | None, int]:
         """The first `end` tokens of `ids` into `row`, after those the prefix cache holds: the
         logits of the last pass (None where nothing ran), and how many came from the cache. The
         split layout's prefill graph serves a batch's only row (`alone`)."""
@@ -266,7 +265,7 @@ class ModelRunner:
         for begin in range(start, end, step):
             yield begin, min(begin + step, end)
 
-    def prefill_span(self, batch: Batch, row: int, ids: list[int], start: int, end: int) -> ort.OrtValue:
+    def prefill_span(self, batch: Batch, row: int, ids: list[int], start: int, end: int) -> Value:
         """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
         run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
         batch of one); returns the last position's logits [1, 1, vocab]."""
@@ -276,7 +275,7 @@ class ModelRunner:
             batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
         )
 
-    def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> ort.OrtValue:
+    def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> Value:
         """The first `length` tokens of every prompt into empty rows 0.. of a slot cache in one
         pass (through the split layout's prefill graph where there is one, padded to its length)."""
         fixed = self.manifest.prefill_length if self.prefill_graph is not None else None
@@ -301,7 +300,7 @@ class ModelRunner:
             self.copier.fill(batch.cache.buffers[past], outputs[present], int(lengths.max()))
         return outputs["logits"]
 
-    def _prefill_growing(self, batch: Batch, prompts: list[list[int]]) -> ort.OrtValue:
+    def _prefill_growing(self, batch: Batch, prompts: list[list[int]]) -> Value:
         """Prompts left-padded to the longest into a cache that grows, chunk by chunk; a single
         prompt starts from the prefix cache's blocks and leaves its own there."""
         cache, first = batch.cache, self.manifest.prefill_length if self.prefill_graph is not None else None
@@ -328,7 +327,7 @@ class ModelRunner:
 
     # Decode and verify.
 
-    def decode(self, batch: Batch, tokens: list[int | None]) -> ort.OrtValue:
+    def decode(self, batch: Batch, tokens: list[int | None]) -> Value:
         """One pass over rows 0..len(tokens)-1, one new token for each row that has one (None: a
         row not decoding, which gets a pad token written just past its own, where its next pass
         writes again); returns the logits [rows, 1, vocab], left on the device. A slot cache's pass
@@ -371,7 +370,7 @@ class ModelRunner:
         self._put_state(batch, row, state)
         self.verify(batch, row, tokens[:-count], num_logits=1)
 
-    def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> ort.OrtValue:
+    def verify(self, batch: Batch, row: int, tokens: list[int], num_logits: int | None = None) -> Value:
         """Several new tokens of one row in one pass, with the logits of each (of the last
         `num_logits`, where given), [1, positions, vocab], left on the device."""
         if not self.can_verify:
@@ -381,9 +380,7 @@ class ModelRunner:
             )
         if self.is_static and len(tokens) > 1:  # one token a pass
             logits = np.concatenate([self.verify(batch, row, [t]).numpy() for t in tokens][-(num_logits or len(tokens)) :], axis=1)
-            value = ort.OrtValue.ortvalue_from_shape_and_type(logits.shape, logits.dtype, "cpu", 0)  # owns its memory
-            value.update_inplace(logits)
-            return value
+            return host_value(logits)
         inputs = {
             **prepare_row(batch.cache, row, tokens, self.is_static),
             "logits_to_keep": np.array(num_logits or len(tokens), np.int64),
@@ -395,7 +392,7 @@ class ModelRunner:
     # Choosing tokens.
 
     def choose(
-        self, logits: ort.OrtValue, sequences: list[Sequence], positions: list[int], bindings: Bindings | None = None
+        self, logits: Value, sequences: list[Sequence], positions: list[int], bindings: Bindings | None = None
     ) -> list[int | ConstraintError]:
         """Each sequence's next token from the logits of the pass at its position (its row), or the
         ConstraintError of one whose constraint reached a dead end. Argmax runs on the device that
@@ -408,7 +405,7 @@ class ModelRunner:
 
     # Running the graph.
 
-    def _run_row(self, batch: Batch, row: int, inputs: dict) -> ort.OrtValue:
+    def _run_row(self, batch: Batch, row: int, inputs: dict) -> Value:
         """One pass on one row of a slot cache, bound alone (the binding kept in the batch)."""
         binding = self._bindings(batch).rows.get(row)
         if binding is None:
@@ -434,7 +431,7 @@ class ModelRunner:
             batch.bound_to = self.graph
         return batch.bindings
 
-    def _bind_rows(self, batch: Batch, first: int, rows: int, logits: ort.OrtValue | None = None):
+    def _bind_rows(self, batch: Batch, first: int, rows: int, logits: Value | None = None):
         """`Graph.bind_rows` of the batch's cache on the graph that serves, its adapters bound too."""
         binding = self.graph.bind_rows(batch.cache.pooled, first, rows, logits)
         self._bind_adapters(binding, batch, first, rows)
@@ -447,7 +444,7 @@ class ModelRunner:
             binding.keep_rows(views)
             binding.adapters = (key, id(batch.adapters))
 
-    def _run_growing(self, batch: Batch, inputs: dict, graph: Graph) -> ort.OrtValue:
+    def _run_growing(self, batch: Batch, inputs: dict, graph: Graph) -> Value:
         """One pass on a cache that grows: the past bound where it is, the presents kept on the device."""
         cache = batch.cache
         adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]

@@ -46,6 +46,15 @@ _RUN_ERRORS = (
 _ONNX_TYPES = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(bfloat16)": 16}  # ONNX TensorProto codes
 _NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # what OrtValue.data_type() says
 
+Value = ort.OrtValue  # what the runner hands around: a tensor where ONNX Runtime put it (the device, or the host)
+
+
+def host_value(array: np.ndarray) -> Value:
+    """A host Value that owns a copy of `array` (not a view of memory that numpy may free)."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, "cpu", 0)
+    value.update_inplace(np.ascontiguousarray(array))
+    return value
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:

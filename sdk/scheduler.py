@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import BusyError, ConstraintError
+from .errors import BusyError
+from .generation import add_chosen, decode_step
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 from .speculative import step
@@ -42,7 +43,6 @@ class Request:
         self._scheduler, self._pieces = scheduler, queue.Queue()
         self._lock, self._deliver = threading.Lock(), self._pieces.put
         self.cancelled = False
-        self.response_headers: dict[str, str] = {}  # what a server adds to the request's response
 
     def forward(self, deliver: Callable[[Piece | BaseException | None], None]) -> None:
         """From now on, hand each item to `deliver` (on the scheduler's thread) instead of the
@@ -88,7 +88,6 @@ class Slot:
     state: State = State.WAITING
     row: int = -1
     num_prefilled: int = 0
-    token: int = 0  # the newest token, fed to the next decode pass
     events: Iterator | None = field(default=None, repr=False)  # one-at-a-time serving: the engine's own loop
 
 
@@ -280,49 +279,36 @@ class Scheduler:
             self.runner.store(self.batch, slot.row, ids[:end])
         if end == len(ids):
             slot.state = State.DECODING
-            self._add(slot, self.runner.choose(logits, [slot.sequence], [0])[0])
+            self._deliver([slot], add_chosen(self.runner.choose(logits, [slot.sequence], [0]), {slot.row: slot.sequence}))
 
     def _decode(self, slots: list[Slot]) -> None:
-        tokens: list[int | None] = [None] * (max(s.row for s in slots) + 1)
-        for slot in slots:
-            tokens[slot.row] = slot.token
-        logits = self.runner.decode(self.batch, tokens)
-        chosen = self.runner.choose(logits, [s.sequence for s in slots], [s.row for s in slots], self.batch.bindings)
-        for slot, token in zip(slots, chosen):
-            self._add(slot, token)
+        self._deliver(slots, decode_step(self.runner, self.batch, {s.row: s.sequence for s in slots}))
 
     def _speculate(self, slot: Slot) -> None:
-        try:
-            for piece in step(self.runner, self.batch, slot.row, slot.sequence):
-                slot.request._put(piece)
-        except ConstraintError as error:
-            self._end(slot, error)
-            return
-        if slot.sequence.is_done:
-            self._end(slot, _END)
+        self._deliver([slot], ((slot.row, piece) for piece in step(self.runner, self.batch, slot.row, slot.sequence)))
 
-    def _add(self, slot: Slot, token: int | ConstraintError) -> None:
-        """The slot's next token into its sequence; a constraint's dead end ends the slot alone."""
-        try:
-            if isinstance(token, ConstraintError):
-                raise token
-            piece = slot.sequence.add(token)
-        except ConstraintError as error:
-            self._end(slot, error)
-            return
-        slot.token = token
-        if piece is not None:
+    def _deliver(self, slots: list[Slot], pieces: Iterator[tuple[int, Piece]]) -> None:
+        """Each (row, piece) of the step loop (run to its end first: a row is freed only once its
+        passes are done) to its slot's request; a slot leaves after its last piece (the one with a
+        finish reason), and one that failed alone (a constraint's dead end) gives its request the error."""
+        by_row = {slot.row: slot for slot in slots}
+        for row, piece in list(pieces):
+            slot = by_row[row]
+            if piece.error is not None:
+                self._end(slot, piece.error)
+                continue
             slot.request._put(piece)
-        if slot.sequence.is_done:
-            self._end(slot, _END)
+            if piece.finish_reason is not None:
+                self._end(slot, _END)
 
     def _step_alone(self) -> None:
         slot = self._slots[0]
         try:
-            _, piece = next(slot.events)
-            slot.request._put(piece)
+            pieces = [next(slot.events)]
         except StopIteration:
             self._end(slot, _END)
+            return
+        self._deliver([slot], iter(pieces))
 
     def _end(self, slot: Slot, last) -> None:
         """Free the slot's row, then give its request the last item (a final piece, an error, or

@@ -34,13 +34,15 @@ class Piece:
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
     cached_tokens: int = 0
+    error: Exception | None = None  # the last piece of a row that failed alone (finish_reason "error")
 
 
 @dataclass
 class GenerationResult:
     """`token_ids` are the new tokens, without the EOS or stop token id that ended generation
     (tokens that spelled a stop string are kept; the text ends before the stop string).
-    `finish_reason` is "eos", "stop" or "length". `prompt_tokens` were read; `truncated_tokens`
+    `finish_reason` is "eos", "stop" or "length", or "error" for a row of a batch that failed
+    alone (its constraint reached a dead end: `error` says so; the other rows went on). `prompt_tokens` were read; `truncated_tokens`
     were dropped from the prompt's start (`truncate="left"`); `cached_tokens` of the prompt came
     from the prefix cache instead of being prefilled. With `logprobs`, one TokenLogprob per
     token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
@@ -62,6 +64,7 @@ class GenerationResult:
     tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
     reasoning: str | None = None  # a reasoning model's thinking (reasoning.py), split from `text`
     reasoning_tokens: int = 0  # chat: the tokens generated while the thought was open
+    error: Exception | None = None  # why the row failed, where `finish_reason` is "error"
 
     @classmethod
     def from_pieces(cls, pieces: list[Piece]) -> GenerationResult:
@@ -80,6 +83,7 @@ class GenerationResult:
             proposed_tokens=last.proposed_tokens,
             accepted_tokens=last.accepted_tokens,
             cached_tokens=last.cached_tokens,
+            error=last.error,
         )
 
 
@@ -165,6 +169,13 @@ class Sequence:
         if not text:
             return None
         return self._piece(text)
+
+    def fail(self, error: Exception) -> Piece:
+        """End now because of `error` (a constraint's dead end): the last piece, with what is still
+        held back, finish reason "error" and the error."""
+        piece = self.finish("error")
+        piece.error = error
+        return piece
 
     def finish(self, reason: str) -> Piece:
         """End now (a server shutting down, say), with what is still held back and `reason`."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ConstraintError
+
 MAX_NGRAM = 3  # the longest n-gram prompt lookup matches; shorter ones are tried after it
 MIN_NGRAM = 2  # a single repeated token predicts little, and a wrong guess costs a longer pass
 MAX_PAUSE = 16  # steps a row waits, at most, after guesses that failed in a row
@@ -99,7 +101,7 @@ def step(runner, batch, row: int, sequence) -> Iterator:
     choice is taken while it equals the proposal, and the first that differs (or the one after
     the last proposal) is the step's last. The cache then forgets the rejected proposals (a
     recurrent state is put back and the kept tokens run again: runner.take_back). Yields the row's
-    pieces."""
+    pieces; a constraint's dead end ends the row with `Sequence.fail`'s piece."""
     speculation = sequence.speculation
     room = sequence.max_new_tokens - sequence.num_generated - 1
     proposal = speculation.propose(sequence.history, room) if speculation else []
@@ -111,11 +113,14 @@ def step(runner, batch, row: int, sequence) -> Iterator:
     accepted = 0
     for i in range(len(proposal) + 1):
         guess = proposal[i] if i < len(proposal) else None
-        token = int(greedy[i]) if greedy is not None else sequence.choose(every[i], guess)
-        if token == guess:
-            accepted += 1
-            speculation.accepted += 1  # before `add`, whose last piece carries the counts
-        piece = sequence.add(token)
+        try:
+            token = int(greedy[i]) if greedy is not None else sequence.choose(every[i], guess)
+            if token == guess:
+                accepted += 1
+                speculation.accepted += 1  # before `add`, whose last piece carries the counts
+            piece = sequence.add(token)
+        except ConstraintError as error:
+            token, piece = None, sequence.fail(error)
         if piece is not None:
             yield piece
         if sequence.is_done or token != guess:

@@ -493,7 +493,7 @@ class _Routes:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
         reply = Reply(chat, model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
-        headers = requests[0].response_headers or None
+        headers = getattr(requests[0], "response_headers", None) or None
         thinking = reasoning_format(backend.tokenizer, texts[0]) if chat else None
         streams = [ChatStream(backend.tokenizer, plan, thinking) if chat else None for _ in requests]
         if body.stream:

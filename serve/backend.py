@@ -18,9 +18,8 @@ from edgeinfer.sdk.tokenizer import Tokenizer
 
 
 class Submitted(Protocol):
-    """A request a backend has taken."""
-
-    response_headers: dict[str, str]  # added to its HTTP response
+    """A request a backend has taken. One may carry `response_headers` (a dict added to its HTTP
+    response: the replica that serves it); a scheduler's Request has none."""
 
     def forward(self, deliver: Callable) -> None:
         """Hand each item (a Piece, an error, None after the last) to `deliver`, on another thread."""

@@ -302,3 +302,31 @@ def test_token_bytes_join_to_the_text_and_constraints_read_them(tmp_path, decode
     for token in tokenizer.encode("edge boxes run models\n", add_special_tokens=False):
         matcher.consume(token)
     assert matcher.is_complete and matcher.is_finished
+
+
+# A schema that no finite JSON satisfies: llguidance's nesting limit makes it a dead end.
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"], "additionalProperties": False}
+
+
+def test_a_dead_end_fails_its_own_row_alone_in_the_engine_and_the_scheduler(engine):
+    """One step loop (generation.py) for both: the row whose constraint dead-ends ends with finish
+    reason "error" and its ConstraintError; the other rows get what they get alone. A single
+    prompt, with or without speculative decoding, and a scheduled request raise the error."""
+    from edgeinfer import Scheduler
+    from edgeinfer.sdk.errors import ConstraintError
+
+    endless = GenerationConfig(max_new_tokens=300, response_format=schema_format(ENDLESS))
+    plain = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    alone = engine.generate("Edge boxes", plain).token_ids
+    failed, other = engine.generate_batch([PROMPT, "Edge boxes"], [endless, plain])
+    assert failed.finish_reason == "error" and isinstance(failed.error, ConstraintError)
+    assert other.token_ids == alone and other.error is None and other.finish_reason == "length"
+    for settings in ({}, {"speculative": "prompt_lookup"}):
+        with pytest.raises(ConstraintError, match="cannot match the JSON schema"):
+            engine.generate(PROMPT, endless, **settings)
+    with Scheduler(engine, max_batch=2) as scheduler:
+        doomed, fine = scheduler.submit(PROMPT, endless), scheduler.submit("Edge boxes", plain)
+        assert fine.result().token_ids == alone
+        with pytest.raises(ConstraintError, match="cannot match the JSON schema"):
+            doomed.result()
+        assert scheduler.submit("Edge boxes", plain).result().token_ids == alone  # the failed row's slot serves again
