@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from edgeinfer.export.algorithms import ALGORITHMS
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
 from .bench import bench
@@ -44,7 +45,7 @@ def _parsed(arguments: str):
 @click.option("--symmetric", is_flag=True, help="Quantize without zero points: faster, less accurate.")
 @click.option(
     "--algorithm",
-    type=click.Choice(["rtn", "k_quant", "gptq", "hqq"]),
+    type=click.Choice(list(ALGORITHMS)),
     default=None,
     help="How blocks are quantized: round to nearest; k_quant (searches each block's scale, weighted by --calibration's "
     "activations where given); gptq (spreads each weight's error over the rest, from --calibration's activations); or "

@@ -115,6 +115,7 @@ def _cached_export(name: str, say) -> Path:
 
 def _exporter():
     try:
+        import edgeinfer.export.pipeline  # noqa: F401 - what needs the extra, imported here to name what is missing
         import edgeinfer.export as export
     except ImportError as e:
         raise EdgeInferError(f"exporting needs the export extra ({e.name} is missing): pip install 'edgeinfer[export]'") from None

@@ -153,19 +153,19 @@ def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessi
     return fit(weight, bits, block, _padded(importance, rows))
 
 
-def statistics(activations, name: str, method: str):
-    """(importance, Hessian) of the MatMul input `name`: the Hessian for gptq only; (None, None)
-    without activations or where the text did not reach it."""
+def statistics(activations, name: str, with_hessian: bool):
+    """(importance, Hessian) of the MatMul input `name`: the Hessian only `with_hessian` (gptq);
+    (None, None) without activations or where the text did not reach it."""
     if activations is None:
         return None, None
-    hessian = activations.hessian(name) if method == "gptq" else None
+    hessian = activations.hessian(name) if with_hessian else None
     return (np.diag(hessian).copy() if hessian is not None else activations.importance(name)), hessian
 
 
-def search_quantizer(config, activations=None, method: str = "k_quant", fitted: dict | None = None):
+def search_quantizer(config, activations=None, with_hessian: bool = False, fitted: dict | None = None):
     """ONNX Runtime's MatMulNBits node quantizer (the round-to-nearest one, `config` its
-    DefaultWeightOnlyQuantConfig) with its blocks fitted by `fit_weight` (`method` "k_quant" or
-    "gptq") from `activations` (calibration.Activations); `fitted` holds blocks already fitted at
+    DefaultWeightOnlyQuantConfig) with its blocks fitted by `fit_weight` (k_quant's search, or
+    gptq's `with_hessian`) from `activations` (calibration.Activations); `fitted` holds blocks already fitted at
     `config.bits`, by weight name (what `--keep-int8 auto`'s measure fitted)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer
 
@@ -186,7 +186,7 @@ def search_quantizer(config, activations=None, method: str = "k_quant", fitted: 
 
         def _statistics(self):
             if self.known[0] != self.current[0]:
-                self.known = (self.current[0], statistics(activations, self.current[0], method))
+                self.known = (self.current[0], statistics(activations, self.current[0], with_hessian))
             return self.known[1]
 
     return SearchQuantizer(config)

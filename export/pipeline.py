@@ -647,7 +647,7 @@ def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantizat
 def _deferred(quantization: Quantization | None) -> bool:
     """Whether a streamed export defers its weights until they are quantized or written: unless
     its quantization runs the fp32 graph over a calibration text (gptq; k_quant given one)."""
-    return quantization is None or (quantization.algorithm != "gptq" and quantization.calibration is None)
+    return quantization is None or not quantization.calibrated
 
 
 def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> None:

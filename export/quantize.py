@@ -18,6 +18,7 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import Manifest, load_manifest
 from edgeinfer.sdk.tokenizer import Tokenizer
 
+from .algorithms import ALGORITHMS, Algorithm
 from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
 from .kquant import dequantized, fit_weight, search_quantizer, statistics
@@ -29,7 +30,6 @@ QUALITY_TEXT = Path(__file__).with_name("quality_text.txt")
 _CHUNK = 256  # positions a pass, for both sides of the quality measure
 
 
-ALGORITHMS = ("rtn", "k_quant", "gptq", "hqq")
 AUTO = "auto"  # --keep-int8's word for the modules export/sensitivity.py measures and chooses
 
 
@@ -80,24 +80,36 @@ class Quantization:
             raise ExportError("--keep-int8 auto chooses the modules itself: give auto alone, or module names without it")
         for item in self.keep_int8:
             _kept_pattern(item)
-        if self.calibration is not None and self.algorithm not in ("k_quant", "gptq") and self.keep_int8 != (AUTO,):
-            raise ExportError(f"--calibration is for --algorithm k_quant or gptq, or --keep-int8 auto; not {self.algorithm} alone")
+        if self.calibration is not None and self.rule.calibration == "never" and self.keep_int8 != (AUTO,):
+            readers = " or ".join(a.name for a in ALGORITHMS.values() if a.calibration != "never")
+            raise ExportError(f"--calibration is for --algorithm {readers}, or --keep-int8 auto; not {self.algorithm} alone")
         if self.calibration is not None and not Path(self.calibration).is_file():
             raise ExportError(f"calibration text {self.calibration} is not a file: give --calibration a text file")
-        if self.algorithm != "rtn" and self.symmetric:
+        if self.symmetric and not self.rule.takes_symmetric:
             raise ExportError(f"{self.algorithm} fits a zero point to every block: leave out --symmetric, or use --algorithm rtn")
+
+    @property
+    def rule(self) -> Algorithm:
+        """The algorithm's entry in ALGORITHMS."""
+        return ALGORITHMS[self.algorithm]
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the export runs its fp32 graph over a calibration text (for the algorithm's search)."""
+        return self.rule.calibration == "always" or (self.rule.calibration == "given" and self.calibration is not None)
 
     def passes(self, graph, head_first: bool = False) -> list[tuple[int, str, list[str]]]:
         """(bits, algorithm, MatMul names) in the order they are quantized: the MatMuls `keep_int8`
         names at 8 bits; under hqq the lm_head rounded (its blocks are shared with a tied embedding
         table, and GatherBlockQuantized takes only integer zero points), or with `head_first` (a
         streamed export: the largest weight made while the least else is held); then the rest."""
-        bits, names, rounded = BITS[self.method], _matmuls(graph), "rtn" if self.algorithm == "hqq" else self.algorithm
+        bits, names = BITS[self.method], _matmuls(graph)
+        rounded = "rtn" if self.rule.float_zeros else self.algorithm  # integer zero points: the tied table gathers them
         kept = kept_int8(graph.graph, self.keep_int8) if bits == 4 else []
         head = lm_head_node(graph.graph)
         passes = [(8, rounded, kept)] if kept else []
-        if head and head not in kept and (head_first or self.algorithm == "hqq"):
-            passes.append((bits, "rtn" if self.algorithm == "hqq" else self.algorithm, [head]))
+        if head and head not in kept and (head_first or self.rule.float_zeros):
+            passes.append((bits, rounded, [head]))
         done = {name for _, _, group in passes for name in group}
         return [*passes, (bits, self.algorithm, [n for n in names if n not in done])]
 
@@ -176,14 +188,14 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
     """The modules `--keep-int8 auto` keeps at 8 bits (export/sensitivity.py), each weight rounded
     as the export rounds it: by k_quant or gptq from the calibration text's activations (their
     blocks kept in `fitted` for the 4-bit pass), else to nearest."""
-    block, algorithm = quantization.block_size, quantization.algorithm
+    block, rule = quantization.block_size, quantization.rule
     if BITS[quantization.method] != 4:
         return []
 
     def rounded(weight, input_name, weight_name):
-        if algorithm not in ("k_quant", "gptq"):
+        if not rule.searches:
             return rounded_to_nearest(weight, block)
-        fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, algorithm))
+        fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, rule.hessian))
         return dequantized(*fitted[weight_name])[: len(weight)]
 
     manifest = load_manifest(folder)
@@ -192,9 +204,10 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
 
 
 def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
-    """The fp32 graph's MatMul inputs over the calibration text, where the algorithm uses them:
-    gptq always (the built-in text unless one is given), k_quant when given a text."""
-    if quantization.algorithm != "gptq" and quantization.calibration is None:
+    """The fp32 graph's MatMul inputs over the calibration text, where the algorithm uses them
+    (`Algorithm.calibration`: gptq always, the built-in text unless one is given; k_quant when given
+    a text). `--keep-int8 auto` reads a given text as tokens alone."""
+    if not quantization.calibrated:
         return None
     text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
     return collect(folder, text, scratch)
@@ -203,17 +216,10 @@ def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
 def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=(), activations=None, fitted=None):
     """The graph with its MatMuls (but `exclude`) quantized at `bits` by `algorithm`; a tied
     embedding table gathers from the lm_head's rounded blocks once the lm_head is quantized."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import (
-        DefaultWeightOnlyQuantConfig,
-        HQQWeightOnlyQuantConfig,
-        MatMulNBitsQuantizer,
-    )
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    block, symmetric, level = quantization.block_size, quantization.symmetric, quantization.accuracy_level
-    if algorithm == "hqq":
-        config = HQQWeightOnlyQuantConfig(block_size=block, bits=bits)
-    else:
-        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, accuracy_level=level, bits=bits)
+    block, symmetric, level, rule = quantization.block_size, quantization.symmetric, quantization.accuracy_level, ALGORITHMS[algorithm]
+    config = rule.config(bits, block, symmetric, level)
     tied = tied_embedding(graph.graph, folder) if lm_head_node(graph.graph) in _matmuls(graph) else None
     quantizer = MatMulNBitsQuantizer(
         graph,
@@ -224,11 +230,11 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
         algo_config=config,
         nodes_to_exclude=list(exclude),
     )
-    if algorithm in ("k_quant", "gptq"):
-        quantizer.node_quantizer = search_quantizer(config, activations, algorithm, fitted)
-    (one_weight_loaded if algorithm == "hqq" else one_weight_at_a_time)(quantizer.node_quantizer, folder)
+    if rule.searches:
+        quantizer.node_quantizer = search_quantizer(config, activations, rule.hessian, fitted)
+    (one_weight_loaded if rule.float_zeros else one_weight_at_a_time)(quantizer.node_quantizer, folder)
     quantizer.process()
-    if tied and algorithm != "hqq":  # HQQ's zero points are floats, which GatherBlockQuantized does not take
+    if tied and not rule.float_zeros:  # GatherBlockQuantized takes integer zero points only
         quantized_embedding(quantizer.model.model.graph, *tied, bits, block)
     return quantizer.model.model
 

@@ -1,13 +1,15 @@
-"""The runtime profile: loading, generating and constrained decoding must not import torch,
-transformers, optimum or onnx."""
+"""The runtime profile: loading, generating and constrained decoding, and the CLI's module (which
+reads the quantization algorithms' names), must not import torch, transformers, optimum or onnx."""
 
 import json
 import subprocess
 import sys
 
 SCRIPT = """
-import json, sys
+import importlib, json, sys
 from edgeinfer import Engine
+cli = importlib.import_module("edgeinfer.cli.main")
+assert list(cli.ALGORITHMS) == ["rtn", "k_quant", "gptq", "hqq"]  # --algorithm's choices, from export/algorithms.py
 engine = Engine.load(sys.argv[1], provider="cpu")
 chat = [t for p in engine.stream_chat([{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0.8, seed=1) for t in p.token_ids]
 greedy = engine.generate("The capital", max_new_tokens=8).token_ids
