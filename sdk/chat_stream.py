@@ -13,15 +13,15 @@ from dataclasses import dataclass, field, replace
 from .reasoning import ReasoningFormat, ReasoningSplitter
 from .sequence import GenerationResult, Piece
 from .tokenizer import Detokenizer, Tokenizer
-from .tool_parser import CallParser, Part
+from .tool_parser import CallParser, Part, Said
 from .tools import GENERIC, ToolPlan
 
 
 @dataclass
 class ChatDelta:
-    """What one piece of a chat turn adds, as `parts` in order: ("reasoning", text), ("text",
-    text), ("call", index, id, name) and ("arguments", index, text). The last delta has the
-    `finish_reason` and the whole turn's `result`."""
+    """What one piece of a chat turn adds, as `parts` in order (tool_parser's Said, the reasoning
+    or the text; CallOpened; CallArguments). The last delta has the `finish_reason` and the whole
+    turn's `result`."""
 
     parts: list[Part]
     token_ids: list[int]
@@ -32,12 +32,12 @@ class ChatDelta:
     @property
     def text(self) -> str:
         """The reply's text this piece adds."""
-        return "".join(p[1] for p in self.parts if p[0] == "text")
+        return said(self.parts, "text")
 
     @property
     def reasoning(self) -> str:
         """The thought this piece adds."""
-        return "".join(p[1] for p in self.parts if p[0] == "reasoning")
+        return said(self.parts, "reasoning")
 
 
 class ChatStream:
@@ -68,7 +68,7 @@ class ChatStream:
         else:
             text = "".join(self.detokenizer.add(t) for t in piece.token_ids) + (self.detokenizer.flush() if final else "")
         parts = self._split(text, final)
-        if inside or any(p[0] == "reasoning" for p in parts):
+        if inside or said(parts, "reasoning"):
             self.reasoning_tokens += len(piece.token_ids)
         delta = ChatDelta(parts, piece.token_ids, piece.finish_reason, piece=piece)
         if final:
@@ -85,22 +85,22 @@ class ChatStream:
         if self.others is not None:
             text = self.others.sub("", text)
         if self.splitter is None:
-            sections = [("text", text)] if text else []
+            sections = [Said("text", text)] if text else []
         else:
-            sections = [("reasoning" if kind == "reasoning" else "text", t) for kind, t in self.splitter.feed(text)]
-            sections += [("reasoning" if kind == "reasoning" else "text", t) for kind, t in (self.splitter.flush() if final else [])]
+            split = [*self.splitter.feed(text), *(self.splitter.flush() if final else [])]
+            sections = [Said("reasoning" if kind == "reasoning" else "text", t) for kind, t in split]
         parts: list[Part] = []
-        for kind, chunk in sections:
-            parts += self.calls.feed(chunk) if kind == "text" and self.calls is not None else [(kind, chunk)]
+        for section in sections:
+            parts += self.calls.feed(section.text) if section.kind == "text" and self.calls is not None else [section]
         if final and self.calls is not None:
             parts += self.calls.finish()
         self.said += parts
         return parts
 
     def _result(self, result: GenerationResult) -> GenerationResult:
-        text = "".join(p[1] for p in self.said if p[0] == "text")
+        text = said(self.said, "text")
         thought = self.splitter is not None and self.splitter.thought
-        reasoning = "".join(p[1] for p in self.said if p[0] == "reasoning") if thought else None
+        reasoning = said(self.said, "reasoning") if thought else None
         if self.plan is None:
             return replace(result, text=text, reasoning=reasoning, reasoning_tokens=self.reasoning_tokens)
         calls = self.calls.tool_calls if self.calls is not None else []
@@ -114,6 +114,11 @@ class ChatStream:
             finish_reason=reason,
             tool_format=self.plan.format.name,
         )
+
+
+def said(parts: list[Part], kind: str) -> str:
+    """The text of the parts of `kind` ("text" or "reasoning"), joined."""
+    return "".join(p.text for p in parts if isinstance(p, Said) and p.kind == kind)
 
 
 def chat_deltas(stream: ChatStream, pieces: Iterator[Piece]) -> Iterator[ChatDelta]:

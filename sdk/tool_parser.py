@@ -17,8 +17,33 @@ from dataclasses import dataclass, field
 from .reasoning import partial_suffix
 from .tools import GENERIC, ToolCall, ToolFormat
 
-# What CallParser.feed returns: ("text", text), ("call", index, id, name), ("arguments", index, text)
-Part = tuple
+
+@dataclass(frozen=True)
+class Said:
+    """Text a turn says: its reply (`kind` "text") or its thought ("reasoning")."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class CallOpened:
+    """A tool call whose name is whole: its place among the turn's calls, its id and its name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """More of a call's arguments (JSON text as it comes), by the call's place."""
+
+    index: int
+    text: str
+
+
+Part = Said | CallOpened | CallArguments  # what CallParser.feed returns, and a ChatDelta's parts
 
 
 @dataclass
@@ -48,19 +73,19 @@ class CallParser:
             self.raw += text
             self._scan(text, parts)
         elif self.state == "plain":
-            parts.append(("text", text))
+            parts.append(Said("text", text))
         else:
             self.held += text
             self._opening(parts)
-        return [p for p in parts if p[0] != "text" or p[1]]
+        return [p for p in parts if not isinstance(p, Said) or p.text]
 
     def finish(self) -> list[Part]:
         """What is still held, once the reply has ended."""
-        parts = [("text", self.held)] if self.state not in ("calls", "reply") else []
+        parts = [Said("text", self.held)] if self.state not in ("calls", "reply") else []
         if self.state == "calls" and not self.calls:  # a marker that opened no call: it was text
-            parts.append(("text", self.raw))
+            parts.append(Said("text", self.raw))
         self.held = ""
-        return [p for p in parts if p[1]]
+        return [p for p in parts if p.text]
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -78,18 +103,18 @@ class CallParser:
                 self._to_calls(self.held.lstrip(), parts)
             else:
                 self.state = "plain"
-                parts.append(("text", self.held))
+                parts.append(Said("text", self.held))
                 self.held = ""
             return None
         at = self.held.find(self.marker)
         if at >= 0:
-            parts.append(("text", self.held[:at].rstrip()))
+            parts.append(Said("text", self.held[:at].rstrip()))
             self.raw = self.held[at:]
             return self._to_calls(self.held[at + len(self.marker) :], parts, raw=False)
         keep = len(self.held) - partial_suffix(self.held, self.marker)
         while keep > 0 and self.held[keep - 1].isspace():
             keep -= 1
-        parts.append(("text", self.held[:keep]))
+        parts.append(Said("text", self.held[:keep]))
         self.held = self.held[keep:]
         return None
 
@@ -104,7 +129,7 @@ class CallParser:
             self.held = ""
         elif not any(_could_become(self.held, target) for target in ('{"tool_calls":', '{"response":"')):
             self.state = "plain"
-            parts.append(("text", self.held))
+            parts.append(Said("text", self.held))
             self.held = ""
 
     def _to_calls(self, rest: str, parts: list[Part], raw: bool = True) -> None:
@@ -116,7 +141,7 @@ class CallParser:
     def _scan(self, text: str, parts: list[Part]) -> None:
         if self.state == "reply":
             said = "".join(self.reply.feed(c) for c in text if not self.reply.done)
-            parts.append(("text", said))
+            parts.append(Said("text", said))
             return
         for c in text:
             if self.ended:
@@ -140,10 +165,10 @@ class CallParser:
         if event[0] == "name":
             call = _Call(f"call_{os.urandom(12).hex()}", event[1])
             self.calls.append(call)
-            parts.append(("call", len(self.calls) - 1, call.id, call.name))
+            parts.append(CallOpened(len(self.calls) - 1, call.id, call.name))
         else:
             self.calls[-1].arguments.append(event[1])
-            parts.append(("arguments", len(self.calls) - 1, event[1]))
+            parts.append(CallArguments(len(self.calls) - 1, event[1]))
 
 
 _NAME_CHAR = re.compile(r"[A-Za-z0-9_.-]")
@@ -430,4 +455,4 @@ def parse_calls(text: str, format: ToolFormat) -> tuple[str, list[ToolCall]]:
     """(the reply's text, the calls) of a whole reply; text that holds no call stays text."""
     parser = CallParser(format)
     parts = [*parser.feed(text), *parser.finish()]
-    return "".join(p[1] for p in parts if p[0] == "text"), parser.tool_calls
+    return "".join(p.text for p in parts if isinstance(p, Said)), parser.tool_calls

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
+from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
@@ -216,13 +217,13 @@ class MessagesReply:
         thinking block, the text, a tool_use per call), then its delta."""
         out = []
         for part in delta.parts:
-            kind = {"reasoning": "thinking", "text": "text"}.get(part[0], "tool_use")
-            if part[0] == "call" or self.open != kind:
+            kind = {"reasoning": "thinking", "text": "text"}[part.kind] if isinstance(part, Said) else "tool_use"
+            if isinstance(part, CallOpened) or self.open != kind:
                 out += self._start(kind, part)
-            if part[0] == "call":
+            if isinstance(part, CallOpened):
                 continue
-            said = {"thinking": {"type": "thinking_delta", "thinking": part[1]}, "text": {"type": "text_delta", "text": part[1]}}
-            said = said.get(kind) or {"type": "input_json_delta", "partial_json": part[2]}
+            said = {"thinking": {"type": "thinking_delta", "thinking": part.text}, "text": {"type": "text_delta", "text": part.text}}
+            said = said.get(kind) or {"type": "input_json_delta", "partial_json": part.text}
             out.append(("content_block_delta", {"type": "content_block_delta", "index": self.started - 1, "delta": said}))
         return out
 
@@ -235,10 +236,10 @@ class MessagesReply:
         ending = {"type": "message_delta", "delta": self._ending(result), "usage": {"output_tokens": len(result.token_ids)}}
         return [*out, ("message_delta", ending), ("message_stop", {"type": "message_stop"})]
 
-    def _start(self, kind: str, part: tuple | None = None) -> list[tuple[str, dict]]:
+    def _start(self, kind: str, part: CallOpened | None = None) -> list[tuple[str, dict]]:
         out = self._stop()
         if kind == "tool_use":
-            block = {"type": "tool_use", "id": _tool_use_id(part[2]), "name": part[3], "input": {}}
+            block = {"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name, "input": {}}
         else:
             block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
         self.open, self.started = kind, self.started + 1

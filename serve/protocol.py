@@ -31,6 +31,7 @@ from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
+from edgeinfer.sdk.tool_parser import CallOpened, Part, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
@@ -503,14 +504,13 @@ def _message(result: GenerationResult) -> dict:
     return message if result.reasoning is None else {**message, "reasoning_content": result.reasoning}
 
 
-def _delta_of(part: tuple) -> dict:
-    kind = part[0]
-    if kind in ("text", "reasoning"):
-        return {"content" if kind == "text" else "reasoning_content": part[1]}
-    if kind == "call":
-        _, position, call_id, name = part
-        return {"tool_calls": [{"index": position, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}]}
-    return {"tool_calls": [{"index": part[1], "function": {"arguments": part[2]}}]}
+def _delta_of(part: Part) -> dict:
+    if isinstance(part, Said):
+        return {"content" if part.kind == "text" else "reasoning_content": part.text}
+    if isinstance(part, CallOpened):
+        opened = {"index": part.index, "id": part.id, "type": "function", "function": {"name": part.name, "arguments": ""}}
+        return {"tool_calls": [opened]}
+    return {"tool_calls": [{"index": part.index, "function": {"arguments": part.text}}]}
 
 
 def api_name(setting: str, names: dict = API_NAMES) -> str:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
+from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
@@ -408,12 +409,12 @@ class ResponsesReply:
         """The events of a turn's delta: an item opened where the kind of output changes, then its delta."""
         out = []
         for part in delta.parts:
-            kind = {"reasoning": "reasoning", "text": "message"}.get(part[0], "function_call")
-            if part[0] == "call" or self.open is None or self.open["kind"] != kind:
+            kind = {"reasoning": "reasoning", "text": "message"}[part.kind] if isinstance(part, Said) else "function_call"
+            if isinstance(part, CallOpened) or self.open is None or self.open["kind"] != kind:
                 out += self._open(kind, part)
-            if part[0] == "call":
+            if isinstance(part, CallOpened):
                 continue
-            said = part[-1]
+            said = part.text
             self.open["text"] += said
             where = {"item_id": self.open["id"], "output_index": self.open["index"]}
             if kind == "reasoning":
@@ -433,7 +434,7 @@ class ResponsesReply:
         whole = self.whole(result)
         return [*out, self.event("response.completed" if whole["status"] == "completed" else "response.incomplete", response=whole)]
 
-    def _open(self, kind: str, part: tuple | None = None) -> list[tuple[str, dict]]:
+    def _open(self, kind: str, part: CallOpened | None = None) -> list[tuple[str, dict]]:
         out = self._close()
         index, self.opened = self.opened, self.opened + 1
         if kind == "reasoning":
@@ -442,7 +443,7 @@ class ResponsesReply:
         elif kind == "message":
             self.open, item = {"id": self.message_id}, self._message_item(None, "in_progress")
         else:
-            _, _, call_id, name = part
+            call_id, name = part.id, part.name
             item = {**_call_item(call_id, name, ""), "status": "in_progress"}
             self.open = {"id": item["id"], "call_id": call_id, "name": name}
         self.open |= {"kind": kind, "index": index, "text": ""}

@@ -13,7 +13,8 @@ from test_tools import ASK, GEMMA, HERMES, LLAMA3, MISTRAL, PYTHONIC, SCHEMAS, T
 
 from edgeinfer import Engine
 from edgeinfer.sdk.errors import SettingsError
-from edgeinfer.sdk.tool_parser import CallParser, parse_calls
+from edgeinfer.sdk.chat_stream import said
+from edgeinfer.sdk.tool_parser import CallArguments, CallOpened, CallParser, Said, parse_calls
 from edgeinfer.sdk.tools import GENERIC, ToolFormat, plan, tool_format, tool_request
 
 from conftest import CHATML, EOS_ID, build_llama
@@ -47,12 +48,14 @@ def joined(parts: list) -> tuple[str, list]:
     """(text, [(id, name, arguments)]) of a stream's parts, as a client accumulates them."""
     calls = {}
     for part in parts:
-        if part[0] == "call":
-            assert part[1] not in calls and part[1] == len(calls)  # each call opens once, in order
-            calls[part[1]] = [part[2], part[3], ""]
-        elif part[0] == "arguments":
-            calls[part[1]][2] += part[2]  # a call's arguments come after its name
-    return "".join(p[1] for p in parts if p[0] == "text"), [tuple(c) for c in calls.values()]
+        if isinstance(part, CallOpened):
+            assert part.index not in calls and part.index == len(calls)  # each call opens once, in order
+            calls[part.index] = [part.id, part.name, ""]
+        elif isinstance(part, CallArguments):
+            calls[part.index][2] += part.text  # a call's arguments come after its name
+        else:
+            assert isinstance(part, Said) and part.kind in ("text", "reasoning")
+    return said(parts, "text"), [tuple(c) for c in calls.values()]
 
 
 @pytest.mark.parametrize("format, reply", REPLIES)
@@ -87,8 +90,8 @@ def test_arguments_are_said_as_they_come():
     parser = CallParser(HERMES_FORMAT)
     reply = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": "xyz"}}\n</tool_call>'
     parts = [p for c in reply for p in parser.feed(c)]  # a character at a time
-    assert parts[0][0] == "call" and parts[0][3] == "add"
-    pieces = [p[2] for p in parts if p[0] == "arguments"]
+    assert isinstance(parts[0], CallOpened) and parts[0].name == "add"
+    pieces = [p.text for p in parts if isinstance(p, CallArguments)]
     assert len(pieces) == len('{"a": 12, "b": "xyz"}') and "".join(pieces) == '{"a": 12, "b": "xyz"}'
 
 
@@ -110,7 +113,9 @@ def test_stream_chat_joins_to_chat(with_template, template):
         assert [c.id for c in last.tool_calls] == [i for i, _, _ in calls] and all(i.startswith("call_") for i, _, _ in calls)
         assert last.finish_reason == whole.finish_reason and last.token_ids == whole.token_ids
         assert [t for d in deltas for t in d.token_ids] == whole.token_ids
-        pieces = max(pieces, max(sum(p[0] == "arguments" and p[1] == i for d in deltas for p in d.parts) for i in range(len(calls))))
+        pieces = max(
+            pieces, max(sum(isinstance(p, CallArguments) and p.index == i for d in deltas for p in d.parts) for i in range(len(calls)))
+        )
         if whole.finish_reason == "tool_calls":
             for call in whole.tool_calls:
                 jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
