@@ -27,15 +27,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    engines = {folder: Engine.load(folder, provider="cpu") for folder in args.exports}
-    rates = {(folder, context): [] for folder in engines for context in args.contexts}
-    for round_ in range(args.rounds):
-        for context in args.contexts:
-            for folder, engine in engines.items():
-                rates[folder, context].append(rate(engine, context, args.new_tokens))
-                print(f"round {round_ + 1} {folder} context {context}: {rates[folder, context][-1]:.1f} tok/s", flush=True)
-    for (folder, context), values in rates.items():
-        print(f"{folder} context {context}: median {statistics.median(values):.1f} tok/s over {len(values)} rounds")
+    alternate({folder: Engine.load(folder, provider="cpu") for folder in args.exports}, args.contexts, args.new_tokens, args.rounds)
+
+
+def alternate(engines: dict[str, Engine], contexts: list[int], new_tokens: int, rounds: int) -> None:
+    """Each engine's decode rate at each context, the engines alternating within each round: a
+    line per run, then the median per engine and context."""
+    rates = {(name, context): [] for name in engines for context in contexts}
+    for round_ in range(rounds):
+        for context in contexts:
+            for name, engine in engines.items():
+                rates[name, context].append(rate(engine, context, new_tokens))
+                print(f"round {round_ + 1} {name} context {context}: {rates[name, context][-1]:.1f} tok/s", flush=True)
+    for (name, context), values in rates.items():
+        print(f"{name} context {context}: median {statistics.median(values):.1f} tok/s over {len(values)} rounds")
 
 
 if __name__ == "__main__":

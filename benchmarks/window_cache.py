@@ -16,11 +16,11 @@ import argparse
 import dataclasses
 import os
 import shutil
-import statistics
 import tempfile
 from pathlib import Path
 
 import onnx
+from hybrid_decode import alternate  # run as a script from the repository: benchmarks/ is on the path
 
 from edgeinfer import Engine
 from edgeinfer.export.split import whole_windows
@@ -48,11 +48,6 @@ def whole_copy(folder: Path, into: Path) -> Path:
     return into
 
 
-def rate(engine: Engine, context: int, new_tokens: int) -> float:
-    prompt = [3 + (7 * i) % 250 for i in range(context)]
-    return engine.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True).decode_tokens_per_s
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("export", type=Path)
@@ -67,14 +62,7 @@ def main() -> None:
             for context in sorted({*args.contexts, engine.max_context}):
                 mib = engine.runner.new_batch(1, context).cache.nbytes / 2**20
                 print(f"{kind}: KV cache of one row of {context} tokens: {mib:.1f} MiB", flush=True)
-        rates = {(kind, context): [] for kind in engines for context in args.contexts}
-        for round_ in range(args.rounds):
-            for context in args.contexts:
-                for kind, engine in engines.items():
-                    rates[kind, context].append(rate(engine, context, args.new_tokens))
-                    print(f"round {round_ + 1} {kind} context {context}: {rates[kind, context][-1]:.1f} tok/s", flush=True)
-        for (kind, context), values in rates.items():
-            print(f"{kind} context {context}: median {statistics.median(values):.1f} tok/s over {len(values)} rounds")
+        alternate(engines, args.contexts, args.new_tokens, args.rounds)
 
 
 if __name__ == "__main__":

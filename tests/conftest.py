@@ -66,6 +66,42 @@ def linked_copy(export, to):
     return to
 
 
+def export_tiny(name: str, folder):
+    """(transformers model, export folder) of the tiny model of family `name` (architectures.TINY),
+    seed 0, saved with the test tokenizer under `folder`/hf and exported to `folder`/export."""
+    import torch
+    from architectures import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from edgeinfer.export import export_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+    model.save_pretrained(folder / "hf")
+    build_tokenizer().save_pretrained(folder / "hf")
+    export_model(str(folder / "hf"), folder / "export")
+    return model, folder / "export"
+
+
+def scheduled_and_alone(engine, prompts: list[list[int]]) -> tuple[list, list]:
+    """(tokens from a Scheduler of 3 rows, tokens of each alone) of 8 jobs over `prompts` with
+    growing token budgets, submitted from threads at once: rows join and leave a running batch,
+    and decode passes carry rows that are prefilling or have just ended."""
+    from edgeinfer import Scheduler
+
+    jobs = [(i % len(prompts), 4 + 5 * i) for i in range(8)]
+    alone = [engine.generate(prompts[p], max_new_tokens=n, ignore_eos=True).token_ids for p, n in jobs]
+    results = [None] * len(jobs)
+
+    def call(job):
+        prompt, tokens = jobs[job]
+        results[job] = scheduler.submit(prompts[prompt], max_new_tokens=tokens, ignore_eos=True).result().token_ids
+
+    with Scheduler(engine, max_batch=3) as scheduler:
+        assert in_threads(call, len(jobs)) == []
+    return results, alone
+
+
 def build_llama(folder, eos_token_id=None, seed=0, context=256, **overrides):
     """A 2-layer llama with grouped-query attention and random weights, saved with its tokenizer."""
     import torch

@@ -91,19 +91,9 @@ def test_cuda_runs_the_split_layout_on_one_copy_of_the_weights(tiny_llama, tmp_p
 def hybrid(tmp_path_factory):
     """The tiny qwen3_5 (three gated DeltaNet layers of four), exported: ONNX Runtime's
     LinearAttention and CausalConvWithState run on CUDA with their state bound in place."""
-    import torch
-    from architectures import tiny_config
-    from conftest import build_tokenizer
-    from transformers import AutoModelForCausalLM
+    from conftest import export_tiny
 
-    from edgeinfer.export import export_model
-
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).save_pretrained(folder / "hf")
-    build_tokenizer().save_pretrained(folder / "hf")
-    export_model(str(folder / "hf"), folder / "export")
-    return folder / "export"
+    return export_tiny("qwen3_5_text", tmp_path_factory.mktemp("qwen3_5"))[1]
 
 
 def test_cuda_runs_a_hybrid_models_state_as_the_cpu_does(hybrid):
@@ -120,19 +110,9 @@ def test_cuda_runs_a_hybrid_models_state_as_the_cpu_does(hybrid):
 def windowed(tmp_path_factory):
     """The tiny EXAONE 4 (a sliding layer of window 16 beside a full one), exported: CUDA's
     GroupQueryAttention keeps the window in a buffer of exactly the window's slots."""
-    import torch
-    from architectures import tiny_config
-    from conftest import build_tokenizer
-    from transformers import AutoModelForCausalLM
+    from conftest import export_tiny
 
-    from edgeinfer.export import export_model
-
-    folder = tmp_path_factory.mktemp("exaone4")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config("exaone4")).save_pretrained(folder / "hf")
-    build_tokenizer().save_pretrained(folder / "hf")
-    export_model(str(folder / "hf"), folder / "export")
-    return folder / "export"
+    return export_tiny("exaone4", tmp_path_factory.mktemp("exaone4"))[1]
 
 
 def test_cuda_keeps_a_sliding_layers_window_as_the_cpu_does(windowed):

@@ -11,11 +11,11 @@ import onnxruntime as ort
 import pytest
 import torch
 from architectures import tiny_config
-from conftest import build_tokenizer, in_threads
+from conftest import export_tiny, scheduled_and_alone
 from transformers import AutoModelForCausalLM
 
-from edgeinfer import Engine, Scheduler
-from edgeinfer.export import export_model
+from edgeinfer import Engine
+from edgeinfer.export.validate import transformers_greedy
 from edgeinfer.export.trace import trace
 from edgeinfer.sdk.errors import ManifestError
 from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
@@ -28,19 +28,7 @@ PROMPTS = [list(range(3, 43)), [5, 6, 7], list(range(100, 119)), [9] * 11]
 def hybrid(tmp_path_factory):
     """(transformers model, export folder) of the tiny qwen3_5: three gated DeltaNet layers and one
     of full attention."""
-    folder = tmp_path_factory.mktemp("qwen3_5")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).eval()
-    model.save_pretrained(folder / "hf")
-    build_tokenizer().save_pretrained(folder / "hf")
-    export_model(str(folder / "hf"), folder / "export")
-    return model, folder / "export"
-
-
-def transformers_greedy(model, ids, new_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
-    return out[0, len(ids) :].tolist()
+    return export_tiny("qwen3_5_text", tmp_path_factory.mktemp("qwen3_5"))
 
 
 def test_the_traced_deltanet_layer_gives_transformers_own(tmp_path):
@@ -103,18 +91,8 @@ def test_generation_equals_transformers_alone_in_a_batch_and_in_chunks(hybrid):
 def test_rows_joining_and_leaving_a_running_batch_each_get_what_they_get_alone(hybrid):
     """The scheduler's decode passes carry rows that are not decoding (prefilling, or just ended):
     their state must come out of such a pass as it went in."""
-    engine = Engine.load(hybrid[1], provider="cpu", prefill_chunk=5)
-    jobs = [(i % len(PROMPTS), 4 + 5 * i) for i in range(8)]
-    expected = [engine.generate(PROMPTS[p], max_new_tokens=n, ignore_eos=True).token_ids for p, n in jobs]
-    results = [None] * len(jobs)
-
-    def call(job):
-        prompt, tokens = jobs[job]
-        results[job] = scheduler.submit(PROMPTS[prompt], max_new_tokens=tokens, ignore_eos=True).result().token_ids
-
-    with Scheduler(engine, max_batch=3) as scheduler:
-        assert in_threads(call, len(jobs)) == []
-    assert results == expected
+    scheduled, alone = scheduled_and_alone(Engine.load(hybrid[1], provider="cpu", prefill_chunk=5), PROMPTS)
+    assert scheduled == alone
 
 
 def test_speculative_decoding_puts_the_state_back_where_a_proposal_is_rejected(hybrid):

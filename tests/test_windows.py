@@ -6,14 +6,12 @@ in chunks, in the scheduler's continuous batching, with speculative decoding and
 cache; on the CPU's buffers and on CUDA's (exactly the window, so every pass past it evicts)."""
 
 import pytest
-import torch
-from architectures import WINDOW, tiny_config
-from conftest import build_tokenizer, in_threads
-from transformers import AutoModelForCausalLM
+from architectures import WINDOW
+from conftest import export_tiny, scheduled_and_alone
 
-from edgeinfer import Engine, Scheduler
+from edgeinfer import Engine
 from edgeinfer.cli.main import _layers_text
-from edgeinfer.export import export_model
+from edgeinfer.export.validate import transformers_greedy
 from edgeinfer.sdk.errors import GenerationError
 from edgeinfer.sdk.kv_cache import resident, window_capacity
 from edgeinfer.sdk.manifest import WINDOWS_FORMAT_VERSION
@@ -25,19 +23,7 @@ SLOTS = WINDOW + WINDOW // 8 - 1  # the CPU's buffer of a 16-token window: 17 sl
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("exaone4")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("exaone4")).eval()
-    model.save_pretrained(folder / "hf")
-    build_tokenizer().save_pretrained(folder / "hf")
-    export_model(str(folder / "hf"), folder / "export")
-    return model, folder / "export"
-
-
-def transformers_greedy(model, ids, new_tokens):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
-    return out[0, len(ids) :].tolist()
+    return export_tiny("exaone4", tmp_path_factory.mktemp("exaone4"))
 
 
 def engine_of(folder, exact: bool, **options) -> Engine:
@@ -83,18 +69,8 @@ def test_generation_equals_transformers_alone_in_a_batch_and_in_chunks(windowed,
 def test_rows_joining_and_leaving_a_running_batch_each_get_what_they_get_alone(windowed, exact):
     """A decode pass writes a pad token into each row not decoding; where that moves the row's
     window, the row's buffers are put back as they were (runner.decode)."""
-    engine = engine_of(windowed[1], exact, prefill_chunk=5, prefix_cache=0)
-    jobs = [(i % len(PROMPTS), 4 + 5 * i) for i in range(8)]
-    expected = [engine.generate(PROMPTS[p], max_new_tokens=n, ignore_eos=True).token_ids for p, n in jobs]
-    results = [None] * len(jobs)
-
-    def call(job):
-        prompt, tokens = jobs[job]
-        results[job] = scheduler.submit(PROMPTS[prompt], max_new_tokens=tokens, ignore_eos=True).result().token_ids
-
-    with Scheduler(engine, max_batch=3) as scheduler:
-        assert in_threads(call, len(jobs)) == []
-    assert results == expected
+    scheduled, alone = scheduled_and_alone(engine_of(windowed[1], exact, prefill_chunk=5, prefix_cache=0), PROMPTS)
+    assert scheduled == alone
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["cpu-slots", "cuda-slots"])
