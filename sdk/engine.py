@@ -19,9 +19,9 @@ from .runtime import RuntimeOptions, choose_provider
 from .sequence import GenerationResult, Piece, Sequence
 from .settings import GenerationConfig
 from .tokenizer import Tokenizer, template_variables
-from .chat_stream import ChatDelta, ChatStream, chat_deltas
-from .reasoning import reasoning_format
-from .tools import plan, thought_first, tool_request
+from .chat import chat_turn
+from .chat_stream import ChatDelta, chat_deltas
+from .tools import tool_request
 
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens a prefill pass takes: the same logits, a smaller peak
 DEFAULT_PREFIX_CACHE_MIB = 64  # prompts' keys and values kept for prompts that start the same way
@@ -246,33 +246,11 @@ class Engine:
         """The model's reply to a conversation as it is generated, one ChatDelta per piece: its
         `text`, its `reasoning`, and its `parts` with the tool calls (a call's id and name, then its
         arguments as they come); the last delta has the whole turn as `result`, as `chat` returns it."""
-        kwargs = template_variables(chat_template_kwargs)
-        if tools is None:
-            prompt, stream = self._plain_turn(messages, tool_choice, kwargs)
-        else:
-            request = tool_request(tools, tool_choice, parallel_tool_calls)
-            prompt, settings, stream = self._tool_turn(messages, config, request, kwargs, settings)
-        return chat_deltas(stream, self.stream(prompt, config, **settings))
-
-    def _plain_turn(self, messages: list[dict], tool_choice, kwargs: dict) -> tuple[list[int], ChatStream]:
-        """(prompt ids, the ChatStream that splits the output) of a chat turn without tools."""
-        if tool_choice is not None:
+        if tools is None and tool_choice is not None:
             raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
-        text, prompt = self.tokenizer.chat_prompt(messages, self.max_context, None, kwargs)
-        return prompt, ChatStream(self.tokenizer, None, reasoning_format(self.tokenizer, text))
-
-    def _tool_turn(self, messages: list[dict], config, request, kwargs: dict, settings: dict) -> tuple[list[int], dict, ChatStream]:
-        """(prompt ids, settings with the plan's constraint, the ChatStream) of a chat turn with tools."""
-        chosen = plan(self.tokenizer, messages, request)
-        text, prompt = self.tokenizer.chat_prompt(chosen.messages, self.max_context, chosen.tools, kwargs)
-        thinking = reasoning_format(self.tokenizer, text)
-        if chosen.response_format is not None:
-            asked = (settings.get("response_format"), settings.get("choice"), config and config.constraint)
-            if any(value is not None for value in asked):
-                raise SettingsError("a response_format or choice cannot constrain an output that calls tools", "response_format")
-            constraint = chosen.response_format if thinking is None else thought_first(chosen.response_format, thinking)
-            settings = {**settings, "response_format": constraint}
-        return prompt, settings, ChatStream(self.tokenizer, chosen, thinking)
+        request = None if tools is None else tool_request(tools, tool_choice, parallel_tool_calls)
+        turn = chat_turn(self.tokenizer, self.max_context, messages, request, template_variables(chat_template_kwargs))
+        return chat_deltas(turn.stream(), self.stream(turn.ids, config, **turn.settings(settings, config)))
 
     def embed(self, texts, dimensions: int | None = None, truncate: bool = False):
         """Embeddings need an embedding export, which `Engine.load` gives as an Embedder."""

@@ -22,13 +22,11 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
-from edgeinfer.sdk.errors import EdgeInferError, SettingsError
+from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.chat import chat_turn
 from edgeinfer.sdk.chat_stream import ChatStream
-from edgeinfer.sdk.reasoning import reasoning_format
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
-from edgeinfer.sdk.tools import plan as tool_plan
-from edgeinfer.sdk.tools import thought_first
 
 from . import anthropic, llama, responses
 from . import backend as backends
@@ -305,18 +303,15 @@ class _Routes:
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
         backend, model_name = await self.served(body.model)
-        items, texts = [*self.stored.history(body.previous_response_id), *body.items()], []
+        items, turns = [*self.stored.history(body.previous_response_id), *body.items()], []
         try:
-            conversation = [responses.conversation(body.instructions, items)]
-            prompts, choices, plan = _with_tools(backend, body, conversation, body.choice_settings())
-            kwargs = body.template_kwargs()
-            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, True, plan, kwargs, texts, choices)  # noqa: E731
-            (request,) = await backends.submit_all(backend, ids, choices)
+            conversation = responses.conversation(body.instructions, items)
+            (request,) = await backends.submit_all(backend, _turn_work(backend, body, conversation, body.choice_settings(), turns))
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input", responses.API_NAMES)
             return JSONResponse(error, status_code=status, headers=headers)
         reply = responses.ResponsesReply(model_name, body)
-        stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
+        stream = turns[0].stream()
 
         def keep(whole: dict) -> None:
             if body.store:
@@ -408,10 +403,9 @@ class _Routes:
         """(text, ids) of the prompt a chat turn of `conversation`, with `body`'s tools and the
         template variables `kwargs`, would prefill, rendered as the chat routes render it (on a
         worker thread): what the counting routes count."""
-        prompts, choices, plan = _with_tools(backend, body, [conversation], [{}])
-        texts: list[str] = []
-        ids = await _in_thread(lambda: _prompt_ids(backend, prompts, None, True, plan, kwargs, texts, choices))
-        return texts[0], ids[0]
+        request = body.tool_request()
+        turn = await _in_thread(lambda: chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs))
+        return turn.text, turn.ids
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -450,23 +444,18 @@ class _Routes:
     async def messages(self, body, http: HTTPRequest):
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
         backend, model_name = await self.served(body.model)
-        rendered, texts = [], []  # the prompt's ids (for the stream's opening usage) and text
+        turns = []
         try:
-            prompts, choices, plan = _with_tools(backend, body, [body.conversation()], body.choice_settings())
-            kwargs = body.template_kwargs()
-
-            def ids():
-                rendered.extend(_prompt_ids(backend, prompts, body.asked_tokens, True, plan, kwargs, texts, choices))
-                return rendered
-
-            (request,) = await backends.submit_all(backend, ids, choices)
+            (request,) = await backends.submit_all(
+                backend, _turn_work(backend, body, body.conversation(), body.choice_settings(), turns)
+            )
         except EdgeInferError as e:
             return _anthropic_error(e)
         reply = anthropic.MessagesReply(model_name, body.stop_sequences or [], backend.tokenizer.decode)
-        stream = ChatStream(backend.tokenizer, plan, reasoning_format(backend.tokenizer, texts[0]))
+        stream = turns[0].stream()
         if body.stream:
             error_event = lambda e: ("error", anthropic.error_body(*_anthropic_words(e)))  # noqa: E731
-            opening = reply.opening(len(rendered[0]))
+            opening = reply.opening(len(turns[0].ids))
             events = self.typed_events(request, reply.id, stream, opening, reply.delta, reply.closing, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -482,20 +471,16 @@ class _Routes:
 
     async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
         backend, model_name = await self.served(body.model)
-        choices, plan, texts = body.choice_settings(), None, []
+        choices, turns = body.choice_settings(), []
         try:
-            if chat:
-                prompts, choices, plan = _with_tools(backend, body, prompts, choices)
-            kwargs = body.template_kwargs() if chat else {}
-            ids = lambda: _prompt_ids(backend, prompts, body.asked_tokens, chat, plan, kwargs, texts, choices)  # noqa: E731
-            requests = await backends.submit_all(backend, ids, choices)
+            work = _turn_work(backend, body, prompts[0], choices, turns) if chat else _completion_work(backend, body, prompts, choices)
+            requests = await backends.submit_all(backend, work)
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
         reply = Reply(chat, model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = getattr(requests[0], "response_headers", None) or None
-        thinking = reasoning_format(backend.tokenizer, texts[0]) if chat else None
-        streams = [ChatStream(backend.tokenizer, plan, thinking) if chat else None for _ in requests]
+        streams = [turns[0].stream() if chat else None for _ in requests]
         if body.stream:
             events = self.events(requests, reply, body.include_usage, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -736,50 +721,33 @@ def _form(tag: str) -> str:
     return _FORMS.get(tag, tag)
 
 
-def _with_tools(backend: Backend, body, prompts: list, choices: list[dict]):
-    """(prompts, choices, ToolPlan or None) of a chat request: with tools, the conversation as the
-    plan renders it and each choice constrained as it constrains (sdk/tools.py)."""
-    request = body.tool_request()
-    if request is None:
-        return prompts, choices, None
-    plan = tool_plan(backend.tokenizer, prompts[0], request)
-    if plan.response_format is None:
-        return [plan.messages], choices, plan
-    if any("response_format" in c or "choice" in c for c in choices):
-        raise SettingsError("response_format and choice cannot constrain a turn that must call a tool", "response_format")
-    return [plan.messages], [{**c, "response_format": plan.response_format} for c in choices], plan
+def _turn_work(backend: Backend, body, conversation: list[dict], choices: list[dict], turns: list) -> Callable:
+    """What submits a chat turn's choices (backends.submit_all's work, on a worker thread): the turn
+    of `conversation` with `body`'s tools and template variables (sdk/chat.py), kept in `turns`,
+    its room checked for the tokens asked, and each choice's settings with its constraint."""
+    request, kwargs = body.tool_request(), body.template_kwargs()
+
+    def work() -> list[tuple[list[int], dict]]:
+        turn = chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs)
+        check_room(len(turn.ids), body.asked_tokens, backend.max_context)
+        turns.append(turn)
+        return [(turn.ids, turn.settings(choice)) for choice in choices]
+
+    return work
 
 
-def _prompt_ids(
-    backend: Backend,
-    prompts: list,
-    asked: int | None,
-    chat: bool,
-    plan=None,
-    kwargs: dict | None = None,
-    texts: list | None = None,
-    choices: list[dict] | None = None,
-) -> list[list[int]]:
-    """Each prompt's token ids, each with room for the `asked` max_tokens (on a worker thread:
-    the chat template and the tokenizer take time on long prompts); a conversation's rendered
-    text goes in `texts` where given. `plan`: a turn with tools (its tools go to the template,
-    and once the conversation is rendered its constraint in `choices` lets a reasoning model
-    think first, sdk/tools.py thought_first). `kwargs`: the chat template's own variables."""
-    tokenizer, context = backend.tokenizer, backend.max_context
-    if chat:
-        rendered = [tokenizer.chat_prompt(p, context, plan and plan.tools, kwargs) for p in prompts]
-        ids = [r[1] for r in rendered]
-        if texts is not None:
-            texts.extend(r[0] for r in rendered)
-        thinking = reasoning_format(tokenizer, rendered[0][0]) if plan is not None and plan.response_format else None
-        if thinking is not None:
-            for choice in choices or []:
-                choice["response_format"] = thought_first(choice["response_format"], thinking)
-    else:
+def _completion_work(backend: Backend, body, prompts: list, choices: list[dict]) -> Callable:
+    """What submits every choice of every prompt of a completion (on a worker thread: encoding
+    long prompts takes time), each prompt with room for the tokens asked."""
+
+    def work() -> list[tuple[list[int], dict]]:
+        tokenizer, context = backend.tokenizer, backend.max_context
         ids = [tokenizer.prompt_ids(p, backend.manifest.vocab_size, context) for p in prompts]
-    for prompt in ids:
-        check_room(len(prompt), asked, context)
-    return ids
+        for prompt in ids:
+            check_room(len(prompt), body.asked_tokens, context)
+        return [(prompt, choice) for prompt in ids for choice in choices]
+
+    return work
 
 
 async def _whole(requests: list, http: HTTPRequest) -> list[list[Piece]] | None:

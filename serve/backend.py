@@ -45,16 +45,17 @@ class Backend(Protocol):
         """Figures for /metrics (queue, running rows, prefix cache), by name; none where the backend has none."""
 
 
-async def submit_all(backend: Backend, prompt_ids: Callable, choices: list[dict]) -> list:
-    """Every choice of every prompt submitted, on a worker thread: rendering, encoding and
-    compiling a constraint take time the event loop must not wait for. Where one is refused, the
-    others are cancelled; a request whose client went away meanwhile is cancelled once it exists."""
+async def submit_all(backend: Backend, work: Callable[[], list[tuple[list[int], dict]]]) -> list:
+    """Each (prompt ids, settings) that `work` gives submitted, `work` and all on a worker thread:
+    rendering, encoding and compiling a constraint take time the event loop must not wait for.
+    Where one is refused, the others are cancelled; a request whose client went away meanwhile is
+    cancelled once it exists."""
 
     def submit_all() -> list:
         made = []
         try:
-            for ids in prompt_ids():
-                made += [backend.submit(ids, **settings) for settings in choices]
+            for ids, settings in work():
+                made.append(backend.submit(ids, **settings))
         except BaseException:
             for request in made:
                 request.cancel()

@@ -151,7 +151,7 @@ def _replica_class():
 
             backend = self.scheduler if model is None else self.scheduler.backend(model)
             try:
-                (request,) = await submit_all(backend, lambda: [prompt], [settings])
+                (request,) = await submit_all(backend, lambda: [(prompt, settings)])
             except EdgeInferError as e:
                 yield e
                 return

@@ -328,6 +328,8 @@ def test_bad_tools_are_settings_errors_naming_the_parameter(with_template):
         with pytest.raises(SettingsError) as raised:
             engine.chat(ASK, max_new_tokens=4, **kwargs)
         assert raised.value.param == param, (kwargs, raised.value)
+    with pytest.raises(SettingsError, match="^response_format and choice cannot constrain a turn that must call"):
+        engine.chat(ASK, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})  # the server's words too
 
 
 def test_the_cli_runs_a_chat_turn_with_tools(engine, tmp_path):
