@@ -16,7 +16,7 @@ from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .protocol import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking.budget_tokens"}  # SDK settings named otherwise here
@@ -136,6 +136,7 @@ class MessagesRequest(_Strict):
     temperature: Real | None = Field(default=None, ge=0, le=1)
     top_p: Real | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=SEED_MAX)  # edgeinfer's: the same tokens each time, as OpenAI's seed
     stream: StrictBool = False
     # routing, billing and caching hints that mean nothing to one local server: accepted and ignored
     metadata: dict[str, Any] | None = None
@@ -163,6 +164,7 @@ class MessagesRequest(_Strict):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "seed": self.seed,
             "stop": self.stop_sequences,
             "reasoning_budget": self.thinking.budget_tokens if self.thinking is not None else None,
         }

@@ -57,13 +57,17 @@ def test_a_reply_is_the_sdks_whole_and_streamed(served, engine):
 def test_tool_use_blocks_validate_whole_and_streamed(served):
     _, export, client = served
     for seed in range(4):
-        asked = dict(model=export.name, max_tokens=200, messages=ASK, tools=TOOLS_ANTHROPIC, extra_body={"temperature": 1.0})
+        asked = dict(
+            model=export.name, max_tokens=200, messages=ASK, tools=TOOLS_ANTHROPIC, extra_body={"temperature": 1.0, "seed": seed}
+        )
         asked["tool_choice"] = {"type": "any", "disable_parallel_tool_use": True}
         message = client.messages.create(**asked, metadata={"user_id": f"seed-{seed}"})
         assert message.stop_reason == "tool_use"
         uses = [b for b in message.content if b.type == "tool_use"]
         assert len(uses) == 1 and uses[0].id.startswith("toolu_")
         jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
+    again = client.messages.create(**asked)  # edgeinfer's seed: the same request, the same call
+    assert [(b.name, b.input) for b in again.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
     asked["tool_choice"] = {"type": "tool", "name": "add"}
     with client.messages.stream(**asked) as stream:
         kinds = [event.type == "content_block_delta" and event.delta.type for event in stream]
