@@ -31,13 +31,15 @@ from edgeinfer.sdk.tokenizer import template_variables
 from . import anthropic, llama, responses
 from . import backend as backends
 from .backend import Backend
-from .guard import Guard, refusal
+from .guard import Guard, answer, refusal
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelSet, adapter_entries, with_adapter
 from .protocol import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ChatReply,
+    CompletionReply,
     Reply,
     RequestError,
     check_room,
@@ -478,7 +480,8 @@ class _Routes:
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
-        reply = Reply(chat, model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
+        kind = ChatReply if chat else CompletionReply
+        reply = kind(model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = getattr(requests[0], "response_headers", None) or None
         streams = [turns[0].stream() if chat else None for _ in requests]
         if body.stream:
@@ -620,7 +623,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, error: RequestValidationError):
-        return _answer(request, error_body(*_validation_message(error.errors()[0], error.errors())), 400)
+        return answer(request.url.path, error_body(*_validation_message(error.errors()[0], error.errors())), 400)
 
     @app.exception_handler(RequestError)
     async def refused(request: HTTPRequest, error: RequestError):
@@ -635,24 +638,17 @@ def _add_error_handlers(app: FastAPI) -> None:
             message, code = f"{where}: the method is not allowed here", "method_not_allowed"
         else:  # the body could not be read as JSON (nested too deep for the parser, say)
             message, code = f"{where}: {error.detail}: send a JSON object", None
-        return _answer(request, error_body(message, code=code), error.status_code, error.headers)
+        return answer(request.url.path, error_body(message, code=code), error.status_code, error.headers)
 
     @app.exception_handler(EdgeInferError)
     async def engine_error(request: HTTPRequest, error: EdgeInferError):
         status, body, headers = from_edgeinfer(error)
-        return _answer(request, body, status, headers)
+        return answer(request.url.path, body, status, headers)
 
 
 def _api_paths(app: FastAPI) -> list[str]:
     """The API's paths, read off the routes (the page's and the OpenAPI document's left out)."""
     return sorted({route.path for route in app.routes if getattr(route, "include_in_schema", False)})
-
-
-def _answer(request: HTTPRequest, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
-    """An error in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
-    if request.url.path.startswith("/v1/messages"):
-        body = anthropic.error_body(status, body["error"]["message"])
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|constrained-.*|[A-Z]\w*|literal\[.*\])$")

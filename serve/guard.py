@@ -209,10 +209,16 @@ def _too_large() -> RequestError:
 
 
 def refusal(error: RequestError, headers: dict | None = None, path: str = "") -> JSONResponse:
-    """The refusal in the shape of the API asked: Anthropic's under /v1/messages, else OpenAI's."""
+    """The refusal in the shape of the API asked (`answer`)."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    return answer(path, error_body(str(error), kind, error.param, error.code), error.status, headers)
+
+
+def answer(path: str, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
+    """An error (`body` in OpenAI's shape) in the shape of the API asked, the one place that
+    chooses it: Anthropic's under /v1/messages, else OpenAI's."""
     if path.startswith("/v1/messages"):
         from .anthropic import error_body as anthropic_error
 
-        return JSONResponse(anthropic_error(error.status, str(error)), status_code=error.status, headers=headers)
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    return JSONResponse(error_body(str(error), kind, error.param, error.code), status_code=error.status, headers=headers)
+        body = anthropic_error(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -525,12 +525,14 @@ def fingerprint(*parts: str) -> str:
 
 
 class Reply:
-    """The response to one request, in OpenAI's shape for chat ("chat.completion") or completions
-    ("text_completion"), one choice per request made for it: whole, or as stream chunks."""
+    """The response to one request in OpenAI's shape, one choice per request made for it: whole,
+    or as stream chunks. ChatReply ("chat.completion") and CompletionReply ("text_completion")
+    say how a choice's output, its logprobs and a chunk's delta look."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "", "", ""
 
     def __init__(
         self,
-        chat: bool,
         model: str,
         token_bytes: Callable[[int], bytes] | None = None,
         system_fingerprint: str | None = None,
@@ -539,53 +541,33 @@ class Reply:
     ):
         """`token_bytes` gives a token's bytes, for logprobs; `per_prompt` choices share a prompt
         (n), whose tokens usage counts once."""
-        self.chat, self.model, self.token_bytes = chat, model, token_bytes
+        self.model, self.token_bytes = model, token_bytes
         self.fingerprint, self.per_prompt = system_fingerprint, per_prompt
         self.offsets = [0] * choices  # characters of text sent so far, per choice (the completions API's text_offset)
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = self.PREFIX + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
 
     def whole(self, results: list[GenerationResult]) -> dict:
-        choices = []
-        for index, result in enumerate(results):
-            choice = {
-                "index": index,
-                "finish_reason": FINISH[result.finish_reason],
-                "logprobs": self._logprobs(result.logprobs, index),
-            }
-            choice |= {"message": _message(result)} if self.chat else {"text": result.text}
-            choices.append(choice)
-        return {**self._head(), "choices": choices, "usage": self.usage(results)}
+        choices = [
+            {"index": index, "finish_reason": FINISH[result.finish_reason], "logprobs": self._logprobs(result.logprobs, index)}
+            | self._output(result)
+            for index, result in enumerate(results)
+        ]
+        return {**self._head(self.OBJECT), "choices": choices, "usage": self.usage(results)}
 
     def first_chunks(self) -> list[dict]:
-        """Chat streams open with the assistant's role, once per choice."""
-        return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.offsets))] if self.chat else []
+        return []
 
     def piece_chunk(self, index: int, piece: Piece) -> dict:
         logprobs = self._logprobs(piece.logprobs, index)
         self.offsets[index] += len(piece.text)
-        return self._chunk(index, {"content": piece.text} if self.chat else piece.text, None, logprobs)
-
-    def delta_chunks(self, index: int, delta: ChatDelta) -> list[dict]:
-        """A chat turn's delta (sdk/chat_stream.py) as chunks: the thought in reasoning_content, the
-        text in content, each call as the openai client's stream helpers accumulate them (its index,
-        id, type and name first, then its arguments as they come). The piece's logprobs ride on its
-        first chunk (on an empty one where the piece said nothing yet)."""
-        logprobs = self._logprobs(delta.piece.logprobs, index) if delta.piece is not None else None
-        chunks = []
-        for part in delta.parts:
-            chunks.append(self._chunk(index, _delta_of(part), None, logprobs))
-            logprobs = None
-        if logprobs is not None:
-            chunks.append(self._chunk(index, {"content": ""}, None, logprobs))
-        return chunks
+        return self._chunk(index, self._said(piece.text), None, logprobs)
 
     def last_chunk(self, index: int, finish_reason: str) -> dict:
-        return self._chunk(index, {} if self.chat else "", FINISH[finish_reason])
+        return self._chunk(index, self._said(None), FINISH[finish_reason])
 
     def usage_chunk(self, results: list[GenerationResult]) -> dict:
-        return {**self._head(chunk=True), "choices": [], "usage": self.usage(results)}
+        return {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": self.usage(results)}
 
     def usage(self, results: list[GenerationResult]) -> dict:
         """OpenAI's usage over the choices: each prompt's tokens once (with those the prefix
@@ -610,32 +592,82 @@ class Reply:
             details["rejected_prediction_tokens"] = sum(last.proposed_tokens for last in proposed) - accepted
         return counts | ({"completion_tokens_details": details} if details else {})
 
+    def _token(self, token: int) -> str:
+        return self.token_bytes(token).decode("utf-8", errors="replace")
+
+    def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs} | self._delta(delta)
+        return {**self._head(self.CHUNK_OBJECT), "choices": [choice]}
+
+    def _head(self, kind: str) -> dict:
+        """What the response and every chunk of the stream carry."""
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
+
+
+class ChatReply(Reply):
+    """Chat Completions: a choice's `message`, chunks' `delta`, logprobs' `content` list; a stream
+    opens with the assistant's role."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    def first_chunks(self) -> list[dict]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.offsets))]
+
+    def delta_chunks(self, index: int, delta: ChatDelta) -> list[dict]:
+        """A chat turn's delta (sdk/chat_stream.py) as chunks: the thought in reasoning_content, the
+        text in content, each call as the openai client's stream helpers accumulate them (its index,
+        id, type and name first, then its arguments as they come). The piece's logprobs ride on its
+        first chunk (on an empty one where the piece said nothing yet)."""
+        logprobs = self._logprobs(delta.piece.logprobs, index) if delta.piece is not None else None
+        chunks = []
+        for part in delta.parts:
+            chunks.append(self._chunk(index, _delta_of(part), None, logprobs))
+            logprobs = None
+        if logprobs is not None:
+            chunks.append(self._chunk(index, {"content": ""}, None, logprobs))
+        return chunks
+
+    def _output(self, result: GenerationResult) -> dict:
+        return {"message": _message(result)}
+
+    def _said(self, text: str | None) -> dict:
+        return {} if text is None else {"content": text}
+
+    def _delta(self, delta) -> dict:
+        return {"delta": delta}
+
     def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
-        """OpenAI's logprobs of some tokens: chat's `content` list, or the completions API's
-        parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
         if logprobs is None:
             return None
-        token = lambda t: self.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
-        if self.chat:
-            entry = lambda t, lp: {"token": token(t), "logprob": lp, "bytes": list(self.token_bytes(t))}  # noqa: E731
-            return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]} for c in logprobs]}
+        entry = lambda t, lp: {"token": self._token(t), "logprob": lp, "bytes": list(self.token_bytes(t))}  # noqa: E731
+        return {"content": [{**entry(c.token, c.logprob), "top_logprobs": [entry(t, lp) for t, lp in c.top]} for c in logprobs]}
+
+
+class CompletionReply(Reply):
+    """Completions: a choice's `text`, chunks' `text`, logprobs' parallel lists (tokens,
+    token_logprobs, top_logprobs, text_offset)."""
+
+    PREFIX, OBJECT, CHUNK_OBJECT = "cmpl-", "text_completion", "text_completion"
+
+    def _output(self, result: GenerationResult) -> dict:
+        return {"text": result.text}
+
+    def _said(self, text: str | None) -> str:
+        return text or ""
+
+    def _delta(self, delta) -> dict:
+        return {"text": delta}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
+        if logprobs is None:
+            return None
         offsets, at = [], self.offsets[index]
         for c in logprobs:
             offsets.append(at)
-            at += len(token(c.token))
+            at += len(self._token(c.token))
         return {
-            "tokens": [token(c.token) for c in logprobs],
+            "tokens": [self._token(c.token) for c in logprobs],
             "token_logprobs": [c.logprob for c in logprobs],
-            "top_logprobs": [{token(t): lp for t, lp in c.top} for c in logprobs],
+            "top_logprobs": [{self._token(t): lp for t, lp in c.top} for c in logprobs],
             "text_offset": offsets,
         }
-
-    def _chunk(self, index: int, delta, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
-        choice |= {"delta": delta} if self.chat else {"text": delta}
-        return {**self._head(chunk=True), "choices": [choice]}
-
-    def _head(self, chunk: bool = False) -> dict:
-        """What the response and every chunk of the stream carry: chat chunks are "chat.completion.chunk"."""
-        kind = self.object + ".chunk" if chunk and self.chat else self.object
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
