@@ -250,7 +250,8 @@ class ModelRunner:
                 logits = self._prefill_together(batch, [ids], stop)
             else:
                 logits = self.prefill_span(batch, row, ids, start, stop)
-            if batch.cache.windows:  # a window evicts: its blocks are kept while it holds them
+            # a window evicts: a chunk's blocks are kept while it holds them (the whole prompt's by `prefill`)
+            if batch.cache.windows and stop < len(ids):
                 self.store(batch, row, ids[:stop])
         return logits, num_cached
 

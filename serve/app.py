@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError
-from edgeinfer.sdk.chat import chat_turn
+from edgeinfer.sdk.chat import ChatTurn, chat_turn
 from edgeinfer.sdk.chat_stream import ChatStream
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
@@ -305,15 +305,14 @@ class _Routes:
     async def responses(self, body, http: HTTPRequest):
         """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
         backend, model_name = await self.served(body.model)
-        items, turns = [*self.stored.history(body.previous_response_id), *body.items()], []
+        items = [*self.stored.history(body.previous_response_id), *body.items()]
         try:
-            conversation = responses.conversation(body.instructions, items)
-            (request,) = await backends.submit_all(backend, _turn_work(backend, body, conversation, body.choice_settings(), turns))
+            turn, (request,) = await _submit_turn(backend, body, responses.conversation(body.instructions, items))
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "input", responses.API_NAMES)
             return JSONResponse(error, status_code=status, headers=headers)
         reply = responses.ResponsesReply(model_name, body)
-        stream = turns[0].stream()
+        stream = turn.stream()
 
         def keep(whole: dict) -> None:
             if body.store:
@@ -405,8 +404,7 @@ class _Routes:
         """(text, ids) of the prompt a chat turn of `conversation`, with `body`'s tools and the
         template variables `kwargs`, would prefill, rendered as the chat routes render it (on a
         worker thread): what the counting routes count."""
-        request = body.tool_request()
-        turn = await _in_thread(lambda: chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs))
+        turn = await _turn(backend, conversation, body.tool_request(), kwargs)
         return turn.text, turn.ids
 
     def check_model(self, model: str) -> None:
@@ -446,18 +444,15 @@ class _Routes:
     async def messages(self, body, http: HTTPRequest):
         """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
         backend, model_name = await self.served(body.model)
-        turns = []
         try:
-            (request,) = await backends.submit_all(
-                backend, _turn_work(backend, body, body.conversation(), body.choice_settings(), turns)
-            )
+            turn, (request,) = await _submit_turn(backend, body, body.conversation())
         except EdgeInferError as e:
             return _anthropic_error(e)
         reply = anthropic.MessagesReply(model_name, body.stop_sequences or [], backend.tokenizer.decode)
-        stream = turns[0].stream()
+        stream = turn.stream()
         if body.stream:
             error_event = lambda e: ("error", anthropic.error_body(*_anthropic_words(e)))  # noqa: E731
-            opening = reply.opening(len(turns[0].ids))
+            opening = reply.opening(len(turn.ids))
             events = self.typed_events(request, reply.id, stream, opening, reply.delta, reply.closing, error_event)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -473,17 +468,19 @@ class _Routes:
 
     async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
         backend, model_name = await self.served(body.model)
-        choices, turns = body.choice_settings(), []
+        choices, turn = body.choice_settings(), None
         try:
-            work = _turn_work(backend, body, prompts[0], choices, turns) if chat else _completion_work(backend, body, prompts, choices)
-            requests = await backends.submit_all(backend, work)
+            if chat:
+                turn, requests = await _submit_turn(backend, body, prompts[0])
+            else:
+                requests = await backends.submit_all(backend, _completion_work(backend, body, prompts, choices))
         except EdgeInferError as e:
             status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
             return JSONResponse(error, status_code=status, headers=headers)
         kind = ChatReply if chat else CompletionReply
         reply = kind(model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
         headers = getattr(requests[0], "response_headers", None) or None
-        streams = [turns[0].stream() if chat else None for _ in requests]
+        streams = [turn.stream() if chat else None for _ in requests]
         if body.stream:
             events = self.events(requests, reply, body.include_usage, streams)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -717,19 +714,24 @@ def _form(tag: str) -> str:
     return _FORMS.get(tag, tag)
 
 
-def _turn_work(backend: Backend, body, conversation: list[dict], choices: list[dict], turns: list) -> Callable:
-    """What submits a chat turn's choices (backends.submit_all's work, on a worker thread): the turn
-    of `conversation` with `body`'s tools and template variables (sdk/chat.py), kept in `turns`,
-    its room checked for the tokens asked, and each choice's settings with its constraint."""
-    request, kwargs = body.tool_request(), body.template_kwargs()
+async def _turn(backend: Backend, conversation: list[dict], request, kwargs: dict, asked: int | None = None) -> ChatTurn:
+    """The chat turn of `conversation` with the tools `request` asks for and the template
+    variables `kwargs` (sdk/chat.py), with room for `asked` tokens: on a worker thread, as the
+    template and the tokenizer take time on long prompts."""
 
-    def work() -> list[tuple[list[int], dict]]:
+    def made() -> ChatTurn:
         turn = chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs)
-        check_room(len(turn.ids), body.asked_tokens, backend.max_context)
-        turns.append(turn)
-        return [(turn.ids, turn.settings(choice)) for choice in choices]
+        check_room(len(turn.ids), asked, backend.max_context)
+        return turn
 
-    return work
+    return await _in_thread(made)
+
+
+async def _submit_turn(backend: Backend, body, conversation: list[dict]) -> tuple[ChatTurn, list]:
+    """A chat request's turn (`_turn`, with its body's tools, template variables and tokens
+    asked), and its choices submitted, each with the turn's constraint (ChatTurn.settings)."""
+    turn = await _turn(backend, conversation, body.tool_request(), body.template_kwargs(), body.asked_tokens)
+    return turn, await backends.submit_all(backend, lambda: [(turn.ids, turn.settings(c)) for c in body.choice_settings()])
 
 
 def _completion_work(backend: Backend, body, prompts: list, choices: list[dict]) -> Callable:

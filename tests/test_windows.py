@@ -8,9 +8,9 @@ cache; on the CPU's buffers and on CUDA's (exactly the window, so every pass pas
 import pytest
 from architectures import WINDOW
 from conftest import export_tiny, scheduled_and_alone
+from test_cli import edgeinfer
 
 from edgeinfer import Engine
-from edgeinfer.cli.main import _layers_text
 from edgeinfer.export.validate import transformers_greedy
 from edgeinfer.sdk.errors import GenerationError
 from edgeinfer.sdk.kv_cache import resident, window_capacity
@@ -40,7 +40,7 @@ def test_the_resident_positions_follow_the_ops_rule():
     assert window_capacity(4096, 131072) == 4096 + 511 and window_capacity(WINDOW, 8) == WINDOW  # never under the window
 
 
-def test_the_manifest_names_the_window_and_the_plan_counts_it_once_per_row(windowed):
+def test_the_manifest_names_the_window_and_the_plan_counts_it_once_per_row(windowed, tmp_path):
     engine = Engine.load(windowed[1], provider="cpu")
     manifest = engine.manifest
     assert manifest.kv.windows == [WINDOW, -1] and manifest.format_version == WINDOWS_FORMAT_VERSION
@@ -51,7 +51,9 @@ def test_the_manifest_names_the_window_and_the_plan_counts_it_once_per_row(windo
     plan = MemoryPlan.of(manifest, 64, 2)
     assert (plan.kv_per_token, plan.state_per_row) == (per_layer, per_layer * SLOTS)
     assert plan.kv == (per_layer * 64 + per_layer * SLOTS) * 2
-    assert _layers_text(manifest.kv) == "2 layers, 1 of them keeping only their 16-token window"  # export's last line
+    done = edgeinfer("export", str(windowed[1].parent / "hf"), "-o", str(tmp_path / "again"))
+    assert done.returncode == 0, done.stderr
+    assert "(exaone4, 2 layers, 1 of them keeping only their 16-token window)" in done.stdout + done.stderr  # its last line
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["cpu-slots", "cuda-slots"])
