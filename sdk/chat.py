@@ -56,3 +56,12 @@ def chat_turn(
     if constraint is not None and thinking is not None:
         constraint = thought_first(constraint, thinking)
     return ChatTurn(tokenizer, text, ids, chosen, thinking, constraint)
+
+
+def closed_text(
+    tokenizer: Tokenizer, messages: list[dict], request: ToolRequest | None = None, template_kwargs: dict | None = None
+) -> str:
+    """The conversation as the template closes it, no reply opened (llama.cpp's /apply-template
+    without a generation prompt), its tools planned as a turn of it plans them."""
+    chosen = plan(tokenizer, messages, request) if request is not None else None
+    return tokenizer.render_chat(chosen.messages if chosen else messages, False, chosen and chosen.tools, template_kwargs)

@@ -16,7 +16,8 @@ from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .api import Api, Event, Served
+from .checks import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking.budget_tokens"}  # SDK settings named otherwise here
@@ -202,19 +203,25 @@ class MessagesRequest(_Strict):
 class MessagesReply:
     """One Messages response: whole, or as the stream's events, (event, data) pairs."""
 
-    def __init__(self, model: str, stops: list[str], decode):
+    def __init__(self, model: str, stops: list[str], decode, prompt_tokens: int = 0):
         """`decode` turns token ids into text (to tell which stop sequence ended a turn)."""
         self.id, self.model, self.stops, self.decode = f"msg_{uuid.uuid4().hex[:24]}", model, stops, decode
+        self.prompt_tokens = prompt_tokens  # what the stream's first event counts
         self.open, self.started = None, 0  # the kind of the block being streamed; blocks started so far
 
-    def whole(self, result: GenerationResult) -> dict:
+    @classmethod
+    def of(cls, body: MessagesRequest, served: Served) -> MessagesReply:
+        return cls(served.model, body.stop_sequences or [], served.tokenizer.decode, served.prompt_tokens)
+
+    def whole(self, results: list[GenerationResult]) -> dict:
+        result = results[0]
         return {**self._head(), "content": blocks(result), **self._ending(result), "usage": usage(result.prompt_tokens, result)}
 
-    def opening(self, prompt_tokens: int) -> list[tuple[str, dict]]:
-        message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens)}
+    def opening(self) -> list[Event]:
+        message = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(self.prompt_tokens)}
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def delta(self, delta: ChatDelta) -> list[tuple[str, dict]]:
+    def delta(self, index: int, delta: ChatDelta) -> list[Event]:
         """The events of a turn's delta: a block started where the kind of output changes (a
         thinking block, the text, a tool_use per call), then its delta."""
         out = []
@@ -229,7 +236,7 @@ class MessagesReply:
             out.append(("content_block_delta", {"type": "content_block_delta", "index": self.started - 1, "delta": said}))
         return out
 
-    def closing(self, result: GenerationResult) -> list[tuple[str, dict]]:
+    def closing(self, index: int, result: GenerationResult) -> list[Event]:
         """The last events: the open block stopped (an empty text block where the turn said
         nothing), then the stop reason and usage."""
         out = self._stop()
@@ -238,7 +245,13 @@ class MessagesReply:
         ending = {"type": "message_delta", "delta": self._ending(result), "usage": {"output_tokens": len(result.token_ids)}}
         return [*out, ("message_delta", ending), ("message_stop", {"type": "message_stop"})]
 
-    def _start(self, kind: str, part: CallOpened | None = None) -> list[tuple[str, dict]]:
+    def ending(self, results: list[GenerationResult]) -> list[Event]:
+        return []
+
+    def error_event(self, status: int, body: dict) -> Event:
+        return "error", error_shape(status, body)
+
+    def _start(self, kind: str, part: CallOpened | None = None) -> list[Event]:
         out = self._stop()
         if kind == "tool_use":
             block = {"type": "tool_use", "id": _tool_use_id(part.id), "name": part.name, "input": {}}
@@ -247,7 +260,7 @@ class MessagesReply:
         self.open, self.started = kind, self.started + 1
         return [*out, ("content_block_start", {"type": "content_block_start", "index": self.started - 1, "content_block": block})]
 
-    def _stop(self) -> list[tuple[str, dict]]:
+    def _stop(self) -> list[Event]:
         if self.open is None:
             return []
         self.open = None
@@ -296,10 +309,11 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def error_body(status: int, message: str) -> dict:
-    """Anthropic's error: a client's error (4xx) is never typed as the server's (api_error)."""
+def error_shape(status: int, body: dict) -> dict:
+    """Anthropic's error of one in OpenAI's shape: a client's error (4xx) is never typed as the
+    server's (api_error)."""
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"type": "error", "error": {"type": kind, "message": body["error"]["message"]}}
 
 
 class CountTokensRequest(MessagesRequest):
@@ -315,4 +329,13 @@ class CountTokensRequest(MessagesRequest):
         return {}
 
 
-REQUESTS = (MessagesRequest, CountTokensRequest)
+MESSAGES = Api(
+    "/v1/messages",
+    MessagesRequest,
+    "messages",
+    API_NAMES,
+    error_shape=error_shape,
+    conversation=lambda body, store: body.conversation(),
+    reply=MessagesReply.of,
+    bodies=(CountTokensRequest,),
+)

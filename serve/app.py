@@ -1,6 +1,8 @@
-"""The HTTP layer: OpenAI requests in, the scheduler's pieces out as one response or as server-sent
-events. It translates and nothing more: the scheduler does the batching, protocol.py the shapes,
-guard.py what every request passes before it reaches a route."""
+"""The HTTP layer: requests in, the scheduler's pieces out as one response or as server-sent events.
+It translates and nothing more: one route (`_Routes.turn`) runs every generation API of the table
+(apis.py; each API's module its shapes), the scheduler does the batching, guard.py what every
+request passes before it reaches a route, and one handler per error kind answers in the shape of the
+API asked."""
 
 from __future__ import annotations
 
@@ -23,31 +25,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
 from edgeinfer.sdk.errors import EdgeInferError
-from edgeinfer.sdk.chat import ChatTurn, chat_turn
+from edgeinfer.sdk.chat import ChatTurn, chat_turn, closed_text
 from edgeinfer.sdk.chat_stream import ChatStream
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
 
-from . import anthropic, llama, responses
+from . import anthropic, llama, openai, responses
 from . import backend as backends
+from .api import Api, Event, Reply, Served
+from .apis import APIS, api_of
 from .backend import Backend
+from .checks import RequestError, check_room, error_body, fingerprint, from_edgeinfer
 from .guard import Guard, answer, refusal
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelSet, adapter_entries, with_adapter
-from .protocol import (
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    ChatReply,
-    CompletionReply,
-    Reply,
-    RequestError,
-    check_room,
-    embedding_reply,
-    error_body,
-    fingerprint,
-    from_edgeinfer,
-)
 
 log = logging.getLogger("edgeinfer.serve")
 
@@ -196,44 +187,38 @@ def _add_routes(app: FastAPI, routes: _Routes) -> None:
             raise RequestError(f"the model '{model_id}' is not served here: the models are {served}", "model", 404, "model_not_found")
         return found
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_of(ChatRequest))
-    async def chat(http: HTTPRequest):
-        body = await _read(http, ChatRequest)
-        return await routes.generate(body, http, [body.conversation()], chat=True)
+    for api in APIS.values():
+        if api.reply is not None:
+            _add_turn_route(app, routes, api)
 
-    @app.post("/v1/completions", openapi_extra=_body_of(CompletionRequest))
-    async def completions(http: HTTPRequest):
-        body = await _read(http, CompletionRequest)
-        return await routes.generate(body, http, body.prompts(), chat=False)
-
-    @app.post("/v1/embeddings", openapi_extra=_body_of(EmbeddingRequest))
+    @app.post("/v1/embeddings", openapi_extra=_body_of(openai.EmbeddingRequest))
     async def embeddings(http: HTTPRequest):
-        return await routes.embeddings(await _read(http, EmbeddingRequest), http)
+        return await routes.embeddings(await _read(http, openai.EmbeddingRequest), http)
 
-    _add_responses_routes(app, routes)
+    _add_counting_routes(app, routes)
     _add_llama_routes(app, routes)
 
-    @app.post("/v1/messages", openapi_extra=_body_of(anthropic.MessagesRequest))
-    async def messages(http: HTTPRequest):
-        return await routes.messages(await _read(http, anthropic.MessagesRequest), http)
+
+def _add_turn_route(app: FastAPI, routes: _Routes, api: Api) -> None:
+    """POST `api.path`: its body read and run by the one route of every generation API."""
+
+    async def turn(http: HTTPRequest):
+        return await routes.turn(await _read(http, api.request), api, http)
+
+    name = api.path.removeprefix("/v1/").replace("/", "_")
+    app.post(api.path, openapi_extra=_body_of(api.request), name=name)(turn)
+
+
+def _add_counting_routes(app: FastAPI, routes: _Routes) -> None:
+    """What a prompt would count (Anthropic's and the Responses API's), and a stored response
+    read back or forgotten."""
 
     @app.post("/v1/messages/count_tokens", openapi_extra=_body_of(anthropic.CountTokensRequest))
     async def count_tokens(http: HTTPRequest):
         body = await _read(http, anthropic.CountTokensRequest)
         backend, _ = await routes.served(body.model)
-        try:
-            _, ids = await routes.rendered(backend, body, body.conversation(), body.template_kwargs())
-        except EdgeInferError as e:
-            return _anthropic_error(e)
+        _, ids = await routes.rendered(backend, body, body.conversation(), body.template_kwargs())
         return {"input_tokens": len(ids)}
-
-
-def _add_responses_routes(app: FastAPI, routes: _Routes) -> None:
-    """OpenAI's Responses API: create, and read back or forget a stored response."""
-
-    @app.post("/v1/responses", openapi_extra=_body_of(responses.ResponsesRequest))
-    async def create_response(http: HTTPRequest):
-        return await routes.responses(await _read(http, responses.ResponsesRequest), http)
 
     @app.post("/v1/responses/input_tokens", openapi_extra=_body_of(responses.InputTokensRequest))
     async def response_input_tokens(http: HTTPRequest):
@@ -279,8 +264,7 @@ def _add_llama_routes(app: FastAPI, routes: _Routes) -> None:
         backend, _ = await routes.served(routes.named(body.model))
         kwargs = template_variables(body.chat_template_kwargs)
         if not body.add_generation_prompt:  # the conversation as the template closes it
-            tools = list(body.tool_request().tools) if body.tools else None
-            return {"prompt": await _in_thread(backend.tokenizer.render_chat, body.conversation(), False, tools, kwargs)}
+            return {"prompt": await _in_thread(closed_text, backend.tokenizer, body.conversation(), body.tool_request(), kwargs)}
         return {"prompt": (await routes.rendered(backend, body, body.conversation(), kwargs))[0]}
 
     @app.get("/props")
@@ -301,77 +285,6 @@ class _Routes:
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
         self.stored = responses.Store(store)  # the Responses API's stored responses, for previous_response_id and GET
         self.embedding = backends.EmbeddingWork()
-
-    async def responses(self, body, http: HTTPRequest):
-        """OpenAI's Responses API, on the same conversation, tools and scheduler (responses.py)."""
-        backend, model_name = await self.served(body.model)
-        items = [*self.stored.history(body.previous_response_id), *body.items()]
-        try:
-            turn, (request,) = await _submit_turn(backend, body, responses.conversation(body.instructions, items))
-        except EdgeInferError as e:
-            status, error, headers = from_edgeinfer(e, "input", responses.API_NAMES)
-            return JSONResponse(error, status_code=status, headers=headers)
-        reply = responses.ResponsesReply(model_name, body)
-        stream = turn.stream()
-
-        def keep(whole: dict) -> None:
-            if body.store:
-                self.stored.keep(reply.id, body.previous_response_id, [*body.items(), *responses.output_items(whole)], whole)
-
-        if body.stream:
-
-            def closing(result):
-                events = reply.closing(result)
-                keep(events[-1][1]["response"])
-                return events
-
-            def error_event(e):
-                error = from_edgeinfer(e, "input", responses.API_NAMES)[1]["error"]
-                return reply.event("error", message=error["message"], code=error["code"], param=error["param"])
-
-            events = self.typed_events(request, reply.id, stream, reply.opening(), reply.delta, closing, error_event)
-            return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            pieces = await _whole([request], http)
-        except EdgeInferError as e:
-            status, error, more = from_edgeinfer(e, "input", responses.API_NAMES)
-            return JSONResponse(error, status_code=status, headers=more)
-        if pieces is None:
-            self.cancelled([request], reply.id, 0)
-            return Response(status_code=499)
-        result = stream.replay(pieces[0])
-        self.finished(reply.id, result)
-        whole = reply.whole(result)
-        keep(whole)
-        return JSONResponse(whole)
-
-    async def typed_events(
-        self, request, reply_id: str, stream: ChatStream, opening: list, delta: Callable, closing: Callable, error_event: Callable
-    ) -> AsyncIterator[str]:
-        """A stream of named events (the Responses and Messages APIs): `opening`, then `delta(d)` for
-        each ChatDelta of the turn as it is generated, then `closing(result)`; an error once the
-        stream has begun is `error_event(error)`, its last event."""
-        generated, done = 0, False
-        try:
-            for event in opening:
-                yield _event(*event)
-            async for _, piece in backends.pieces([request]):
-                generated += len(piece.token_ids)
-                said = stream.feed(piece)
-                for event in delta(said):
-                    yield _event(*event)
-                if said.result is not None:
-                    done = True
-                    for event in closing(said.result):
-                        yield _event(*event)
-                    self.finished(reply_id, said.result)
-        except EdgeInferError as e:  # the status is sent already
-            done = True
-            request.cancel()
-            yield _event(*error_event(e))
-        finally:
-            if not done:
-                self.cancelled([request], reply_id, generated)
 
     async def served(self, model: str) -> tuple[Backend, str]:
         """The backend that serves `model`, and the name replies carry: the one model served, or
@@ -431,107 +344,74 @@ class _Routes:
                 "`edgeinfer export MODEL -o OUT --task embedding`",
                 param="model",
             )
-        try:
-            call = functools.partial(backend.embed, body.input, dimensions=body.dimensions, truncate=body.truncate)
-            embeddings = await self.embedding.run(call, lambda: _disconnected(http))
-        except EdgeInferError as e:
-            status, error, headers = from_edgeinfer(e, "input")
-            return JSONResponse(error, status_code=status, headers=headers)
+        call = functools.partial(backend.embed, body.input, dimensions=body.dimensions, truncate=body.truncate)
+        embeddings = await self.embedding.run(call, lambda: _disconnected(http))
         if embeddings is None:  # the client went away: its work stopped
             return Response(status_code=499)
-        return embedding_reply(model_name, embeddings, body.encoding_format)
+        return openai.embedding_reply(model_name, embeddings, body.encoding_format)
 
-    async def messages(self, body, http: HTTPRequest):
-        """Anthropic's Messages API, on the same conversation, tools and scheduler (anthropic.py)."""
+    async def turn(self, body, api: Api, http: HTTPRequest):
+        """A request of any generation API (api.py): its conversation made one chat turn (or, with
+        no conversation, its prompts tokenized as they are), its outputs submitted, and its reply
+        whole or streamed. An error raised is answered by the app's handler in the API's shape."""
         backend, model_name = await self.served(body.model)
-        try:
-            turn, (request,) = await _submit_turn(backend, body, body.conversation())
-        except EdgeInferError as e:
-            return _anthropic_error(e)
-        reply = anthropic.MessagesReply(model_name, body.stop_sequences or [], backend.tokenizer.decode)
-        stream = turn.stream()
-        if body.stream:
-            error_event = lambda e: ("error", anthropic.error_body(*_anthropic_words(e)))  # noqa: E731
-            opening = reply.opening(len(turn.ids))
-            events = self.typed_events(request, reply.id, stream, opening, reply.delta, reply.closing, error_event)
-            return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            pieces = await _whole([request], http)
-        except EdgeInferError as e:
-            return _anthropic_error(e)
-        if pieces is None:
-            self.cancelled([request], reply.id, 0)
-            return Response(status_code=499)
-        result = stream.replay(pieces[0])
-        self.finished(reply.id, result)
-        return JSONResponse(reply.whole(result))
-
-    async def generate(self, body, http: HTTPRequest, prompts: list, chat: bool):
-        backend, model_name = await self.served(body.model)
-        choices, turn = body.choice_settings(), None
-        try:
-            if chat:
-                turn, requests = await _submit_turn(backend, body, prompts[0])
-            else:
-                requests = await backends.submit_all(backend, _completion_work(backend, body, prompts, choices))
-        except EdgeInferError as e:
-            status, error, headers = from_edgeinfer(e, "messages" if chat else "prompt")
-            return JSONResponse(error, status_code=status, headers=headers)
-        kind = ChatReply if chat else CompletionReply
-        reply = kind(model_name, backend.tokenizer.token_bytes, self.loaded.fingerprint, len(requests), len(choices))
+        if api.conversation is not None:
+            turn, requests = await _submit_turn(backend, body, api.conversation(body, self.stored))
+            streams, prompt_tokens = [turn.stream() for _ in requests], len(turn.ids)
+        else:
+            requests = await backends.submit_all(backend, _completion_work(backend, body, body.prompts(), body.choice_settings()))
+            streams, prompt_tokens = [ChatStream(backend.tokenizer) for _ in requests], 0
+        reply = api.reply(
+            body, Served(model_name, backend.tokenizer, self.loaded.fingerprint, prompt_tokens, len(requests), self.stored)
+        )
         headers = getattr(requests[0], "response_headers", None) or None
-        streams = [turn.stream() if chat else None for _ in requests]
         if body.stream:
-            events = self.events(requests, reply, body.include_usage, streams)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self.whole(requests, reply, http, headers, streams)
-
-    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, headers: dict | None, streams: list):
-        try:
-            pieces = await _whole(requests, http)
-        except EdgeInferError as e:
-            status, error, more = from_edgeinfer(e)
-            return JSONResponse(error, status_code=status, headers={**(headers or {}), **more})
-        if pieces is None:  # the client went away: nobody reads this
-            self.cancelled(requests, reply.id, 0)
+            return StreamingResponse(self.events(requests, reply, streams, api), media_type="text/event-stream", headers=headers)
+        results = await self.whole(requests, reply, http, streams)
+        if results is None:  # the client went away: nobody reads this
             return Response(status_code=499)
-        results = [GenerationResult.from_pieces(p) if s is None else s.replay(p) for p, s in zip(pieces, streams)]
-        for result in results:
-            self.finished(reply.id, result)
         return JSONResponse(reply.whole(results), headers=headers)
 
-    async def events(self, requests: list, reply: Reply, include_usage: bool, streams: list) -> AsyncIterator[str]:
-        """The stream's chunks: a chat turn's as its ChatStream splits them (the thought, the text,
-        the calls as they are generated), a completion's text as it comes."""
-        pieces, is_done = [[] for _ in requests], [False] * len(requests)
+    async def whole(self, requests: list, reply: Reply, http: HTTPRequest, streams: list[ChatStream]) -> list[GenerationResult] | None:
+        """Each output's whole turn, split as its stream would be; None where the client went away."""
+        pieces = await _whole(requests, http)
+        if pieces is None:
+            self.cancelled(requests, reply.id, 0)
+            return None
+        results = [stream.replay(p) for p, stream in zip(pieces, streams)]
+        for result in results:
+            self.finished(reply.id, result)
+        return results
+
+    async def events(self, requests: list, reply: Reply, streams: list[ChatStream], api: Api) -> AsyncIterator[str]:
+        """The reply's events: its opening; each piece of each output split by its ChatStream (the
+        thought, the text, the calls as they are generated) and its delta's events; each output's
+        closing as it ends; the ending. An error once the stream has begun is its last event."""
+        results, left, generated = [None] * len(requests), set(range(len(requests))), 0
         try:
-            for chunk in reply.first_chunks():
-                yield _sse(chunk)
+            for event in reply.opening():
+                yield _sse(event)
             async for index, piece in backends.pieces(requests):
-                pieces[index].append(piece)
-                if streams[index] is not None:
-                    delta = streams[index].feed(piece)
-                    for chunk in reply.delta_chunks(index, delta):
-                        yield _sse(chunk)
-                elif piece.text:
-                    yield _sse(reply.piece_chunk(index, piece))
-                if piece.finish_reason is not None:
-                    is_done[index] = True
-                    result = delta.result if streams[index] is not None else GenerationResult.from_pieces(pieces[index])
-                    yield _sse(reply.last_chunk(index, result.finish_reason))
-                    self.finished(reply.id, result)
-            if include_usage:
-                yield _sse(reply.usage_chunk([GenerationResult.from_pieces(p) for p in pieces]))
-            yield "data: [DONE]\n\n"
+                generated += len(piece.token_ids)
+                delta = streams[index].feed(piece)
+                for event in reply.delta(index, delta):
+                    yield _sse(event)
+                if delta.result is not None:
+                    left.discard(index)
+                    results[index] = delta.result
+                    for event in reply.closing(index, delta.result):
+                        yield _sse(event)
+                    self.finished(reply.id, delta.result)
+            for event in reply.ending(results):
+                yield _sse(event)
         except EdgeInferError as e:  # the status is sent already: the error goes in the stream
-            is_done = [True] * len(requests)
+            left.clear()
             for request in requests:
                 request.cancel()
-            yield _sse(from_edgeinfer(e)[1])
+            yield _sse(reply.error_event(*from_edgeinfer(e, api.prompt_field, api.names)[:2]))
         finally:
-            left = [request for request, done in zip(requests, is_done) if not done]
             if left:  # the client went away: the rows are freed at the scheduler's next step
-                self.cancelled(left, reply.id, sum(len(p.token_ids) for ps in pieces for p in ps))
+                self.cancelled([requests[i] for i in sorted(left)], reply.id, generated)
 
     def cancelled(self, requests: list, request_id: str, num_generated: int) -> None:
         for request in requests:
@@ -584,39 +464,22 @@ def _validated(raw: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 def _openapi(app: FastAPI, model_names: list[str]) -> dict:
-    """FastAPI's description of the routes and request models, with `model` one of the models served."""
+    """FastAPI's description of the routes and request bodies (those of the table's APIs, and
+    llama.cpp's), with a required `model` one of the models served."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
-        _, models = models_json_schema(
-            [
-                (m, "validation")
-                for m in (
-                    ChatRequest,
-                    CompletionRequest,
-                    EmbeddingRequest,
-                    responses.ResponsesRequest,
-                    responses.InputTokensRequest,
-                    *anthropic.REQUESTS,
-                    *llama.REQUESTS,
-                )
-            ],
-            ref_template="#/components/schemas/{model}",
-        )
+        bodies = [body for api in APIS.values() for body in (api.request, *api.bodies)] + list(llama.REQUESTS)
+        _, models = models_json_schema([(m, "validation") for m in bodies], ref_template="#/components/schemas/{model}")
         schema.setdefault("components", {}).setdefault("schemas", {}).update(models["$defs"])
-        for name in (
-            "ChatRequest",
-            "CompletionRequest",
-            "EmbeddingRequest",
-            "ResponsesRequest",
-            "MessagesRequest",
-            "CountTokensRequest",
-        ):
-            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = list(model_names)
+        for body in bodies:
+            described = schema["components"]["schemas"][body.__name__]
+            if "model" in described.get("required", []):
+                described["properties"]["model"]["enum"] = list(model_names)
     return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every refusal in OpenAI's error shape, with the field it is about in `param`."""
+    """Every refusal in the shape of the API asked (guard.answer), with the field it is about in `param`."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: HTTPRequest, error: RequestValidationError):
@@ -639,7 +502,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EdgeInferError)
     async def engine_error(request: HTTPRequest, error: EdgeInferError):
-        status, body, headers = from_edgeinfer(error)
+        api = api_of(request.url.path) or openai.CHAT  # llama.cpp's routes word errors as chat's
+        status, body, headers = from_edgeinfer(error, api.prompt_field, api.names)
         return answer(request.url.path, body, status, headers)
 
 
@@ -777,19 +641,8 @@ async def _disconnected(http: HTTPRequest) -> None:
         pass
 
 
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def _anthropic_error(error: EdgeInferError) -> JSONResponse:
-    status, body, headers = from_edgeinfer(error, "messages", anthropic.API_NAMES)
-    return JSONResponse(anthropic.error_body(status, body["error"]["message"]), status_code=status, headers=headers)
-
-
-def _anthropic_words(error: EdgeInferError) -> tuple[int, str]:
-    status, body, _ = from_edgeinfer(error, "messages", anthropic.API_NAMES)
-    return status, body["error"]["message"]
-
-
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def _sse(event: Event) -> str:
+    """A server-sent event: `event: NAME` where it has a name, then its data (JSON, or text as `[DONE]`)."""
+    name, data = event
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"event: {name}\ndata: {text}\n\n" if name else f"data: {text}\n\n"

@@ -20,8 +20,9 @@ import logging
 
 from fastapi.responses import JSONResponse, Response
 
+from .apis import api_of
+from .checks import RequestError, error_body
 from .metrics import Metrics
-from .protocol import RequestError, error_body
 
 log = logging.getLogger("edgeinfer.serve")
 MAX_BODY = 4 * 1024 * 1024  # bytes of a request body
@@ -215,10 +216,7 @@ def refusal(error: RequestError, headers: dict | None = None, path: str = "") ->
 
 
 def answer(path: str, body: dict, status: int, headers: dict | None = None) -> JSONResponse:
-    """An error (`body` in OpenAI's shape) in the shape of the API asked, the one place that
-    chooses it: Anthropic's under /v1/messages, else OpenAI's."""
-    if path.startswith("/v1/messages"):
-        from .anthropic import error_body as anthropic_error
-
-        body = anthropic_error(status, body["error"]["message"])
-    return JSONResponse(body, status_code=status, headers=headers)
+    """An error (`body` in OpenAI's shape) in the shape of the API of `path` (apis.py), the one
+    place that chooses it."""
+    api = api_of(path)
+    return JSONResponse(body if api is None else api.error_shape(status, body), status_code=status, headers=headers)

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, mo
 
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import Message, RequestError
+from .checks import RequestError
+from .openai import Message
 
 
 class _Strict(BaseModel):

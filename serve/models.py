@@ -10,7 +10,7 @@ from edgeinfer.sdk.errors import UnavailableError
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.pool import ModelPool
 
-from .protocol import RequestError
+from .checks import RequestError
 
 
 class PooledBackend:

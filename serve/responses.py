@@ -22,7 +22,8 @@ from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
-from .protocol import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .api import Api, Event, Served
+from .checks import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
 API_NAMES = {"max_new_tokens": "max_output_tokens", "reasoning_budget": "thinking_token_budget"}  # SDK settings named otherwise here
 STORED = 256  # responses kept for previous_response_id, least recently used out first
@@ -345,12 +346,17 @@ class ResponsesReply:
     """One response object: whole, or as the stream's typed events, an output item at a time
     (the thought, the message, each function call) as the turn is generated."""
 
-    def __init__(self, model: str, request: ResponsesRequest):
-        self.id, self.model, self.request = f"resp_{uuid.uuid4().hex[:24]}", model, request
+    def __init__(self, model: str, request: ResponsesRequest, store: Store | None = None):
+        """`store` keeps the response, where the request asks (`store` true)."""
+        self.id, self.model, self.request, self.store = f"resp_{uuid.uuid4().hex[:24]}", model, request, store
         self.created, self.sequence = int(time.time()), 0
         self.message_id, self.reasoning_id = f"msg_{uuid.uuid4().hex[:24]}", f"rs_{uuid.uuid4().hex[:24]}"
         self.open: dict | None = None  # the item being streamed: its kind, output index, id and text so far
         self.opened = 0  # items streamed so far
+
+    @classmethod
+    def of(cls, body: ResponsesRequest, served: Served) -> ResponsesReply:
+        return cls(served.model, body, served.store)
 
     def output(self, result: GenerationResult) -> list[dict]:
         items = [] if result.reasoning is None else [self._reasoning_item(result.reasoning)]
@@ -366,7 +372,17 @@ class ResponsesReply:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
-    def whole(self, result: GenerationResult | None, status: str = "completed") -> dict:
+    def whole(self, results: list[GenerationResult]) -> dict:
+        """The response object, kept where the request asks."""
+        return self._kept(self.response(results[0]))
+
+    def _kept(self, response: dict) -> dict:
+        if self.request.store and self.store is not None:
+            items = [*self.request.items(), *output_items(response)]
+            self.store.keep(self.id, self.request.previous_response_id, items, response)
+        return response
+
+    def response(self, result: GenerationResult | None, status: str = "completed") -> dict:
         """The response object; `result` None: one in progress (the stream's first events)."""
         cut = result is not None and result.finish_reason == "length"
         body = {
@@ -395,17 +411,17 @@ class ResponsesReply:
         }
         return body
 
-    def event(self, kind: str, **fields) -> tuple[str, dict]:
+    def event(self, kind: str, **fields) -> Event:
         self.sequence += 1
         return kind, {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
-    def opening(self) -> list[tuple[str, dict]]:
+    def opening(self) -> list[Event]:
         return [
-            self.event("response.created", response=self.whole(None, "in_progress")),
-            self.event("response.in_progress", response=self.whole(None, "in_progress")),
+            self.event("response.created", response=self.response(None, "in_progress")),
+            self.event("response.in_progress", response=self.response(None, "in_progress")),
         ]
 
-    def delta(self, delta: ChatDelta) -> list[tuple[str, dict]]:
+    def delta(self, index: int, delta: ChatDelta) -> list[Event]:
         """The events of a turn's delta: an item opened where the kind of output changes, then its delta."""
         out = []
         for part in delta.parts:
@@ -425,16 +441,23 @@ class ResponsesReply:
                 out.append(self.event("response.function_call_arguments.delta", **where, delta=said))
         return out
 
-    def closing(self, result: GenerationResult) -> list[tuple[str, dict]]:
+    def closing(self, index: int, result: GenerationResult) -> list[Event]:
         """The last events: the open item closed (an empty message where the turn said nothing), then
-        response.completed (or .incomplete) with the whole response."""
+        response.completed (or .incomplete) with the whole response (kept where the request asks)."""
         out = self._close()
         if not result.text and not result.tool_calls:
             out += self._open("message") + self._close()
-        whole = self.whole(result)
+        whole = self._kept(self.response(result))
         return [*out, self.event("response.completed" if whole["status"] == "completed" else "response.incomplete", response=whole)]
 
-    def _open(self, kind: str, part: CallOpened | None = None) -> list[tuple[str, dict]]:
+    def ending(self, results: list[GenerationResult]) -> list[Event]:
+        return []
+
+    def error_event(self, status: int, body: dict) -> Event:
+        error = body["error"]
+        return self.event("error", message=error["message"], code=error["code"], param=error["param"])
+
+    def _open(self, kind: str, part: CallOpened | None = None) -> list[Event]:
         out = self._close()
         index, self.opened = self.opened, self.opened + 1
         if kind == "reasoning":
@@ -454,7 +477,7 @@ class ResponsesReply:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=empty))
         return out
 
-    def _close(self) -> list[tuple[str, dict]]:
+    def _close(self) -> list[Event]:
         if self.open is None:
             return []
         opened, self.open = self.open, None
@@ -504,3 +527,14 @@ def output_items(reply: dict) -> list[dict]:
         elif item["type"] == "function_call":
             items.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
     return items
+
+
+RESPONSES = Api(
+    "/v1/responses",
+    ResponsesRequest,
+    "input",
+    API_NAMES,
+    conversation=lambda body, store: conversation(body.instructions, [*store.history(body.previous_response_id), *body.items()]),
+    reply=ResponsesReply.of,
+    bodies=(InputTokensRequest,),
+)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from .app import create_app
-from .protocol import error_body
+from .checks import error_body
 from .responses import StoreLimits
 
 log = logging.getLogger("edgeinfer.serve")

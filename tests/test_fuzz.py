@@ -16,7 +16,8 @@ from test_serve import start
 from edgeinfer.sdk.errors import SettingsError
 from edgeinfer.sdk.settings import resolve_settings
 from edgeinfer.sdk.settings import GenerationConfig
-from edgeinfer.serve.protocol import ChatRequest, CompletionRequest, RequestError
+from edgeinfer.serve.checks import RequestError
+from edgeinfer.serve.openai import ChatRequest, CompletionRequest
 
 schemathesis = pytest.importorskip("schemathesis")
 

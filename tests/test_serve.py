@@ -136,7 +136,7 @@ def test_ignore_eos_as_an_extra_field_keeps_generating_past_the_models_eos(chain
 def test_logprob_bytes_join_to_the_text_where_characters_span_tokens(chain_llama):
     """Chat's logprobs as the server shapes them, on the llama that spells multi-byte characters one
     byte a token: each token's bytes, joined, are the text's bytes."""
-    from edgeinfer.serve.protocol import ChatReply
+    from edgeinfer.serve.openai import ChatReply
 
     engine = Engine.load(chain_llama[0], provider="cpu")
     result = engine.generate([1], max_new_tokens=30, logprobs=True, top_logprobs=2)

@@ -1,6 +1,6 @@
-"""OpenAI's wire format: request bodies as pydantic models, their translation into edgeinfer's
-generation settings, and the responses, stream chunks and errors in OpenAI's shape. Nothing here
-knows of HTTP or of the scheduler.
+"""OpenAI's Chat Completions, Completions and Embeddings APIs as plug-ins (api.py): request bodies as
+pydantic models, their translation into edgeinfer's generation settings, and the responses and
+stream chunks in OpenAI's shape. Nothing here knows of HTTP or of the scheduler.
 
 Types are strict, as OpenAI's are: `max_tokens: true` or `stream: "yes"` is a 400, not 1 or True.
 The numeric ranges the SDK checks are written into the OpenAPI description (JSON schema's
@@ -8,43 +8,31 @@ The numeric ranges the SDK checks are written into the OpenAPI description (JSON
 
 from __future__ import annotations
 
-import hashlib
-import re
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
-from edgeinfer.sdk.errors import (
-    BusyError,
-    ConstraintError,
-    ContextLengthError,
-    EdgeInferError,
-    GenerationError,
-    GraphError,
-    SettingsError,
-    UnavailableError,
-)
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
-from edgeinfer.sdk.sequence import GenerationResult, Piece
+from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tool_parser import CallOpened, Part, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
+
+from .api import Api, Event, Served
+from .checks import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
 NOT_YET = ("functions", "function_call", "suffix", "echo", "best_of")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-MAX_DEPTH = 512  # levels of nesting in a request body (a JSON schema's included; Python's own limit is 1000)
-SEED_MAX = 2**63 - 1
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
 # The SDK's names of settings whose API field is named otherwise.
 API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking_token_budget"}
-
-Real = Annotated[float, Strict()]  # a JSON number (an integer too), never a string or a boolean
 
 
 def _ranged(low: float | None = None, high: float | None = None, **more) -> Any:
@@ -131,23 +119,6 @@ class _Strict(BaseModel):
 class TextPart(_Strict):
     type: Literal["text"]
     text: StrictStr
-
-
-class ImagePart(BaseModel):
-    """An image in a message (OpenAI's image_url and input_image parts, Anthropic's image block),
-    read only so that it is refused by name: the models served read text."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_image", "image"]
-
-
-def refuse_images(content) -> None:
-    """ValueError naming the first image part of a message's content, with the way out."""
-    image = next((part for part in content if isinstance(part, ImagePart)), None) if isinstance(content, list) else None
-    if image is not None:
-        raise ValueError(
-            f"an {image.type} part: this model reads text only and cannot be sent images; describe the image in a text part"
-        )
 
 
 class FunctionCall(_Strict):
@@ -328,21 +299,6 @@ class ChatRequest(_Request):
         return check_answers([m.as_dict() for m in self.messages], "messages")
 
 
-def check_answers(messages: list[dict], field: str) -> list[dict]:
-    """`messages` (the SDK's), where every tool result answers a call an earlier assistant message
-    made, as OpenAI's and Anthropic's APIs require; RequestError naming the call id otherwise."""
-    made: set[str] = set()
-    for message in messages:
-        made.update(call["id"] for call in message.get("tool_calls") or [])
-        if message["role"] == "tool" and message["tool_call_id"] not in made:
-            raise RequestError(
-                f"a tool result answers call {message['tool_call_id']!r}, which no earlier assistant message made: "
-                "send the call (with that id) before its result, or leave the result out",
-                field,
-            )
-    return messages
-
-
 TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -367,70 +323,6 @@ class CompletionRequest(_Request):
     def prompts(self) -> list[str | list[int]]:
         one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
         return [self.prompt] if one else list(self.prompt)
-
-
-def check_json(value, where: str = "", depth: int = 0) -> None:
-    """RequestError (naming the field) for a lone surrogate anywhere in a JSON value, or nesting
-    past MAX_DEPTH. Iterative, so no value can exhaust Python's stack."""
-    stack = [(value, where, depth)]
-    while stack:
-        item, path, level = stack.pop()
-        if level > MAX_DEPTH:
-            where = path if len(path) < 80 else f"{path[:60]}…"
-            raise RequestError(f"{where or 'the body'} is nested more than {MAX_DEPTH} levels deep: flatten it", _root(path))
-        if isinstance(item, str):
-            _check_text(item, path)
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                _check_text(key, path)
-                stack.append((inner, f"{path}.{key}" if path else str(key), level + 1))
-        elif isinstance(item, list):
-            stack.extend((inner, f"{path}[{i}]", level + 1) for i, inner in enumerate(item))
-
-
-def _check_text(text: str, path: str) -> None:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise RequestError(
-                f"{path or 'the body'} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character "
-                f"{e.start}), which is not text: send UTF-8 text, its \\uD800-\\uDFFF escapes in pairs",
-                path or None,
-            ) from None
-
-
-def _root(path: str) -> str | None:
-    return path.split(".")[0].split("[")[0] or None
-
-
-class RequestError(Exception):
-    """A request the server refuses before it reaches the engine."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
-    """OpenAI's rule: a prompt plus the max_tokens asked for must fit the context (a request that
-    does not ask gets what room there is)."""
-    if asked is not None and prompt_tokens < context < prompt_tokens + asked:  # a prompt too long alone: the engine says so
-        room = context - prompt_tokens
-        way = f"ask for at most {room} tokens" if room > 0 else "shorten the prompt"
-        raise RequestError(
-            f"the context is {context} tokens, and the prompt's {prompt_tokens} tokens plus max_tokens {asked} "
-            f"are {prompt_tokens + asked}: {way}",
-            "max_tokens",
-            code="context_length_exceeded",
-        )
-
-
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
 
 
 class EmbeddingRequest(_Strict):
@@ -461,40 +353,6 @@ def embedding_reply(model: str, embeddings, encoding_format: str) -> dict:
     }
 
 
-SDK_TRUNCATE = ", or pass truncate='left' (--truncate left) to keep its end"
-
-
-def from_edgeinfer(error: EdgeInferError, prompt_field: str = "messages", names: dict = API_NAMES) -> tuple[int, dict, dict]:
-    """(status, body, headers) of an edgeinfer error, its message carried through in the API's words
-    (`names`: the request field of each SDK setting named otherwise); `prompt_field` is the request
-    field that holds the prompt."""
-    if isinstance(error, BusyError):
-        return 429, error_body(str(error), "rate_limit_exceeded", code=error.code), {"Retry-After": "1"}
-    if isinstance(error, UnavailableError):
-        return 503, error_body(str(error), "server_error", code="engine_unavailable"), {"Retry-After": "1"}
-    if isinstance(error, ContextLengthError):
-        # the SDK's way out (truncate='left') is no field of these APIs: the server's is its own
-        message = str(error).replace(SDK_TRUNCATE, f" (drop the oldest {'turns' if prompt_field != 'prompt' else 'text'})")
-        return (
-            400,
-            error_body(
-                f"{message} (prompt {error.prompt_tokens} tokens, context {error.context})",
-                param=prompt_field,
-                code="context_length_exceeded",
-            ),
-            {},
-        )
-    if isinstance(error, GraphError) or not isinstance(error, GenerationError):
-        return 500, error_body(str(error), "server_error"), {}
-    param = api_name(error.param, names) if isinstance(error, SettingsError) and error.param else None
-    if param is None and not isinstance(error, SettingsError):
-        param = "response_format" if isinstance(error, ConstraintError) else prompt_field
-    message = str(error)
-    for setting, field in names.items():
-        message = re.sub(rf"\b{setting}\b", field, message)
-    return 400, error_body(message, param=param), {}
-
-
 def _message(result: GenerationResult) -> dict:
     """A chat choice's message: its text, the calls it made (content null where it only called),
     and a reasoning model's thought in reasoning_content."""
@@ -513,21 +371,11 @@ def _delta_of(part: Part) -> dict:
     return {"tool_calls": [{"index": part.index, "function": {"arguments": part.text}}]}
 
 
-def api_name(setting: str, names: dict = API_NAMES) -> str:
-    """The request field of an SDK setting's name ("max_new_tokens" is max_tokens; "logit_bias[5]" is logit_bias)."""
-    root = setting.split("[")[0]
-    return names.get(root, root)
-
-
-def fingerprint(*parts: str) -> str:
-    """OpenAI's system_fingerprint: what served the request (edgeinfer's version and the export)."""
-    return "fp_" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
-
-
 class Reply:
     """The response to one request in OpenAI's shape, one choice per request made for it: whole,
-    or as stream chunks. ChatReply ("chat.completion") and CompletionReply ("text_completion")
-    say how a choice's output, its logprobs and a chunk's delta look."""
+    or as stream chunks (api.Reply: each chunk a bare `data:` event, then `[DONE]`). ChatReply
+    ("chat.completion") and CompletionReply ("text_completion") say how a choice's output, its
+    logprobs and a chunk's delta look."""
 
     PREFIX, OBJECT, CHUNK_OBJECT = "", "", ""
 
@@ -538,14 +386,21 @@ class Reply:
         system_fingerprint: str | None = None,
         choices: int = 1,
         per_prompt: int = 1,
+        include_usage: bool = False,
     ):
         """`token_bytes` gives a token's bytes, for logprobs; `per_prompt` choices share a prompt
-        (n), whose tokens usage counts once."""
+        (n), whose tokens usage counts once; `include_usage` ends a stream with a usage chunk."""
         self.model, self.token_bytes = model, token_bytes
-        self.fingerprint, self.per_prompt = system_fingerprint, per_prompt
+        self.fingerprint, self.per_prompt, self.include_usage = system_fingerprint, per_prompt, include_usage
         self.offsets = [0] * choices  # characters of text sent so far, per choice (the completions API's text_offset)
         self.id = self.PREFIX + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    @classmethod
+    def of(cls, body, served: Served) -> Reply:
+        """The reply to `body` (api.Api.reply): one choice per request made, n of them per prompt."""
+        per_prompt = body.n or 1
+        return cls(served.model, served.tokenizer.token_bytes, served.fingerprint, served.requests, per_prompt, body.include_usage)
 
     def whole(self, results: list[GenerationResult]) -> dict:
         choices = [
@@ -555,19 +410,27 @@ class Reply:
         ]
         return {**self._head(self.OBJECT), "choices": choices, "usage": self.usage(results)}
 
-    def first_chunks(self) -> list[dict]:
+    def opening(self) -> list[Event]:
         return []
 
-    def piece_chunk(self, index: int, piece: Piece) -> dict:
+    def delta(self, index: int, delta: ChatDelta) -> list[Event]:
+        """A piece's text as it comes, with its logprobs."""
+        piece = delta.piece
+        if not piece.text:
+            return []
         logprobs = self._logprobs(piece.logprobs, index)
         self.offsets[index] += len(piece.text)
-        return self._chunk(index, self._said(piece.text), None, logprobs)
+        return [(None, self._chunk(index, self._said(piece.text), None, logprobs))]
 
-    def last_chunk(self, index: int, finish_reason: str) -> dict:
-        return self._chunk(index, self._said(None), FINISH[finish_reason])
+    def closing(self, index: int, result: GenerationResult) -> list[Event]:
+        return [(None, self._chunk(index, self._said(None), FINISH[result.finish_reason]))]
 
-    def usage_chunk(self, results: list[GenerationResult]) -> dict:
-        return {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": self.usage(results)}
+    def ending(self, results: list[GenerationResult]) -> list[Event]:
+        usage = {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": self.usage(results)}
+        return [*([(None, usage)] if self.include_usage else []), (None, "[DONE]")]
+
+    def error_event(self, status: int, body: dict) -> Event:
+        return None, body
 
     def usage(self, results: list[GenerationResult]) -> dict:
         """OpenAI's usage over the choices: each prompt's tokens once (with those the prefix
@@ -610,10 +473,10 @@ class ChatReply(Reply):
 
     PREFIX, OBJECT, CHUNK_OBJECT = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
-    def first_chunks(self) -> list[dict]:
-        return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(self.offsets))]
+    def opening(self) -> list[Event]:
+        return [(None, self._chunk(i, {"role": "assistant", "content": ""}, None)) for i in range(len(self.offsets))]
 
-    def delta_chunks(self, index: int, delta: ChatDelta) -> list[dict]:
+    def delta(self, index: int, delta: ChatDelta) -> list[Event]:
         """A chat turn's delta (sdk/chat_stream.py) as chunks: the thought in reasoning_content, the
         text in content, each call as the openai client's stream helpers accumulate them (its index,
         id, type and name first, then its arguments as they come). The piece's logprobs ride on its
@@ -621,10 +484,10 @@ class ChatReply(Reply):
         logprobs = self._logprobs(delta.piece.logprobs, index) if delta.piece is not None else None
         chunks = []
         for part in delta.parts:
-            chunks.append(self._chunk(index, _delta_of(part), None, logprobs))
+            chunks.append((None, self._chunk(index, _delta_of(part), None, logprobs)))
             logprobs = None
         if logprobs is not None:
-            chunks.append(self._chunk(index, {"content": ""}, None, logprobs))
+            chunks.append((None, self._chunk(index, {"content": ""}, None, logprobs)))
         return chunks
 
     def _output(self, result: GenerationResult) -> dict:
@@ -671,3 +534,15 @@ class CompletionReply(Reply):
             "top_logprobs": [{self._token(t): lp for t, lp in c.top} for c in logprobs],
             "text_offset": offsets,
         }
+
+
+CHAT = Api(
+    "/v1/chat/completions",
+    ChatRequest,
+    "messages",
+    API_NAMES,
+    conversation=lambda body, store: body.conversation(),
+    reply=ChatReply.of,
+)
+COMPLETIONS = Api("/v1/completions", CompletionRequest, "prompt", API_NAMES, reply=CompletionReply.of)
+EMBEDDINGS = Api("/v1/embeddings", EmbeddingRequest, "input", API_NAMES)
