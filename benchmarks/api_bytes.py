@@ -71,17 +71,33 @@ def requests(model: str) -> list[tuple[str, str, dict]]:
     messages = {"model": model, "max_tokens": 40, "messages": [{"role": "user", "content": ASK}], "tools": [ANTHROPIC_TOOL]}
     made = []
     for stream in (False, True):
-        for choice, sampled in (("required", {"temperature": 0}), ("auto", {"temperature": 0.8, "seed": 7}), ("none", {"temperature": 0})):
+        for choice, sampled in (
+            ("required", {"temperature": 0}),
+            ("auto", {"temperature": 0.8, "seed": 7}),
+            ("none", {"temperature": 0}),
+        ):
             tag = f"{'stream' if stream else 'whole'} {choice}"
             made.append((f"chat {tag}", "/v1/chat/completions", {**chat, **sampled, "tool_choice": choice, "stream": stream}))
             made.append((f"responses {tag}", "/v1/responses", {**responses, **sampled, "tool_choice": choice, "stream": stream}))
             anthropic_choice = {"required": "any", "auto": "auto", "none": "none"}[choice]
             made.append(
-                (f"messages {tag}", "/v1/messages", {**messages, **sampled, "tool_choice": {"type": anthropic_choice}, "stream": stream})
+                (
+                    f"messages {tag}",
+                    "/v1/messages",
+                    {**messages, **sampled, "tool_choice": {"type": anthropic_choice}, "stream": stream},
+                )
             )
-        made.append((f"chat result turn {stream}", "/v1/chat/completions", {**chat, "messages": CALLED, "temperature": 0, "stream": stream}))
+        made.append(
+            (f"chat result turn {stream}", "/v1/chat/completions", {**chat, "messages": CALLED, "temperature": 0, "stream": stream})
+        )
         made.append((f"chat n=2 {stream}", "/v1/chat/completions", {**chat, "tools": None, "n": 2, "seed": 3, "stream": stream}))
-        made.append((f"completions {stream}", "/v1/completions", {"model": model, "prompt": ASK, "max_tokens": 20, "seed": 1, "stream": stream}))
+        made.append(
+            (
+                f"completions {stream}",
+                "/v1/completions",
+                {"model": model, "prompt": ASK, "max_tokens": 20, "seed": 1, "stream": stream},
+            )
+        )
     made += [
         ("chat refused", "/v1/chat/completions", {**chat, "max_tokens": 10**6}),
         ("responses refused", "/v1/responses", {**responses, "tool_choice": {"type": "function", "name": "nope"}}),
