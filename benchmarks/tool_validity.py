@@ -72,7 +72,7 @@ def tool_format(engine) -> str:
     from edgeinfer.sdk.tools import tool_format as read
 
     format = read(engine.tokenizer)
-    return "generic" if format.name == "generic" else ("pythonic" if format.pythonic else "json")
+    return "generic" if format.name == "generic" else format.syntax
 
 
 def main() -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import weakref
 from dataclasses import dataclass
 
 from .constraints import JSON_DEFAULTS
 from .errors import SettingsError
+from .tool_syntax import SYNTAXES
+from .tool_syntax.schema import call_schema, lifted
 
 GENERIC = "generic"
 _PROBE_NAME, _PROBE_ARGUMENTS = "edgeinfer_probe", {"edgeinfer_argument": "edgeinfer_value"}
@@ -47,9 +48,10 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How a model writes its calls: `opening` text, the calls (a JSON object each, or one JSON
-    array of them where `is_list`), `between` two calls, `closing` text; each call's arguments
-    under `arguments_key`. `name` is GENERIC, or "template" for a format read off the template."""
+    """How a model writes its calls: `opening` text, the calls (each in `syntax`, a name of
+    tool_syntax.SYNTAXES; JSON calls may be one JSON array where `is_list`), `between` two calls,
+    `closing` text; each call's arguments under `arguments_key`. `name` is GENERIC, or "template"
+    for a format read off the template."""
 
     name: str
     opening: str = ""
@@ -57,7 +59,7 @@ class ToolFormat:
     between: str | None = None  # None: the template writes one call per turn
     arguments_key: str = "arguments"
     is_list: bool = False
-    pythonic: bool = False  # calls written as `name(key=value, ...)`, values in JSON (Llama 3.2/4's, Gemma's tool_code)
+    syntax: str = "json"
 
     @property
     def leading(self) -> bool:
@@ -153,15 +155,14 @@ def _read_format(tokenizer, template: str) -> ToolFormat:
     found = _probe_call(turn)
     if found is None:
         return ToolFormat(GENERIC)
-    start, end, key = found
+    start, end, key, syntax = found
     ends = [tokenizer.spec.eos_token, *(t for t in tokenizer.special_tokens if t not in turn[:start])]
     opening, closing = turn[:start], _turn_end(turn[end:], ends)
-    pythonic = key == _PYTHONIC
-    is_list = not pythonic and opening.endswith("[") and closing.startswith("]")
+    is_list = SYNTAXES[syntax].lists and opening.endswith("[") and closing.startswith("]")
     if is_list:
         opening, closing = opening[:-1], closing[1:]
     between = _between(tokenizer, user, prompt, is_list)
-    return ToolFormat("template", opening.lstrip(" "), closing, between, "arguments" if pythonic else key, is_list, pythonic)
+    return ToolFormat("template", opening.lstrip(" "), closing, between, key, is_list, syntax)
 
 
 def _without_thought(prompt: str) -> str:
@@ -181,35 +182,13 @@ def _probe_turn(count: int) -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [call] * count}
 
 
-_PYTHONIC = ""  # the "arguments key" of a pythonic call
-_PYTHONIC_PROBE = re.compile(rf'{_PROBE_NAME}\(\s*edgeinfer_argument\s*=\s*"edgeinfer_value"\s*\)')
-
-
-def _probe_call(text: str, after: int = 0) -> tuple[int, int, str] | None:
-    """(start, end, arguments key) of the probe call in `text` after `after`: the first JSON object
-    that is the call, or else a pythonic call (key _PYTHONIC)."""
-    found = _json_probe(text, after)
-    if found is None and (pythonic := _PYTHONIC_PROBE.search(text, after)) is not None:
-        return pythonic.start(), pythonic.end(), _PYTHONIC
-    return found
-
-
-def _json_probe(text: str, after: int) -> tuple[int, int, str] | None:
-    decoder = json.JSONDecoder()
-    at = text.find(f'"{_PROBE_NAME}"', after)
-    while at >= 0:
-        for start in range(at, after - 1, -1):
-            if text[start] != "{":
-                continue
-            try:
-                value, end = decoder.raw_decode(text, start)
-            except ValueError:
-                continue
-            if isinstance(value, dict) and value.get("name") == _PROBE_NAME:
-                key = next((k for k, v in value.items() if v in (_PROBE_ARGUMENTS, json.dumps(_PROBE_ARGUMENTS))), None)
-                if key is not None:
-                    return start, end, key
-        at = text.find(f'"{_PROBE_NAME}"', at + 1)
+def _probe_call(text: str, after: int = 0) -> tuple[int, int, str, str] | None:
+    """(start, end, arguments key, syntax) of the probe call in `text` after `after`, in the first
+    syntax of SYNTAXES that finds it."""
+    for name, syntax in SYNTAXES.items():
+        found = syntax.probe(text, after, _PROBE_NAME, _PROBE_ARGUMENTS)
+        if found is not None:
+            return (*found, name)
     return None
 
 
@@ -234,88 +213,29 @@ def _between(tokenizer, user: dict, prompt: str, is_list: bool) -> str | None:
     return two[first[1] : second[0]]
 
 
-def call_schema(request: ToolRequest, format: ToolFormat) -> dict:
-    """The JSON schema of one call of the offered tools: its name and its arguments. The arguments
-    hold the declared properties only, unless the schema allows others (`additionalProperties`):
-    a model left free to add keys may never end its call. A tool whose parameters refer within
-    themselves (`$ref`, as pydantic writes `$defs`) is kept whole under the root's `$defs` and its
-    references rebased there; a schema that nests this one lifts those `$defs` to its own root
-    (`_lifted`)."""
-    variants, definitions = [], {}
-    for i, tool in enumerate(request.offered()):
-        arguments = _declared(tool["function"]["parameters"])
-        if _refers(arguments):
-            definitions[f"edgeinfer_tool_{i}"] = _rebased(arguments, f"#/$defs/edgeinfer_tool_{i}")
-            arguments = {"$ref": f"#/$defs/edgeinfer_tool_{i}"}
-        variants.append(
-            {
-                "type": "object",
-                "properties": {"name": {"const": tool["function"]["name"]}, format.arguments_key: arguments},
-                "required": ["name", format.arguments_key],
-                "additionalProperties": False,
-            }
-        )
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {**schema, "$defs": definitions} if definitions else schema
-
-
-def _declared(parameters: dict) -> dict:
-    if parameters.get("type") == "object" and "properties" in parameters and "additionalProperties" not in parameters:
-        return {**parameters, "additionalProperties": False}
-    return parameters
-
-
-def _refers(schema) -> bool:
-    """Whether `schema` holds a `$ref` within itself ("#..."), which breaks once it is nested."""
-    if isinstance(schema, dict):
-        return (isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#")) or any(_refers(v) for v in schema.values())
-    return isinstance(schema, list) and any(_refers(v) for v in schema)
-
-
-def _rebased(schema, root: str):
-    """`schema` with each reference within it ("#/$defs/Loc", "#") rebased onto `root`, where it now lives."""
-    if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        rebased = {k: _rebased(v, root) for k, v in schema.items() if k != "$ref"}
-        if isinstance(ref, str) and ref.startswith("#"):
-            rebased["$ref"] = root + ref[1:]
-        elif ref is not None:
-            rebased["$ref"] = ref
-        return rebased
-    if isinstance(schema, list):
-        return [_rebased(v, root) for v in schema]
-    return schema
-
-
-def _lifted(outer: dict, inner: dict) -> dict:
-    """`outer`, a schema that nests `inner`, with `inner`'s `$defs` (call_schema's) at its root."""
-    return {**outer, "$defs": inner["$defs"]} if "$defs" in inner else outer
-
-
 def generic_schema(request: ToolRequest) -> dict:
     """The generic format's answer: the calls, or (where the choice allows a reply) a reply."""
-    one = call_schema(request, ToolFormat(GENERIC))
+    one = call_schema(request)
     calls = {"type": "array", "items": {k: v for k, v in one.items() if k != "$defs"}, "minItems": 1}
     if not request.parallel:
         calls["maxItems"] = 1
     call = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
     if request.forced:
-        return _lifted(call, one)
+        return lifted(call, one)
     reply = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": False}
-    return _lifted({"anyOf": [call, reply]}, one)
+    return lifted({"anyOf": [call, reply]}, one)
 
 
 def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:
     """An llguidance Lark grammar that admits only the format's calls of the offered tools, each
     valid for its tool's schema (one, or one or more with `parallel`). `special`: the special
     tokens' texts and ids, which the grammar names by id."""
-    compact = {"x-guidance": JSON_DEFAULTS}  # JSON as json.dumps writes it, as for response_format
-    schema = json.dumps({**call_schema(request, format), **compact})
     if format.is_list:
-        one = call_schema(request, format)
+        one = call_schema(request, format.arguments_key)
         items = {k: v for k, v in one.items() if k != "$defs"}
+        compact = {"x-guidance": JSON_DEFAULTS}  # JSON as json.dumps writes it, as for response_format
         array = {"type": "array", "items": items, "minItems": 1, **({} if request.parallel else {"maxItems": 1}), **compact}
-        body = f"%json {json.dumps(_lifted(array, one))}"
+        body = f"%json {json.dumps(lifted(array, one))}"
     elif request.parallel and format.between is not None:
         body = f"call ({_literal(format.between, special)} call)*"
     else:
@@ -323,40 +243,9 @@ def call_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, in
     rules = [
         "start: " + " ".join(part for part in (_literal(format.opening, special), body, _literal(format.closing, special)) if part)
     ]
-    if format.pythonic:
-        rules += pythonic_rules(request)
-    elif not format.is_list:
-        rules.append(f"call: %json {schema}")
+    if not format.is_list:
+        rules += SYNTAXES[format.syntax].rules(request, format.arguments_key)
     return "\n".join(rules)
-
-
-def pythonic_rules(request: ToolRequest) -> list[str]:
-    """The rules of a pythonic call, `name(key=value, ...)`: the required arguments in the schema's
-    order, then any of the others in order, each value JSON valid for its property's schema."""
-    tools = request.offered()
-    rules = ["call: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
-    for i, tool in enumerate(tools):
-        name, parameters = tool["function"]["name"], tool["function"]["parameters"]
-        properties = parameters.get("properties") or {}
-        required = [k for k in properties if k in set(parameters.get("required") or [])]
-        optional = [k for k in properties if k not in required]
-        value = lambda key: f"{json.dumps(key + '=')} %json {json.dumps(_argument_schema(parameters, key))}"  # noqa: E731
-        head = ' ", " '.join(value(k) for k in required)
-        rules.append(f'call_{i}: {json.dumps(name + "(")} {f"{head} " if head else ""}rest_{i}_0 ")"')
-        for at in range(len(optional) + 1):  # rest_i_at: any of the optional arguments from `at` on, in order
-            comma = '", " ' if head or at else ""
-            later = [f"{comma}{value(optional[j])} rest_{i}_{j + 1}" for j in range(at, len(optional))]
-            rules.append(f"rest_{i}_{at}: " + " | ".join(['""', *later]))
-    return rules
-
-
-def _argument_schema(parameters: dict, key: str) -> dict:
-    """The schema of one argument of a pythonic call, standing alone: references within the
-    tool's parameters are rebased onto a copy of them under its `$defs`."""
-    schema = {**parameters["properties"][key], "x-guidance": JSON_DEFAULTS}
-    if not _refers(parameters):
-        return schema
-    return {**_rebased(schema, "#/$defs/parameters"), "$defs": {"parameters": _rebased(parameters, "#/$defs/parameters")}}
 
 
 def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, int]) -> str:
@@ -368,7 +257,7 @@ def auto_grammar(request: ToolRequest, format: ToolFormat, special: dict[str, in
     opening = _literal(format.opening, special)
     body = start.removeprefix(opening).strip() if opening else start
     if format.leading:  # a bare call (or a bare list): text is anything that does not start as one
-        first = r"[^\[]" if format.opening.strip() or format.pythonic else r"[^{\[]"
+        first = r"[^\[]" if format.opening.strip() else SYNTAXES[format.syntax].text_first
         return "\n".join([f"start: TEXT | {start}", f"TEXT: /{first}(.|\n)*/", *rules])
     trigger = min(((format.opening.find(t), t) for t in special if t and t in format.opening), default=None)
     if trigger is not None:  # the call opens with a special token: text is every other token

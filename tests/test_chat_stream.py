@@ -34,11 +34,11 @@ REPLIES = [
     (ToolFormat(GENERIC), '{"tool_calls": [{"name": "add", "arguments": {"a": 4}}, {"name": "g", "arguments": {}}]}'),
     (ToolFormat(GENERIC), '{"response": "It is \\"sunny\\"\\n\\u00e9\\ud83d\\ude00 here."}'),
     (
-        ToolFormat("template", "[", "]", ", ", pythonic=True),
+        ToolFormat("template", "[", "]", ", ", syntax="pythonic"),
         '[add(a=1, b="x)(\\"y"), get_weather(city=\'Os\\\'lo\', unit="c", n=True, m=None, k=[1, {"z": 2}]), now()]',
     ),
-    (ToolFormat("template", "```tool_code\n[", "]\n```", ", ", pythonic=True), "Checking.\n```tool_code\n[add(a=-2.5)]\n```"),
-    (ToolFormat("template", "[", "]", ", ", pythonic=True), "[not a call, only text] and more."),
+    (ToolFormat("template", "```tool_code\n[", "]\n```", ", ", syntax="pythonic"), "Checking.\n```tool_code\n[add(a=-2.5)]\n```"),
+    (ToolFormat("template", "[", "]", ", ", syntax="pythonic"), "[not a call, only text] and more."),
     (HERMES_FORMAT, "No call, only <tool text and a { brace."),
     (HERMES_FORMAT, "<tool_call>\n{not a call}"),
 ]

@@ -131,9 +131,9 @@ def test_the_format_is_read_off_each_template(with_template):
     mistral = tool_format(with_template(MISTRAL).tokenizer)
     assert (mistral.opening, mistral.closing, mistral.is_list, mistral.arguments_key) == ("[TOOL_CALLS]", "", True, "arguments")
     assert tool_format(with_template(CHATML).tokenizer).name == GENERIC
-    assert tool_format(with_template(PYTHONIC).tokenizer) == ToolFormat("template", "[", "]", ", ", "arguments", False, True)
+    assert tool_format(with_template(PYTHONIC).tokenizer) == ToolFormat("template", "[", "]", ", ", "arguments", False, "pythonic")
     assert tool_format(with_template(GEMMA).tokenizer) == ToolFormat(
-        "template", "```tool_code\n[", "]\n```", ", ", "arguments", False, True
+        "template", "```tool_code\n[", "]\n```", ", ", "arguments", False, "pythonic"
     )
 
 
@@ -403,20 +403,18 @@ def test_with_auto_a_call_the_model_opens_always_ends_valid(with_template, templ
 
 
 def test_a_calls_arguments_hold_the_declared_properties_unless_the_schema_allows_more():
-    from edgeinfer.sdk.tools import call_schema, tool_request
+    from edgeinfer.sdk.tool_syntax.schema import call_schema
+    from edgeinfer.sdk.tools import tool_request
 
     open_tool = {
         "type": "function",
         "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
     }
-    schema = call_schema(tool_request([open_tool], "required"), ToolFormat(GENERIC))
+    schema = call_schema(tool_request([open_tool], "required"))
     assert schema["properties"]["arguments"]["additionalProperties"] is False
     allowing = json.loads(json.dumps(open_tool))
     allowing["function"]["parameters"]["additionalProperties"] = True
-    assert (
-        call_schema(tool_request([allowing], "required"), ToolFormat(GENERIC))["properties"]["arguments"]["additionalProperties"]
-        is True
-    )
+    assert call_schema(tool_request([allowing], "required"))["properties"]["arguments"]["additionalProperties"] is True
 
 
 # The parameters pydantic writes for a tool: the nested model under $defs, referred to from a property.
