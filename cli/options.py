@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import click
@@ -155,7 +156,10 @@ def _bias(pair: str) -> tuple[int, float]:
 
 
 # The settings the flags do not spell as --NAME: the flags that give them.
-_OTHER_FLAGS = {"response_format": "--json-schema, --regex or --grammar"}
+_OTHER_FLAGS = {"response_format": "--json-schema, --regex or --grammar", "max_batch": "--max-batch"}
+# A parameter as the SDK's messages spell it, NAME=VALUE (max_context=2048, truncate='left'):
+# the CLI says --max-context 2048, --truncate left.
+_SPELLED = re.compile(r"\b([a-z_]+)=(?:'([^']*)'|([^\s,;:)']+))")
 
 
 def _flags() -> dict[str, str]:
@@ -169,14 +173,26 @@ def _flags() -> dict[str, str]:
 
 
 def in_flags(error) -> str:
-    """The message of an edgeinfer error in the CLI's words: a SettingsError about `max_new_tokens`
-    names `--max-new-tokens` (the SDK's messages name the SDK's parameters), on one line."""
+    """The message of an edgeinfer error in the CLI's words, on one line: a SettingsError about
+    `max_new_tokens` names `--max-new-tokens`, and `max_context=2048` in a message is
+    `--max-context 2048` (the SDK's messages name the SDK's parameters)."""
     param = getattr(error, "param", None)
     base = param.split("[", 1)[0] if param else None
     flag = _flags().get(base) if base else None
-    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    if flag is None:
+    message = _as_flags(" ".join(line.strip() for line in str(error).splitlines() if line.strip()))
+    if flag is None or message.startswith(flag):
         return message
     if message.startswith(param):
         return f"{flag}{param[len(base) :]}{message[len(param) :]}"
     return f"{flag}: {message}"
+
+
+def _as_flags(message: str) -> str:
+    """`message` with each parameter the SDK spells NAME=VALUE spelled as its flag, where it has one."""
+    flags = _flags()
+
+    def flag(spelled: re.Match) -> str:
+        name, value = spelled.group(1), spelled.group(2) if spelled.group(2) is not None else spelled.group(3)
+        return f"{flags[name]} {value}" if name in flags and name != "response_format" else spelled.group(0)
+
+    return _SPELLED.sub(flag, message)

@@ -23,8 +23,8 @@ from .tokenizer import Tokenizer
 
 POOLINGS = ("last", "mean")
 NOT_GENERATING = (
-    "this model embeds text (it was exported with --task embedding); it does not generate: use embed() or "
-    "POST /v1/embeddings, or export the model without --task embedding to generate"
+    "this model embeds text (it was exported with task='embedding'); it does not generate: use embed(), or "
+    "export the model without task='embedding' to generate"
 )
 
 

@@ -124,8 +124,7 @@ class Engine:
         if context < self.max_context:
             raise SettingsError(
                 f"the draft model {draft} serves {context} tokens, fewer than this engine's {self.max_context}: "
-                f"load the engine with max_context={context} (--max-context {context}), or export the draft "
-                "with a larger --max-context"
+                f"load the engine with max_context={context}, or export the draft with a larger max_context"
             )
         self.attach_draft(
             Engine.load(

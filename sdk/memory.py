@@ -65,7 +65,7 @@ class MemoryPlan:
         batch_hint = f", or max_batch={rows}" if self.batch > 1 and rows >= 1 else ""
         raise SettingsError(
             f"the model needs {need}, but {where} has {size_text(available)}: load it with "
-            f"max_context={fits} (--max-context {fits}){batch_hint}, or free memory"
+            f"max_context={fits}{batch_hint}, or free memory"
         )
 
 

@@ -96,8 +96,7 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
         )
     if config.speculative == "draft" and engine.draft is None:
         raise SettingsError(
-            "speculative='draft' needs a draft model: load the engine with Engine.load(path, draft=DRAFT_DIR) "
-            "(--draft DIR), or use speculative='prompt_lookup'",
+            "speculative='draft' needs a draft model: load the engine with draft=DRAFT_DIR, or use speculative='prompt_lookup'",
             "speculative",
         )
     proposer = DraftModel(engine.draft, capacity) if config.speculative == "draft" else PromptLookup()
@@ -128,7 +127,7 @@ def room_left(prompts: list[list[int]], max_context: int, model_context: int) ->
         context = "model's" if max_context == model_context else "engine's (max_context)"
         raise ContextLengthError(
             f"{which} {longest} tokens but the {context} context is {max_context}: shorten the "
-            "prompt, or pass truncate='left' (--truncate left) to keep its end",
+            "prompt, or pass truncate='left' to keep its end",
             longest,
             max_context,
         )

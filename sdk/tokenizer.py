@@ -176,7 +176,7 @@ class Tokenizer:
         except Exception as e:  # noqa: BLE001 - a template is code the export brings: what it raises refuses these messages
             raise GenerationError(
                 f"the chat template failed on the messages ({type(e).__name__}: {e}): send them in a form it takes "
-                "(content as text, not null), or give the model another template (--chat-template)"
+                "(content as text, not null), or give the model another template (chat_template=FILE)"
             ) from None
 
     def decode_all(self, ids: list[int]) -> str:

@@ -121,7 +121,7 @@ def check_room(prompt_tokens: int, asked: int | None, context: int) -> None:
         )
 
 
-SDK_TRUNCATE = ", or pass truncate='left' (--truncate left) to keep its end"
+SDK_TRUNCATE = ", or pass truncate='left' to keep its end"
 
 
 def from_edgeinfer(error: EdgeInferError, prompt_field: str, names: dict[str, str]) -> tuple[int, dict, dict]:

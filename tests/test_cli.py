@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from edgeinfer import Engine
+from edgeinfer.sdk.errors import SettingsError
 
 
 def edgeinfer(*args, env=None):
@@ -582,3 +583,27 @@ def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_pat
         "pass --graphs split",
     )
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_sdks_parameters_are_named_as_the_clis_flags():
+    """The SDK's messages spell its parameters (max_context=100); the CLI says its flags."""
+    from edgeinfer.cli.options import in_flags
+
+    memory = SettingsError(
+        "the model needs 1 MiB, but the memory limit has 2 KiB: load it with max_context=100, or max_batch=2, or free memory"
+    )
+    assert in_flags(memory) == (
+        "the model needs 1 MiB, but the memory limit has 2 KiB: load it with --max-context 100, or --max-batch 2, or free memory"
+    )
+    draft = SettingsError(
+        "speculative='draft' needs a draft model: load the engine with draft=DRAFT_DIR, or use speculative='prompt_lookup'",
+        "speculative",
+    )
+    assert (
+        in_flags(draft)
+        == "--speculative draft needs a draft model: load the engine with --draft DRAFT_DIR, or use --speculative prompt_lookup"
+    )
+    assert (
+        in_flags(SettingsError("max_new_tokens must be at least 1, got 0", "max_new_tokens"))
+        == "--max-new-tokens must be at least 1, got 0"
+    )

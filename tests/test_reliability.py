@@ -119,14 +119,14 @@ def test_loading_refuses_what_does_not_fit_and_says_what_would(engine, tiny_llam
     with pytest.raises(
         SettingsError,
         match=r"needs .* of weights and 128.0 KiB of KV cache \(256 tokens x 1 rows\), but the "
-        r"memory limit has .*: load it with max_context=100 \(--max-context 100\), or free memory",
+        r"memory limit has .*: load it with max_context=100, or free memory",
     ):
         Engine.load(tiny_llama[1], provider="cpu", memory_limit=limit)
     fitted = Engine.load(tiny_llama[1], provider="cpu", memory_limit=limit, max_context=100)
     assert len(fitted.generate([5] * 10, max_new_tokens=5).token_ids) == 5
     with pytest.raises(SettingsError, match="the weights alone do not fit; use a quantized export"):
         Engine.load(tiny_llama[1], provider="cpu", memory_limit=weights // 2)
-    with pytest.raises(SettingsError, match=r"max_context=50 \(--max-context 50\), or max_batch=2,"):
+    with pytest.raises(SettingsError, match=r"max_context=50, or max_batch=2,"):
         Engine.load(tiny_llama[1], provider="cpu", memory_limit=weights + KV_PER_TOKEN * 200, max_context=100, max_batch=4)
 
 
