@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import re
 import socket
 import subprocess
@@ -26,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trees import ROOT, package_of  # noqa: E402
+from compare_trees import ROOT, in_tree, package_of  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -112,9 +111,21 @@ def answers(package: Path, export: str) -> dict[str, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(package)}
-    command = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", export, "--port", str(port), "--provider", "cpu"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "edgeinfer.cli",
+        "serve",
+        "--model",
+        str(Path(export).resolve()),
+        "--port",
+        str(port),
+        "--provider",
+        "cpu",
+    ]
+    process = subprocess.Popen(
+        command, **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):

@@ -50,12 +50,28 @@ def package_of(commit: str, folder: Path) -> Path:
     (package / "__init__.py").write_text((tree / "edgeinfer" / "__init__.py").read_text())
     for part in PARTS:
         (package / part).symlink_to(tree / part)
+    found = subprocess.run(
+        [sys.executable, "-c", "import edgeinfer.serve.app as a, os; print(os.path.realpath(a.__file__))"],
+        **in_tree(package.parent),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not found.startswith(str(tree.resolve())):
+        raise SystemExit(f"edgeinfer of {commit} imports from {found}, not from its worktree {tree}")
     return package.parent
 
 
+def in_tree(path: Path) -> dict:
+    """The environment and folder of a process that imports `edgeinfer` from `path` (package_of):
+    started in the repository's root, `python -c` and `python -m` would import the root's own
+    package first (the current folder leads sys.path), whatever PYTHONPATH says."""
+    return {"env": {**os.environ, "PYTHONPATH": str(path)}, "cwd": str(path)}
+
+
 def one_run(path: Path, export: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(path)}
-    done = subprocess.run([sys.executable, "-c", ONE_RUN, export], env=env, check=True, capture_output=True, text=True)
+    export = str(Path(export).resolve())
+    done = subprocess.run([sys.executable, "-c", ONE_RUN, export], **in_tree(path), check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -47,10 +47,9 @@ def _parsed(arguments: str):
     "--algorithm",
     type=click.Choice(list(ALGORITHMS)),
     default=None,
-    help="How blocks are quantized: round to nearest; k_quant (searches each block's scale, weighted by --calibration's "
-    "activations where given); gptq (spreads each weight's error over the rest, from --calibration's activations); or "
-    "HQQ (float zero points: ONNX Runtime's CPU kernel decodes them slowly) [default: gptq for int4, rtn for int8 and "
-    "--symmetric].",
+    help="How blocks are quantized: "
+    + "; ".join(f"{a.name} ({a.about})" for a in ALGORITHMS.values())
+    + " [default: gptq for int4, rtn for int8 and --symmetric].",
 )
 @click.option(
     "--keep-int8",

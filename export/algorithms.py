@@ -16,9 +16,11 @@ class Algorithm:
     the fp32 graph over a calibration text, "always" (gptq: the built-in text unless one is given),
     "given" (where one is given) or "never"; `float_zeros`: its zero points are floats (HQQ's), which
     ONNX Runtime's GatherBlockQuantized does not take, so a tied lm_head is rounded to nearest in a
-    pass of its own and ONNX Runtime's HQQ quantizer, which reads each weight whole, does the rest."""
+    pass of its own and ONNX Runtime's HQQ quantizer, which reads each weight whole, does the rest.
+    `about`: what it does, in the words of --algorithm's help."""
 
     name: str
+    about: str = ""
     searches: bool = False
     hessian: bool = False
     calibration: str = "never"
@@ -41,9 +43,11 @@ class Algorithm:
 ALGORITHMS = {
     a.name: a
     for a in (
-        Algorithm("rtn"),
-        Algorithm("k_quant", searches=True, calibration="given"),
-        Algorithm("gptq", searches=True, hessian=True, calibration="always"),
-        Algorithm("hqq", float_zeros=True),
+        Algorithm("rtn", "round to nearest"),
+        Algorithm(
+            "k_quant", "searches each block's scale, weighted by --calibration's activations where given", True, calibration="given"
+        ),
+        Algorithm("gptq", "spreads each weight's error over the rest, from --calibration's activations", True, True, "always"),
+        Algorithm("hqq", "float zero points: ONNX Runtime's CPU kernel decodes them slowly", float_zeros=True),
     )
 }
