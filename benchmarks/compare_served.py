@@ -38,7 +38,9 @@ def served(package: Path, export: str, seconds: float) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", export, "--port", str(port), "--provider", "cpu"]
-    process = subprocess.Popen([*command, "--prefix-cache", "0"], **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*command, "--prefix-cache", "0"], **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -66,7 +68,11 @@ def served(package: Path, export: str, seconds: float) -> dict:
 def tool_cost(package: Path, export: str) -> dict:
     """benchmarks/tools.py's medians with `package`'s SDK (3 rounds)."""
     done = subprocess.run(
-        [sys.executable, str(HERE / "tools.py"), export, "--rounds", "3"], **in_tree(package), check=True, capture_output=True, text=True
+        [sys.executable, str(HERE / "tools.py"), export, "--rounds", "3"],
+        **in_tree(package),
+        check=True,
+        capture_output=True,
+        text=True,
     )
     plain = float(re.search(r"plain greedy: median ([\d.]+)", done.stdout).group(1))
     forced = float(re.search(r"forced call:  median ([\d.]+)", done.stdout).group(1))
