@@ -2,8 +2,9 @@
 process on one export (a Scheduler behind it, as `edgeinfer serve` runs it), one streamed chat
 completion with a required tool call sent twice, and the second one's calls recorded (on every
 thread: the event loop, the workers, the scheduler). Printed: the stops (distinct functions of the
-package called), the files they are in, the calls in all, and how many times the event loop's
-thread entered app.py from another file of the package.
+package called), the files they are in, and the calls in all; the same for the request's side
+alone (every thread but the scheduler's: HTTP, the chat turn, the replies); and how many times
+app.py was entered from outside it (from the web framework or another file).
 
     python benchmarks/request_walk.py EXPORT_DIR COMMIT [COMMIT ...]
 
@@ -35,7 +36,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
            "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 body = {"model": "m", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40,
         "temperature": 0, "tools": [WEATHER], "tool_choice": "required", "stream": True}
-calls, recording, loop_thread = [], [False], threading.get_ident()
+calls, recording = [], [False]
 names = {}
 
 def where(code):
@@ -52,15 +53,19 @@ def profile(frame, event, arg):
     callee = where(frame.f_code)
     if callee:
         caller = where(frame.f_back.f_code) if frame.f_back is not None else ""
-        calls.append((threading.get_ident() == loop_thread, caller, callee, frame.f_code.co_qualname))
+        calls.append((threading.current_thread().name != "edgeinfer-scheduler", caller, callee, frame.f_code.co_qualname))
 
 async def main():
     app = create_app(lambda: Scheduler(Engine.load(export, provider="cpu"), max_batch=2), "m")
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://walk") as client:
-            while (await client.get("/health")).status_code != 200:
+            for _ in range(600):
+                if (await client.get("/health")).status_code == 200:
+                    break
                 await asyncio.sleep(0.1)
+            else:
+                raise SystemExit(f"the export did not load: {app.state.loaded.error}")
             for round_ in range(2):
                 recording[0] = round_ == 1
                 async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
@@ -73,8 +78,10 @@ sys.setprofile(profile)
 asyncio.run(main())
 sys.setprofile(None)
 stops = sorted({(callee, name) for _, _, callee, name in calls})
-entries = sum(1 for on_loop, caller, callee, _ in calls if on_loop and callee == "serve/app.py" and caller not in ("", "serve/app.py"))
-print(json.dumps({"imported_from": tree, "stops": len(stops), "files": len({f for f, _ in stops}), "calls": len(calls), "app_py_entries": entries,
+served = {(callee, name) for on_request, _, callee, name in calls if on_request}
+entries = sum(1 for _, caller, callee, _ in calls if callee == "serve/app.py" and caller != "serve/app.py")
+print(json.dumps({"imported_from": tree, "stops": len(stops), "files": len({f for f, _ in stops}), "calls": len(calls),
+                  "request_side_stops": len(served), "request_side_files": len({f for f, _ in served}), "app_py_entries": entries,
                   "by_file": {f: sum(1 for g, _ in stops if g == f) for f in sorted({f for f, _ in stops})}}))
 """
 
