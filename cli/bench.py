@@ -9,11 +9,12 @@ import click
 
 from edgeinfer.sdk.errors import EdgeInferError
 
+from .options import model_argument, one_model
 from .resolve import resolve_export, say
 
 
 @click.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core].")
 @click.option(
@@ -26,8 +27,9 @@ from .resolve import resolve_export, say
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 100))
 @click.option("--json", "json_file", default="edgeinfer-bench.json", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_file", default=None, type=click.Path(dir_okay=False), help="Also draw the figures into this PNG.")
-def bench(model, provider, threads, prompts_file, new_tokens, repeats, json_file, plot_file):
+def bench(model, model_option, provider, threads, prompts_file, new_tokens, repeats, json_file, plot_file):
     """Measure MODEL (an export folder or catalog name [default: smollm2-135m-instruct])."""
+    model = one_model(model, model_option, required=False)
     from edgeinfer.sdk.bench import run_benchmark
 
     prompts = json.loads(Path(prompts_file).read_text())["prompts"] if prompts_file else None

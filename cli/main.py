@@ -10,21 +10,25 @@ from pathlib import Path
 
 import click
 
+from edgeinfer import __version__
 from edgeinfer.export.algorithms import ALGORITHMS
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
 from .bench import bench
 from .chat import chat
-from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, with_options
-from .resolve import _exporter, live_stream, load_engine, say, say_timings
+from .manage import list_models, pull, rm
+from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, model_argument, one_model, with_options
+from .resolve import _exporter, live_stream, load_engine, quiet_libraries, resolve_export, say, say_timings
 from .serve import serve
 
 
 @click.group()
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
-def cli(debug):
+@click.option("-v", "--verbose", is_flag=True, help="Say why the provider was chosen, and show other libraries' logs and warnings.")
+@click.version_option(__version__, "-V", "--version", prog_name="edgeinfer", message="%(prog)s %(version)s")
+def cli(debug, verbose):
     """Run causal language models through ONNX Runtime."""
-    # --debug is read by main(), which turns errors into one line unless it is given.
+    # --debug and --verbose are read by main(): errors in one line, other libraries quiet, unless given.
 
 
 def _parsed(arguments: str):
@@ -36,7 +40,7 @@ def _parsed(arguments: str):
 
 
 @cli.command()
-@click.argument("model")
+@model_argument
 @click.option("-o", "--output", required=True, type=click.Path(), help="Folder to write the export to.")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option("--max-context", type=int, default=None, help="Tokens the runtime may hold [default: the model's limit].")
@@ -134,6 +138,7 @@ def _parsed(arguments: str):
 )
 def export(
     model,
+    model_option,
     output,
     force,
     max_context,
@@ -157,6 +162,7 @@ def export(
 ):
     """Export MODEL (a folder, a .gguf file, a catalog name or a hub id) to ONNX: one graph for prefill and decode, or
     (--graphs split) a prefill graph and a decode graph."""
+    model = one_model(model, model_option)
     exporter = _exporter()
     if not quantize:
         _refuse_quantization_flags(
@@ -234,7 +240,12 @@ def export_adapter(adapter, base, name, model):
 @click.argument("prompt")
 @with_options(MODEL_OPTIONS)
 @with_options(GENERATION_OPTIONS)
-@click.option("--chat", is_flag=True, help="Wrap PROMPT in the model's chat template.")
+@click.option(
+    "--chat/--raw",
+    default=None,
+    help="--chat sends PROMPT as a user's message through the model's chat template; --raw sends it as it is, to be "
+    "continued [default: --chat where the model has a chat template].",
+)
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON result (text, tokens, timings, finish reason) instead of streaming."
 )
@@ -243,9 +254,10 @@ def export_adapter(adapter, base, name, model):
     "tools_file",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
-    help="With --chat: OpenAI function tools (a JSON list).",
+    help="OpenAI function tools (a JSON list) the reply may call.",
 )
 @click.option("--tool-choice", default=None, help="With --tools: auto, none, required, or a tool's name [default: auto].")
+@click.option("--parallel-tool-calls", is_flag=True, help="With --tools: let one reply make several calls [default: one].")
 def run(
     prompt,
     model,
@@ -260,43 +272,64 @@ def run(
     as_json,
     tools_file,
     tool_choice,
+    parallel_tool_calls,
     **params,
 ):
-    """Generate text after PROMPT (`-` reads it from stdin), streaming it as it is produced."""
+    """Answer PROMPT (`-` reads it from stdin), streaming the reply as it is produced: through the
+    model's chat template where it has one, else (or with --raw) continuing PROMPT's text."""
     settings = generation_settings(params, draft)
     prompt = sys.stdin.read().rstrip("\n") if prompt == "-" else prompt
-    if (tools_file or tool_choice) and not chat:
-        raise click.UsageError("--tools and --tool-choice apply to --chat")
-    if tool_choice and not tools_file:
-        raise click.UsageError("--tool-choice needs --tools")
+    if (tools_file or tool_choice or parallel_tool_calls) and chat is False:
+        raise click.UsageError("--tools, --tool-choice and --parallel-tool-calls apply to a chat turn: leave out --raw")
+    if (tool_choice or parallel_tool_calls) and not tools_file:
+        raise click.UsageError("--tool-choice and --parallel-tool-calls need --tools")
     engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft, chat_template=chat_template)
     if tools_file:
-        return _run_with_tools(engine, prompt, tools_file, tool_choice, as_json, settings)
-    ids = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
+        return _run_with_tools(engine, prompt, tools_file, (tool_choice, parallel_tool_calls), as_json, settings)
+    if chat is None:
+        chat = engine.tokenizer.chat_template is not None
     if as_json:
-        result = engine.generate(ids, **settings)
-        click.echo(
-            json.dumps(
-                {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}, ensure_ascii=False
-            )
-        )
+        asked = [{"role": "user", "content": prompt}]
+        result = engine.chat(asked, **settings) if chat else engine.generate(prompt, **settings)
+        payload = {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}
+        click.echo(json.dumps(payload, ensure_ascii=False))
         return
-    for piece in engine.stream(ids, **settings):
+    say_timings(_streamed_chat(engine, prompt, settings) if chat else _streamed(engine, prompt, settings))
+
+
+def _streamed(engine, prompt: str, settings: dict):
+    """PROMPT's continuation on stdout as it comes; its last piece."""
+    for piece in engine.stream(prompt, **settings):
         click.echo(piece.text, nl=False)
         sys.stdout.flush()
     click.echo()
-    say_timings(piece)
+    return piece
 
 
-def _run_with_tools(engine, prompt: str, tools_file: str, tool_choice: str | None, as_json: bool, settings: dict) -> None:
-    """One chat turn with tools: the reply's text, then each call as a JSON line {"name", "arguments"}."""
+def _streamed_chat(engine, prompt: str, settings: dict):
+    """The reply to PROMPT on stdout as it comes (a reasoning model's thought on stderr); its result."""
+    for delta in engine.stream_chat([{"role": "user", "content": prompt}], **settings):
+        if delta.reasoning:
+            click.echo(delta.reasoning, nl=False, err=True)
+        click.echo(delta.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    return delta.result
+
+
+def _run_with_tools(engine, prompt: str, tools_file: str, asked: tuple, as_json: bool, settings: dict) -> None:
+    """One chat turn with tools (`asked`: --tool-choice, --parallel-tool-calls): the reply's text,
+    then each call as a JSON line {"name", "arguments"}."""
+    tool_choice, parallel = asked
     try:
         tools = json.loads(Path(tools_file).read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise click.BadParameter(f"{tools_file} is not JSON ({e}): give a JSON list of OpenAI function tools", param_hint="--tools")
     named = tool_choice not in (None, "auto", "none", "required")
     choice = {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
-    result = engine.chat([{"role": "user", "content": prompt}], tools=tools, tool_choice=choice, **settings)
+    result = engine.chat(
+        [{"role": "user", "content": prompt}], tools=tools, tool_choice=choice, parallel_tool_calls=parallel, **settings
+    )
     if as_json:
         payload = {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}
         click.echo(json.dumps(payload, ensure_ascii=False))
@@ -309,11 +342,12 @@ def _run_with_tools(engine, prompt: str, tools_file: str, tool_choice: str | Non
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(), required=False)
+@model_argument
 @click.option("--architectures", is_flag=True, help="List the model families edgeinfer can export.")
-def info(folder, architectures):
-    """Print an export's manifest and the execution providers usable here, or (--architectures)
-    the model families edgeinfer can export."""
+def info(model, model_option, architectures):
+    """Print what MODEL's export holds (an export folder or a catalog name: memory, graphs,
+    adapters, the manifest) and the execution providers usable here, or (--architectures) the model
+    families edgeinfer can export."""
     if architectures:
         from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
 
@@ -323,8 +357,9 @@ def info(folder, architectures):
         for name, reason in UNSUPPORTED.items():
             click.echo(f"  {name}: {reason}")
         return
-    if folder is None:
-        raise click.UsageError("pass an export FOLDER, or --architectures")
+    if model is None and model_option is None:
+        raise click.UsageError("give a MODEL (an export folder or a catalog name), or --architectures")
+    folder = resolve_export(one_model(model, model_option), say)
     from edgeinfer.sdk.manifest import load_manifest
     from edgeinfer.sdk.memory import MemoryPlan, size_text
     from edgeinfer.sdk.runtime import cuda_unusable_reason
@@ -370,13 +405,13 @@ def info(folder, architectures):
 
 
 @cli.command()
-@click.argument("folder", type=click.Path())
-def verify(folder):
-    """Check every file of the export in FOLDER against the size and SHA-256 its manifest records.
-    Exits 1, naming the file, where one differs."""
-    from pathlib import Path
-
+@model_argument
+def verify(model, model_option):
+    """Check every file of MODEL's export (a folder or a catalog name) against the size and SHA-256
+    its manifest records. Exits 1, naming the file, where one differs."""
     from edgeinfer.sdk.manifest import load_manifest, verify_files
+
+    folder = resolve_export(one_model(model, model_option), say)
     from edgeinfer.sdk.memory import size_text
 
     manifest = load_manifest(folder)
@@ -385,20 +420,21 @@ def verify(folder):
 
 
 @cli.command()
-@click.argument("folder", type=click.Path())
+@model_argument
 @click.option("--against", "source", required=True, help="The model it was exported from: folder, .gguf, catalog name or hub id.")
 @click.option("--prompt", default=None, help="Text to check with [default: a fixed sentence].")
 @click.option("--new-tokens", default=16, show_default=True, type=click.IntRange(1, 4096))
-def check(folder, source, prompt, new_tokens):
-    """Check the export in FOLDER against its PyTorch source: greedy tokens, prefill and decode
-    logits, those of several tokens in one pass (extend), and a batch of two prompts against
-    single runs. Exits 1 if any differs."""
+def check(model, model_option, source, prompt, new_tokens):
+    """Check MODEL's export (a folder or a catalog name) against its PyTorch source: greedy tokens,
+    prefill and decode logits, those of several tokens in one pass (extend), and a batch of two
+    prompts against single runs. Exits 1 if any differs."""
     _exporter()  # a clear error where the export extra is missing
     from edgeinfer.export.check import DEFAULT_PROMPT, check_export
     from edgeinfer.export.source import load_model, resolve_source
 
-    model, _ = load_model(resolve_source(source, say), with_tokenizer=False)
-    result = check_export(folder, model, prompt or DEFAULT_PROMPT, new_tokens)
+    folder = resolve_export(one_model(model, model_option), say)
+    source_model, _ = load_model(resolve_source(source, say), with_tokenizer=False)
+    result = check_export(folder, source_model, prompt or DEFAULT_PROMPT, new_tokens)
     same = {True: "equal", False: "DIFFERENT"}
     click.echo(
         f"greedy tokens ({new_tokens} after a {result.prompt_tokens}-token prompt): {same[result.tokens_equal]} to transformers'"
@@ -420,15 +456,21 @@ def check(folder, source, prompt, new_tokens):
 cli.add_command(chat)
 cli.add_command(bench)
 cli.add_command(serve)
+cli.add_command(list_models)
+cli.add_command(pull)
+cli.add_command(rm)
+cli.add_command(info, "show")
 
 
 def main() -> None:
     debug = "--debug" in sys.argv[1:]
+    if not {"-v", "--verbose"} & set(sys.argv[1:]):
+        quiet_libraries()
     # A service manager stops a process with SIGTERM: exit through the same clean-up as Ctrl-C
     # (an export removes its temporary folder).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        cli.main(standalone_mode=False)
+        cli.main(standalone_mode=False, prog_name="edgeinfer")
     except EdgeInferError as e:
         if debug:
             raise
@@ -437,8 +479,9 @@ def main() -> None:
     except click.exceptions.Abort:
         say("interrupted")
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
+    except click.ClickException as e:  # a usage error: in the same one-line shape as the others, with where help is
+        helped = isinstance(e, click.UsageError) and e.ctx is not None
+        say(f"error: {e.format_message()}" + (f" (`{e.ctx.command_path} --help` shows the options)" if helped else ""))
         sys.exit(e.exit_code)
     except OSError as e:  # the file system: permissions, a full disk, a vanished folder
         if debug:

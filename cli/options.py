@@ -11,7 +11,7 @@ import click
 from edgeinfer.sdk.settings import FIELDS
 
 MODEL_OPTIONS = [
-    click.option("--model", "model", default=None, help="Export folder or catalog name [default: smollm2-135m-instruct]."),
+    click.option("-m", "--model", "model", default=None, help="Export folder or catalog name [default: smollm2-135m-instruct]."),
     click.option("--provider", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads [default: one per core]."),
     click.option("--max-context", default=None, type=int, help="Tokens (prompt and reply) to serve [default: the export's context]."),
@@ -156,7 +156,7 @@ def _bias(pair: str) -> tuple[int, float]:
 
 
 # The settings the flags do not spell as --NAME: the flags that give them.
-_OTHER_FLAGS = {"response_format": "--json-schema, --regex or --grammar", "max_batch": "--max-batch"}
+_OTHER_FLAGS = {"response_format": "--json-schema, --regex or --grammar", "max_batch": "--max-batch", "task": "--task"}
 # A parameter as the SDK's messages spell it, NAME=VALUE (max_context=2048, truncate='left'):
 # the CLI says --max-context 2048, --truncate left.
 _SPELLED = re.compile(r"\b([a-z_]+)=(?:'([^']*)'|([^\s,;:)']+))")
@@ -169,7 +169,23 @@ def _flags() -> dict[str, str]:
         pass
 
     with_options(MODEL_OPTIONS + GENERATION_OPTIONS)(command)
-    return {param.name: param.opts[0] for param in command.__click_params__} | _OTHER_FLAGS
+    return {param.name: max(param.opts, key=len) for param in command.__click_params__} | _OTHER_FLAGS
+
+
+def model_argument(command):
+    """MODEL as the command's argument, or as -m/--model, as `run`, `chat` and `serve` take it."""
+    command = click.option("-m", "--model", "model_option", default=None, metavar="MODEL", help="MODEL, as an option.")(command)
+    return click.argument("model", required=False)(command)
+
+
+def one_model(argument: str | None, option: str | None, required: bool = True) -> str | None:
+    """The model a command was given, as its argument or as -m/--model."""
+    if argument is not None and option is not None and argument != option:
+        raise click.UsageError(f"MODEL {argument!r} and --model {option!r} differ: give one of them")
+    model = argument if argument is not None else option
+    if model is None and required:
+        raise click.UsageError("give a MODEL: an export folder or a catalog name (as MODEL or -m MODEL)")
+    return model
 
 
 def in_flags(error) -> str:

@@ -19,6 +19,23 @@ def say(message: str) -> None:
     click.echo(message, err=True)
 
 
+QUIET = {"verbose": True}  # quiet_libraries() sets it False: the provider line then gives no long reason
+
+
+def quiet_libraries() -> None:
+    """Other libraries' logs and warnings kept below what a user needs (--verbose shows them): ONNX
+    Runtime's quantizer logs each weight at INFO, transformers warns of a tokenizer's defaults."""
+    import logging
+    import os
+    import warnings
+
+    QUIET["verbose"] = False
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for name in ("onnxruntime", "onnx", "onnxscript", "transformers", "torch", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module=r"(torch|transformers|onnx|onnxruntime|onnxscript|optimum)(\.|$)")
+
+
 def live_stream():
     """stderr where it is a terminal, for the export's progress line; else None (logs get no redraws)."""
     return sys.stderr if sys.stderr.isatty() else None
@@ -66,10 +83,17 @@ def load_engine(
         draft=None if draft is None else resolve_export(draft, say),
         chat_template=None if chat_template is None else read_template(chat_template),
     )
-    say(f"provider: {engine.provider} ({engine.provider_reason})")
+    say(f"provider: {engine.provider}" + _why(engine.provider_reason))
     if isinstance(engine, Embedder) and not embeddings:
         raise SettingsError(NOT_GENERATING, "model")
     return engine
+
+
+def _why(reason: str) -> str:
+    """The provider's reason as the provider line gives it: whole with --verbose; else short."""
+    if QUIET["verbose"]:
+        return f" ({reason})"
+    return " (CUDA is not usable here: --verbose says why)" if reason.startswith("auto chose cpu") else ""
 
 
 def read_template(path: str) -> str:

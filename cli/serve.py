@@ -20,6 +20,7 @@ from .resolve import load_engine, resolve_export, say
 
 @click.command()
 @click.option(
+    "-m",
     "--model",
     "models",
     multiple=True,

@@ -12,7 +12,7 @@ from .chat_stream import ChatStream
 from .errors import SettingsError
 from .reasoning import ReasoningFormat, reasoning_format
 from .tokenizer import Tokenizer
-from .tools import ToolPlan, ToolRequest, plan, thought_first
+from .tools import ToolCall, ToolPlan, ToolRequest, plan, thought_first
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ def chat_turn(
     """The turn of `messages` with the tools `request` asks for (None: none), within `context`
     tokens; `template_kwargs` are the chat template's own variables. Raises SettingsError on a bad
     tool request or a prompt that leaves no room."""
+    messages = _as_dicts(messages)
     chosen = plan(tokenizer, messages, request) if request is not None else None
     text, ids = tokenizer.chat_prompt(chosen.messages if chosen else messages, context, chosen and chosen.tools, template_kwargs)
     thinking = reasoning_format(tokenizer, text)
@@ -63,5 +64,21 @@ def closed_text(
 ) -> str:
     """The conversation as the template closes it, no reply opened (llama.cpp's /apply-template
     without a generation prompt), its tools planned as a turn of it plans them."""
+    messages = _as_dicts(messages)
     chosen = plan(tokenizer, messages, request) if request is not None else None
     return tokenizer.render_chat(chosen.messages if chosen else messages, False, chosen and chosen.tools, template_kwargs)
+
+
+def _as_dicts(messages: list[dict]) -> list[dict]:
+    """`messages` with an assistant's `tool_calls` in OpenAI's shape: they may be the ToolCall
+    objects a result carries (`result.tool_calls`), sent back as they came."""
+    if not isinstance(messages, (list, tuple)):
+        return messages  # the tokenizer says what messages must be
+
+    def plain(message):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not calls or not isinstance(calls, (list, tuple)):
+            return message
+        return {**message, "tool_calls": [c.as_openai() if isinstance(c, ToolCall) else c for c in calls]}
+
+    return [plain(m) for m in messages]

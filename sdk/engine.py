@@ -11,7 +11,7 @@ from .constraints import Constraints
 from .embedder import Embedder
 from .errors import GenerationError, ManifestError, SettingsError
 from .generation import generate
-from .manifest import Manifest, load_manifest, verify_files
+from .manifest import Manifest, export_folder, load_manifest, verify_files
 from .memory import LoadLimits, MemoryPlan, available_bytes, check_generation
 from .prepare import prepare, speculation
 from .runner import ModelRunner
@@ -84,7 +84,8 @@ class Engine:
         draft: str | Path | None = None,
         chat_template: str | None = None,
     ) -> Engine | Embedder:
-        """Load an export folder made by `edgeinfer export` (an embedding export gives an Embedder). `provider` is "auto" (CUDA where it
+        """Load an export folder made by `edgeinfer export`, or a catalog model's export by its name
+        (an embedding export gives an Embedder). `provider` is "auto" (CUDA where it
         can run, else CPU; `engine.provider_reason` says which and why), "cpu" or "cuda".
         Prompts are prefilled `prefill_chunk` tokens at a time (same results, a smaller memory peak).
 
@@ -106,9 +107,10 @@ class Engine:
         if prefix_cache is not None and (isinstance(prefix_cache, bool) or not isinstance(prefix_cache, int) or prefix_cache < 0):
             raise SettingsError(f"prefix_cache must be a number of MiB of at least 0 (0 turns it off), got {prefix_cache!r}")
         limits = LoadLimits(max_context, max_batch, memory_limit, None if prefix_cache is None else prefix_cache * 2**20)
+        path = export_folder(path)
         manifest = load_manifest(path)
         if verify:
-            verify_files(Path(path), manifest.files)
+            verify_files(path, manifest.files)
         if manifest.task == "embedding":  # an embedding model: Embedder's embed() in place of generation
             return Embedder(Path(path), manifest, options, max_batch if max_batch > 1 else 8, max_context)
         engine = cls(Path(path), manifest, options, prefill_chunk, limits)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ManifestError, NotAnExportError
+from .errors import ManifestError, ModelNotFoundError, NotAnExportError
 
 # 2: one graph for prefill and decode (1 had a separate prefill graph); 3: the split layout (a
 # prefill graph without past inputs beside the decode graph), written only for `--graphs split`;
@@ -186,9 +186,29 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
+def export_folder(model: str | Path) -> Path:
+    """The export folder `model` names: a folder, or a catalog name whose export is in edgeinfer's
+    cache (ModelNotFoundError where it is not exported yet)."""
+    folder = Path(model).expanduser()
+    if folder.exists() or not isinstance(model, str):
+        return folder
+    from edgeinfer.models import exported_model_dir, is_catalog_name
+
+    if not is_catalog_name(model):
+        return folder
+    cached = exported_model_dir(model)
+    if not (cached / MANIFEST_NAME).exists():
+        raise ModelNotFoundError(
+            f"{model} is a catalog model not exported on this machine yet: export it once with `edgeinfer pull {model}` "
+            f"(or edgeinfer.export.export_model({model!r}, edgeinfer.models.exported_model_dir({model!r}))), then load it by name"
+        )
+    return cached
+
+
 def load_manifest(folder: str | Path) -> Manifest:
-    """Read and check the manifest of an export folder; sizes of all listed files are checked too."""
-    folder = Path(folder)
+    """Read and check the manifest of an export folder (or of a catalog name's export: export_folder);
+    sizes of all listed files are checked too."""
+    folder = export_folder(folder)
     if not folder.exists():
         raise NotAnExportError(
             f"model path {folder} does not exist: pass an export folder made by `edgeinfer export`, or a catalog name"

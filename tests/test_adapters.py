@@ -261,7 +261,7 @@ def test_the_command_line_exports_adds_and_runs_adapters(adapted, engine, tmp_pa
     )
     assert done.returncode == 0 and f"added adapter qv to {tmp_path / 'e'}: it has all, qv" in done.stderr + done.stdout
     for adapter in ("all", "qv"):
-        run = [*cli, "run", PROMPT, "--model", str(tmp_path / "e"), "--adapter", adapter, "--max-new-tokens", "8", "--json"]
+        run = [*cli, "run", PROMPT, "--raw", "--model", str(tmp_path / "e"), "--adapter", adapter, "--max-new-tokens", "8", "--json"]
         done = subprocess.run(run, capture_output=True, text=True)
         assert (
             done.returncode == 0 and json.loads(done.stdout)["text"] == engine.generate(PROMPT, max_new_tokens=8, adapter=adapter).text

@@ -163,7 +163,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_run_streams_the_same_text_as_the_sdk(tiny_llama):
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "cpu", "--max-new-tokens", "16", "The capital")
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--provider", "cpu", "--max-new-tokens", "16", "The capital")
     assert done.returncode == 0, done.stderr
     expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=16)
     assert done.stdout == expected.text + "\n"
@@ -171,12 +171,27 @@ def test_run_streams_the_same_text_as_the_sdk(tiny_llama):
     assert "provider: cpu" in done.stderr
 
 
-def test_run_chat_wraps_the_prompt_in_the_template(tiny_llama):
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--chat", "--max-new-tokens", "8", "Hello")
+def test_run_answers_through_the_chat_template_by_default(tiny_llama):
+    """A model with a chat template gets PROMPT as a user's message, as `ollama run` does; --chat
+    says so explicitly, --raw continues PROMPT's text."""
     engine = Engine.load(tiny_llama[1], provider="cpu")
-    expected = engine.generate(engine.chat_prompt([{"role": "user", "content": "Hello"}]), max_new_tokens=8)
-    assert done.returncode == 0 and done.stdout == expected.text + "\n"
-    assert f"prompt {expected.prompt_tokens} tokens" in done.stderr
+    expected = engine.chat([{"role": "user", "content": "Hello"}], max_new_tokens=8)
+    assert expected.prompt_tokens == len(engine.chat_prompt([{"role": "user", "content": "Hello"}]))
+    for flags in ([], ["--chat"]):
+        done = edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "--max-new-tokens", "8", "Hello")
+        assert done.returncode == 0 and done.stdout == expected.text + "\n", flags
+        assert f"prompt {expected.prompt_tokens} tokens" in done.stderr
+    raw = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--max-new-tokens", "8", "--json", "Hello")
+    assert json.loads(raw.stdout)["token_ids"] == engine.generate("Hello", max_new_tokens=8).token_ids
+    chat = edgeinfer("run", "--model", str(tiny_llama[1]), "--max-new-tokens", "8", "--json", "Hello")
+    assert json.loads(chat.stdout)["token_ids"] == expected.token_ids
+
+
+def test_version():
+    from edgeinfer import __version__
+
+    done = edgeinfer("--version")
+    assert done.returncode == 0 and done.stdout == f"edgeinfer {__version__}\n"
 
 
 def test_info_prints_the_manifest_and_providers(tiny_llama):
@@ -199,7 +214,7 @@ def test_info_prints_the_manifest_and_providers(tiny_llama):
 
 
 def test_run_with_an_unknown_provider(tiny_llama):
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "bogus", "hi")
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--provider", "bogus", "hi")
     assert done.returncode == 2 and "Invalid value for '--provider'" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -226,7 +241,7 @@ def test_run_takes_every_generation_setting_as_a_flag(tiny_llama):
         "--max-new-tokens",
         "12",
     ]
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "The capital")
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", *flags, "The capital")
     expected = Engine.load(tiny_llama[1], provider="cpu").generate(
         "The capital",
         temperature=0.8,
@@ -279,6 +294,7 @@ def test_run_takes_constraints_penalties_and_logprobs_as_flags(tiny_llama, tmp_p
             "run",
             "--model",
             str(tiny_llama[1]),
+            "--raw",
             "--json",
             "--max-new-tokens",
             "12",
@@ -298,16 +314,20 @@ def test_run_takes_constraints_penalties_and_logprobs_as_flags(tiny_llama, tmp_p
             assert all(len(t["top"]) == 2 for t in result["logprobs"])
     assert re.fullmatch(
         "[0-9]{2}",
-        json.loads(edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--regex", "[0-9]{2}", "The capital").stdout)["text"],
+        json.loads(edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--json", "--regex", "[0-9]{2}", "The capital").stdout)[
+            "text"
+        ],
     )
-    both = edgeinfer("run", "--model", str(tiny_llama[1]), "--regex", "a", "--json-schema", str(tmp_path / "schema.json"), "x")
+    both = edgeinfer(
+        "run", "--model", str(tiny_llama[1]), "--raw", "--regex", "a", "--json-schema", str(tmp_path / "schema.json"), "x"
+    )
     assert both.returncode != 0 and "--json-schema and --regex both constrain the output: pass one" in both.stderr
-    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--logit-bias", "five=1", "x")
+    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--logit-bias", "five=1", "x")
     assert bad.returncode != 0 and "'five=1' is not ID=BIAS" in bad.stderr
 
 
 def test_run_json_prints_one_machine_readable_result(tiny_llama):
-    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "9", "--ignore-eos", "The capital")
+    done = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--json", "--max-new-tokens", "9", "--ignore-eos", "The capital")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=9)
@@ -318,7 +338,7 @@ def test_run_json_prints_one_machine_readable_result(tiny_llama):
 
 def test_run_reads_the_prompt_from_stdin(tiny_llama):
     done = subprocess.run(
-        [sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(tiny_llama[1]), "--json", "--max-new-tokens", "6", "-"],
+        [sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(tiny_llama[1]), "--raw", "--json", "--max-new-tokens", "6", "-"],
         input="The capital\n",
         capture_output=True,
         text=True,
@@ -339,7 +359,7 @@ def test_run_reads_the_prompt_from_stdin(tiny_llama):
 )
 def test_run_with_an_invalid_setting_names_its_flag_on_one_line(tiny_llama, flags, words):
     """The SDK's messages name its parameters (top_p); the CLI's name its flags (--top-p)."""
-    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), *flags, "hi"), *words)
+    assert_one_line_error(edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", *flags, "hi"), *words)
 
 
 def chat(folder, lines, *flags):
@@ -486,17 +506,29 @@ def test_verify_reads_every_file_against_the_manifest(tiny_llama, tmp_path):
 def test_run_with_a_smaller_context_and_truncation(tiny_llama):
     prompt = "Edge boxes run small language models. " * 40
     assert_one_line_error(
-        edgeinfer("run", "--model", str(tiny_llama[1]), "--max-context", "64", prompt),
+        edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--max-context", "64", prompt),
         "but the engine's (max_context) context is 64",
         "--truncate left",
     )
     done = edgeinfer(
-        "run", "--model", str(tiny_llama[1]), "--max-context", "64", "--truncate", "left", "--max-new-tokens", "8", "--json", prompt
+        "run",
+        "--model",
+        str(tiny_llama[1]),
+        "--raw",
+        "--max-context",
+        "64",
+        "--truncate",
+        "left",
+        "--max-new-tokens",
+        "8",
+        "--json",
+        prompt,
     )
     result = json.loads(done.stdout)
     assert (result["prompt_tokens"], len(result["token_ids"])) == (56, 8) and result["truncated_tokens"] > 0
     assert_one_line_error(
-        edgeinfer("run", "--model", str(tiny_llama[1]), "--memory-limit", "0", "hi"), "memory_limit must be an integer of at least 1"
+        edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--memory-limit", "0", "hi"),
+        "memory_limit must be an integer of at least 1",
     )
 
 
@@ -547,11 +579,13 @@ def test_edgeinfer_profile_writes_one_profile_of_the_model_graphs_runs(tiny_llam
 
 
 def test_run_takes_the_prefix_cache_budget(tiny_llama):
-    off = edgeinfer("run", "--model", str(tiny_llama[1]), "--prefix-cache", "0", "--json", "--max-new-tokens", "6", "The capital")
+    off = edgeinfer(
+        "run", "--model", str(tiny_llama[1]), "--raw", "--prefix-cache", "0", "--json", "--max-new-tokens", "6", "The capital"
+    )
     assert off.returncode == 0, off.stderr
     expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=6)
     assert json.loads(off.stdout)["token_ids"] == expected.token_ids
-    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--prefix-cache", "-1", "x")
+    bad = edgeinfer("run", "--model", str(tiny_llama[1]), "--raw", "--prefix-cache", "-1", "x")
     assert bad.returncode == 2 and "--prefix-cache" in bad.stderr and "-1" in bad.stderr
 
 
@@ -573,7 +607,7 @@ def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_pat
     check = edgeinfer("check", str(out), "--against", str(tiny_llama[0]))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "batch of two prompts: rows equal to single runs" in check.stdout and check.stdout.strip().endswith("check passed")
-    run = edgeinfer("run", "The capital of France is", "--model", str(out), "--max-new-tokens", "8", "--ignore-eos", "--json")
+    run = edgeinfer("run", "The capital of France is", "--raw", "--model", str(out), "--max-new-tokens", "8", "--ignore-eos", "--json")
     assert run.returncode == 0, run.stderr
     expected = Engine.load(tiny_llama[1]).generate("The capital of France is", max_new_tokens=8, ignore_eos=True).token_ids
     assert json.loads(run.stdout.strip().splitlines()[-1])["token_ids"] == expected
@@ -607,3 +641,68 @@ def test_the_sdks_parameters_are_named_as_the_clis_flags():
         in_flags(SettingsError("max_new_tokens must be at least 1, got 0", "max_new_tokens"))
         == "--max-new-tokens must be at least 1, got 0"
     )
+
+
+def test_the_provider_line_is_short_and_verbose_says_why(tiny_llama):
+    from edgeinfer.sdk.runtime import cuda_unusable_reason
+
+    reason = cuda_unusable_reason()
+    quiet = edgeinfer("run", "--model", str(tiny_llama[1]), "--max-new-tokens", "2", "hi")
+    line = next(line for line in quiet.stderr.splitlines() if line.startswith("provider: "))
+    loud = edgeinfer("-v", "run", "--model", str(tiny_llama[1]), "--max-new-tokens", "2", "hi")
+    if reason is None:  # a machine where CUDA runs
+        assert line == "provider: cuda" and "provider: cuda (CUDA is usable" in loud.stderr
+    else:
+        assert line == "provider: cpu (CUDA is not usable here: --verbose says why)"
+        assert f"provider: cpu (auto chose cpu: {reason})" in loud.stderr
+    assert edgeinfer("run", "--model", str(tiny_llama[1]), "--provider", "cpu", "--max-new-tokens", "2", "hi").stderr.startswith(
+        "provider: cpu\n"
+    )
+
+
+def test_an_int4_export_prints_its_own_lines_only(tiny_llama, tmp_path):
+    """ONNX Runtime's quantizer logs every weight at INFO: not on the CLI's stderr, unless --verbose."""
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "q"), "--quantize", "int4", "--no-quality")
+    assert done.returncode == 0, done.stderr
+    assert not [line for line in done.stderr.splitlines() if "INFO" in line or "Warning" in line], done.stderr
+
+
+def test_models_are_managed_by_name_in_the_cache(tiny_llama, tmp_path, monkeypatch):
+    """list, info/show, verify, run and Engine.load take a catalog name whose export is in the cache
+    (the tiny llama's export stands in for it: the test fetches nothing); rm removes it; -m/--model
+    is the same as MODEL."""
+    import shutil
+
+    from edgeinfer.sdk.errors import ModelNotFoundError
+
+    monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path / "cache"))
+    name = "smollm2-135m-instruct"
+    assert "no exports in" in edgeinfer("list").stdout
+    shutil.copytree(tiny_llama[1], tmp_path / "cache" / "exports" / name)
+    row = json.loads(edgeinfer("list", "--json").stdout)
+    sizes = sum(f.stat().st_size for f in (tmp_path / "cache" / "exports" / name).iterdir())
+    assert (row["name"], row["context"], row["precision"], row["bytes"]) == (
+        name,
+        Engine.load(tiny_llama[1]).max_context,
+        "fp32",
+        sizes,
+    )
+    info = edgeinfer("info", name)
+    assert info.returncode == 0 and info.stdout == edgeinfer("info", "-m", name).stdout == edgeinfer("show", name).stdout
+    assert "verified" in edgeinfer("verify", "-m", name).stdout
+    ran = edgeinfer("run", "-m", name, "--raw", "--json", "--max-new-tokens", "4", "The capital")
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=4).token_ids
+    assert (
+        json.loads(ran.stdout)["token_ids"]
+        == expected
+        == Engine.load(name, provider="cpu").generate("The capital", max_new_tokens=4).token_ids
+    )
+    differ = edgeinfer("info", str(tiny_llama[1]), "-m", name)
+    assert differ.returncode == 2 and differ.stderr.splitlines() == [
+        f"error: MODEL '{tiny_llama[1]}' and --model '{name}' differ: give one of them (`edgeinfer info --help` shows the options)"
+    ]
+    removed = edgeinfer("rm", name)
+    assert removed.returncode == 0 and f"removed {name}" in removed.stderr and not (tmp_path / "cache" / "exports" / name).exists()
+    assert_one_line_error(edgeinfer("rm", name), f"no export named '{name}'")
+    with pytest.raises(ModelNotFoundError, match=f"not exported on this machine yet: export it once with `edgeinfer pull {name}`"):
+        Engine.load(name, provider="cpu")

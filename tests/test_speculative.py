@@ -346,7 +346,7 @@ def test_the_cli_takes_speculation_and_a_draft(exports):
     engine = Engine.load(folder, provider="cpu", prefix_cache=0)
     prompt = engine.tokenizer.decode(PROMPTS[0])
     expected = engine.generate(prompt, max_new_tokens=30, ignore_eos=True)
-    base = ["run", "--model", str(folder), "--max-new-tokens", "30", "--ignore-eos"]
+    base = ["run", "--raw", "--model", str(folder), "--max-new-tokens", "30", "--ignore-eos"]
     plain = edgeinfer(*base, prompt)
     lookup_run = edgeinfer(*base, "--speculative", "prompt-lookup", "--num-speculative-tokens", "3", prompt)
     draft_run = edgeinfer(*base, "--draft", str(folder), prompt)

@@ -338,7 +338,16 @@ def test_the_cli_runs_a_chat_turn_with_tools(engine, tmp_path):
 
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
-    base = [sys.executable, "-m", "edgeinfer.cli", "run", "--model", str(engine.folder), "--provider", "cpu", "--chat"]
+    base = [
+        sys.executable,
+        "-m",
+        "edgeinfer.cli",
+        "run",
+        "--model",
+        str(engine.folder),
+        "--provider",
+        "cpu",
+    ]  # a chat turn: the default
     flags = ["--tools", str(tools), "--tool-choice", "add", "--temperature", "1", "--seed", "3", "--max-new-tokens", "200"]
     done = subprocess.run([*base, *flags, "Add two numbers"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -347,9 +356,16 @@ def test_the_cli_runs_a_chat_turn_with_tools(engine, tmp_path):
     jsonschema.validate(call["arguments"], SCHEMAS["add"])
     done = subprocess.run([*base, *flags, "--json", "Add two numbers"], capture_output=True, text=True, timeout=300)
     result = json.loads(done.stdout)
-    assert result["finish_reason"] == "tool_calls" and result["tool_calls"][0]["name"] == "add"
-    done = subprocess.run([*base[:-1], "--tools", str(tools), "hi"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "--tools and --tool-choice apply to --chat" in done.stderr
+    assert result["finish_reason"] == "tool_calls" and [c["name"] for c in result["tool_calls"]] == ["add"]  # one call, as asked
+    done = subprocess.run(
+        [*base, *flags, "--parallel-tool-calls", "--json", "Add two numbers"], capture_output=True, text=True, timeout=300
+    )
+    assert json.loads(done.stdout)["finish_reason"] == "tool_calls"
+    done = subprocess.run([*base, "--raw", "--tools", str(tools), "hi"], capture_output=True, text=True, timeout=300)
+    assert (
+        done.returncode == 2
+        and "--tools, --tool-choice and --parallel-tool-calls apply to a chat turn: leave out --raw" in done.stderr
+    )
 
 
 def sample_under(engine, grammar: str, start: str, seed: int, steps: int = 300) -> str:
@@ -459,3 +475,22 @@ def test_tool_parameters_with_defs_and_refs_constrain_the_call_on_every_format(w
             assert set(arguments["where"]) == {"city", "unit"}
             calls += 1
     assert calls >= (6 if choice == "required" else 0)
+
+
+def test_a_results_tool_calls_go_back_into_the_conversation_as_they_came(with_template):
+    """result.tool_calls (ToolCall objects) sent back in the assistant's message, with the tool's
+    result after it: the same turn as the calls in OpenAI's dict shape."""
+    from edgeinfer.sdk.chat import chat_turn
+    from edgeinfer.sdk.tools import tool_request
+
+    engine = with_template(HERMES)
+    first = engine.chat(ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=80)
+    assert len(first.tool_calls) == 1
+    answer = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C, sunny"}
+    sent = [*ASK, {"role": "assistant", "content": first.text, "tool_calls": first.tool_calls}, answer]
+    as_dicts = [*ASK, {"role": "assistant", "content": first.text, "tool_calls": [c.as_openai() for c in first.tool_calls]}, answer]
+    request = tool_request(TOOLS)
+    turn = chat_turn(engine.tokenizer, engine.max_context, sent, request)
+    assert turn.ids == chat_turn(engine.tokenizer, engine.max_context, as_dicts, request).ids
+    assert first.tool_calls[0].name in turn.text and "18 C, sunny" in turn.text
+    assert engine.chat(sent, tools=TOOLS, max_new_tokens=6).token_ids == engine.chat(as_dicts, tools=TOOLS, max_new_tokens=6).token_ids

@@ -1,0 +1,103 @@
+"""Models on this machine: `edgeinfer list` (the exports in edgeinfer's cache and the other files it
+keeps), `pull` (export a catalog model into the cache now), `rm` (remove an export from the cache,
+or the downloads it was made from)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import click
+
+from edgeinfer.models import cache_root, entries, exported_model_dir, is_catalog_name
+from edgeinfer.sdk.errors import ModelNotFoundError
+from edgeinfer.sdk.manifest import MANIFEST_NAME
+from edgeinfer.sdk.memory import size_text
+
+from .resolve import resolve_export, say
+
+KEPT = ("downloads", "sources", "converted")  # what an export of a catalog model is made from, kept for the next
+
+
+@click.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per export instead of a table.")
+def list_models(as_json):
+    """The exports in edgeinfer's cache (the catalog models exported here), and the bytes of the
+    downloads they were made from."""
+    rows = [_row(folder) for folder in _exports()]
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if not rows:
+        click.echo(f"no exports in {cache_root() / 'exports'}: `edgeinfer pull NAME` exports one of {', '.join(sorted(entries()))}")
+    else:
+        click.echo(f"{'NAME':<28} {'SIZE':>10} {'CONTEXT':>8} {'PRECISION':<10} MODIFIED")
+        for row in rows:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["modified"]))
+            click.echo(f"{row['name']:<28} {size_text(row['bytes']):>10} {row['context']:>8} {row['precision']:<10} {when}")
+    kept = sum(_bytes(cache_root() / part) for part in KEPT)
+    if kept:
+        say(f"and {size_text(kept)} of downloads and sources they were made from (`edgeinfer rm --downloads` removes them)")
+
+
+@click.command()
+@click.argument("name")
+def pull(name):
+    """Export catalog model NAME into edgeinfer's cache now (what `run -m NAME` does on first use)."""
+    if not is_catalog_name(name):
+        raise ModelNotFoundError(
+            f"{name!r} is not a catalog name ({', '.join(sorted(entries()))}): for a folder, a .gguf file or a hub id, "
+            "use `edgeinfer export MODEL -o OUT`"
+        )
+    folder = resolve_export(name, say)
+    say(f"{name} is exported in {folder} ({size_text(_bytes(folder))})")
+
+
+@click.command()
+@click.argument("names", nargs=-1)
+@click.option("--downloads", is_flag=True, help="Also remove the downloads and sources exports are made from.")
+def rm(names, downloads):
+    """Remove the exports NAMES from edgeinfer's cache (folders elsewhere are yours: remove them yourself)."""
+    if not names and not downloads:
+        raise click.UsageError("give the NAMES of exports to remove (`edgeinfer list` shows them), or --downloads")
+    for name in names:
+        folder = exported_model_dir(name)
+        if not (folder / MANIFEST_NAME).exists() or ".." in Path(name).parts:
+            shown = ", ".join(f.name for f in _exports()) or "none"
+            raise ModelNotFoundError(f"no export named {name!r} in {cache_root() / 'exports'}: the exports there are {shown}")
+        freed = _bytes(folder)
+        shutil.rmtree(folder)
+        say(f"removed {name} ({size_text(freed)})")
+    if downloads:
+        freed = sum(_bytes(cache_root() / part) for part in KEPT)
+        for part in KEPT:
+            shutil.rmtree(cache_root() / part, ignore_errors=True)
+        say(f"removed the downloads and sources ({size_text(freed)}); a catalog model not exported yet downloads again")
+
+
+def _exports() -> list[Path]:
+    root = cache_root() / "exports"
+    return sorted(f for f in root.iterdir() if (f / MANIFEST_NAME).exists()) if root.is_dir() else []
+
+
+def _row(folder: Path) -> dict:
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    quantization = manifest.get("quantization") or {}
+    precision = quantization.get("method") or {"float32": "fp32", "float16": "fp16"}.get(manifest.get("dtype"), manifest.get("dtype"))
+    return {
+        "name": folder.name,
+        "path": str(folder),
+        "bytes": _bytes(folder),
+        "context": manifest.get("max_context"),
+        "precision": precision,
+        "modified": int((folder / MANIFEST_NAME).stat().st_mtime),
+    }
+
+
+def _bytes(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
