@@ -706,3 +706,99 @@ def test_models_are_managed_by_name_in_the_cache(tiny_llama, tmp_path, monkeypat
     assert_one_line_error(edgeinfer("rm", name), f"no export named '{name}'")
     with pytest.raises(ModelNotFoundError, match=f"not exported on this machine yet: export it once with `edgeinfer pull {name}`"):
         Engine.load(name, provider="cpu")
+
+
+def test_chat_commands_are_never_sent_to_the_model(tiny_llama, tmp_path):
+    """/help, /set, /show, /save, /load, /bye (ollama's words) and an unknown command are the
+    chat's own; three double quotes open and close a message of several lines."""
+    saved = tmp_path / "conversation.json"
+    lines = ["/help", "/nope", "/set temperature 0.9", "/set seed 4", "/set top_k x", "/set system Be brief.", "/show"]
+    lines += ['"""', "Hello", "there", '"""', f"/save {saved}", "/bye", "never read"]
+    done = chat(tiny_llama[1], lines)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello\nthere"}]
+    reply = engine.chat(asked, max_new_tokens=6, temperature=0.9, seed=4).text
+    assert done.stdout == reply + "\n"  # one reply: nothing else reached the model
+    assert all(usage in done.stderr for usage in ("/set NAME VALUE", "/save FILE", "/load FILE", "/bye"))
+    assert "'/nope' is not a command here (/help lists them)" in done.stderr
+    assert (
+        "top_k takes an integer, not 'x'" in done.stderr
+        and "settings: max_new_tokens 6, seed 4, temperature 0.9; 0 messages, a system message" in done.stderr
+    )
+    assert json.loads(saved.read_text()) == [*asked, {"role": "assistant", "content": reply}]
+    loaded = chat(tiny_llama[1], [f"/load {saved}", "And Paris?"])
+    follow = engine.chat(
+        [*asked, {"role": "assistant", "content": reply}, {"role": "user", "content": "And Paris?"}], max_new_tokens=6
+    )
+    assert loaded.stdout == follow.text + "\n" and "(loaded 3 messages" in loaded.stderr
+    assert "error: " in chat(tiny_llama[1], [f"/load {tmp_path / 'none.json'}"]).stderr
+
+
+def test_chat_says_its_speed_with_verbose(tiny_llama):
+    done = subprocess.run(
+        [sys.executable, "-m", "edgeinfer.cli", "-v", "chat", "--model", str(tiny_llama[1]), "--max-new-tokens", "6"],
+        input="Hello\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and re.search(r"time to first token \d+ ms, [\d.]+ tokens/s", done.stderr), done.stderr
+    assert "tokens/s" not in chat(tiny_llama[1], ["Hello"]).stderr
+
+
+def _on_a_terminal(command: list[str], steps, env=None, timeout: float = 120) -> bytes:
+    """What `command` writes to a pseudo-terminal, given keys by `steps`: (text it waits for, keys)."""
+    import select
+    import time
+
+    primary, secondary = os.openpty()
+    process = subprocess.Popen(command, stdin=secondary, stdout=secondary, stderr=secondary, env=env, start_new_session=True)
+    os.close(secondary)
+    seen, deadline = b"", time.monotonic() + timeout
+    steps = list(steps)
+    while time.monotonic() < deadline:
+        if steps and steps[0][0].encode() in seen[seen.rfind(b"\x00") + 1 :]:
+            seen += b"\x00"  # a mark: each step waits for text after the last one's keys
+            os.write(primary, steps.pop(0)[1].encode())
+        ready = select.select([primary], [], [], 0.1)[0]
+        if ready:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif process.poll() is not None and not steps:
+            break
+    process.kill()
+    process.wait(timeout=30)
+    os.close(primary)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("guarded", [True, False])
+def test_keys_typed_during_a_reply_are_neither_shown_nor_sent(guarded):
+    """The chat's guard around a streaming reply (the control: the same wait without it echoes the
+    keys and leaves them pending, as the terminal does)."""
+    guard = "_keys_unshown()" if guarded else "contextlib.nullcontext()"
+    child = (
+        "import contextlib, select, sys, time\nfrom edgeinfer.cli.chat import _keys_unshown\n"
+        f"with {guard}:\n    print('inside', flush=True)\n    time.sleep(1.5)\n"
+        "print('pending' if select.select([sys.stdin], [], [], 0.5)[0] else 'nothing', flush=True)\n"
+    )
+    shown = _on_a_terminal([sys.executable, "-c", child], [("inside", "typed\r")])
+    assert (b"typed" in shown, b"pending" in shown) == ((False, False) if guarded else (True, True)), shown
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_chat_on_a_terminal_keeps_a_line_history(tiny_llama, tmp_path):
+    """Up recalls the last message (readline), and the history is kept for the next chat."""
+    env = {**os.environ, "EDGEINFER_CACHE": str(tmp_path)}
+    command = [sys.executable, "-m", "edgeinfer.cli", "chat", "--model", str(tiny_llama[1]), "--max-new-tokens", "4"]
+    shown = _on_a_terminal(command, [("> ", "Hello there\r"), ("\n> ", "\x1b[A\r"), ("\n> ", "/bye\r")], env=env)
+    assert b"^[[A" not in shown and shown.count(b"Hello there") >= 2, shown
+    # readline keeps a line once where it repeats the one before
+    assert (tmp_path / "chat_history").read_text().splitlines()[-2:] == ["Hello there", "/bye"]
