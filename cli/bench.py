@@ -30,6 +30,8 @@ from .resolve import resolve_export, say
 def bench(model, model_option, provider, threads, prompts_file, new_tokens, repeats, json_file, plot_file):
     """Measure MODEL (an export folder or catalog name [default: smollm2-135m-instruct])."""
     model = one_model(model, model_option, required=False)
+    if plot_file:
+        _pyplot()  # refused before the benchmark runs, not after
     from edgeinfer.sdk.bench import run_benchmark
 
     prompts = json.loads(Path(prompts_file).read_text())["prompts"] if prompts_file else None
@@ -48,14 +50,20 @@ def bench(model, model_option, provider, threads, prompts_file, new_tokens, repe
         say(f"plot written to {plot_file}")
 
 
-def _plot(result, path: str) -> None:
+def _pyplot():
+    """matplotlib's pyplot, drawing to files; EdgeInferError where it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise EdgeInferError("--plot needs matplotlib: pip install 'edgeinfer[plot]'") from None
+        raise EdgeInferError("--plot needs matplotlib: pip install 'edgeinfer[plot]', or leave out --plot") from None
+    return plt
+
+
+def _plot(result, path: str) -> None:
+    plt = _pyplot()
     lengths = [f.prompt_tokens for f in result.prompts.values()]
     figure, (ttft, decode) = plt.subplots(1, 2, figsize=(10, 4))
     ttft.plot(lengths, [f.ttft_ms for f in result.prompts.values()], marker="o")

@@ -344,10 +344,11 @@ def _run_with_tools(engine, prompt: str, tools_file: str, asked: tuple, as_json:
 @cli.command()
 @model_argument
 @click.option("--architectures", is_flag=True, help="List the model families edgeinfer can export.")
-def info(model, model_option, architectures):
-    """Print what MODEL's export holds (an export folder or a catalog name: memory, graphs,
-    adapters, the manifest) and the execution providers usable here, or (--architectures) the model
-    families edgeinfer can export."""
+@click.option("--json", "as_json", is_flag=True, help="Print the export's manifest (JSON) instead.")
+def info(model, model_option, architectures, as_json):
+    """Print what MODEL's export holds (an export folder or a catalog name: what it is, memory,
+    graphs, adapters) and the execution providers usable here; --json its manifest; or
+    (--architectures) the model families edgeinfer can export."""
     if architectures:
         from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
 
@@ -365,8 +366,15 @@ def info(model, model_option, architectures):
     from edgeinfer.sdk.runtime import cuda_unusable_reason
 
     manifest = load_manifest(folder)
-    click.echo(json.dumps(manifest.to_dict(), indent=2))
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
+    precision = (manifest.quantization or {}).get("method") or manifest.dtype
+    click.echo(
+        f"{manifest.source}: {manifest.architecture}, {_layers_text(manifest.kv)}, context {manifest.max_context} tokens, "
+        f"{precision}, in {folder}"
+    )
     if manifest.task == "embedding":
         embedding = manifest.embedding
         click.echo(

@@ -241,6 +241,9 @@ def _named_exports(models: tuple[str, ...], models_dir: Path | None) -> dict[str
         if not models_dir.is_dir():
             raise click.BadParameter(f"{models_dir} is not a folder", param_hint="--models")
         found = sorted(p for p in models_dir.iterdir() if (p / "edgeinfer.json").is_file())
+        for other in sorted(p for p in models_dir.iterdir() if p.is_dir() and p not in found):
+            what = "a Hugging Face model folder" if (other / "config.json").is_file() else "no export (no edgeinfer.json)"
+            say(f"--models: not serving {other.name}: {what}; `edgeinfer export {other} -o OUT` makes an export of it")
         if not found:
             raise click.BadParameter(f"{models_dir} holds no export folder (one with an edgeinfer.json)", param_hint="--models")
         candidates += [(p.name, p) for p in found]

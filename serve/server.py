@@ -9,12 +9,16 @@ closed after uvicorn's `timeout_keep_alive`."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 
 import uvicorn
+
+from edgeinfer.sdk.errors import EdgeInferError
 
 from .app import create_app
 from .checks import error_body
@@ -87,10 +91,29 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         http=timed_protocol(options.header_timeout),
     )
     server = _Server(config, options.grace)
-    log.info("listening on http://%s:%d (OpenAI API under /v1); loading %s", host, port, model_name)
-    server.run()
+    bound = _bound(host, port)
+    where = f"http://{'[' + host + ']' if ':' in host else host}:{bound.getsockname()[1]}"
+    page = f"the chat page at {where}/, " if options.ui else ""
+    log.info("listening on %s: %sthe OpenAI API under /v1, Anthropic's at /v1/messages; loading %s", where, page, model_name)
+    server.run(sockets=[bound])
     if failed:
         raise failed[0]
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), as uvicorn binds one; EdgeInferError where the port is taken
+    or the address is not this machine's, before anything says the server listens."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise EdgeInferError(f"port {port} on {host} is in use (another server?): stop it, or serve on another --port") from None
+        raise EdgeInferError(f"cannot listen on {host}:{port} ({e.strerror}): pass a --host of this machine") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def timed_protocol(header_timeout: float):

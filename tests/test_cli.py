@@ -194,13 +194,13 @@ def test_version():
     assert done.returncode == 0 and done.stdout == f"edgeinfer {__version__}\n"
 
 
-def test_info_prints_the_manifest_and_providers(tiny_llama):
+def test_info_says_what_the_export_is_first_and_json_gives_the_manifest(tiny_llama):
     done = edgeinfer("info", str(tiny_llama[1]))
     assert done.returncode == 0, done.stderr
-    manifest_text, rest = done.stdout.rsplit("\n}\n", 1)
-    manifest = json.loads(manifest_text + "\n}")
+    manifest = json.loads(edgeinfer("info", "--json", str(tiny_llama[1])).stdout)
     assert manifest["architecture"] == "llama" and manifest["kv"]["num_layers"] == 2
-    memory, prefix, graphs, speculative, providers = rest.splitlines()
+    summary, memory, prefix, graphs, speculative, providers = done.stdout.splitlines()
+    assert summary == f"{manifest['source']}: llama, 2 layers, context 256 tokens, float32, in {tiny_llama[1]}"
     assert graphs == "graphs: single, model.onnx for prefill and decode"
     weights = (manifest["files"]["model.onnx"]["size"] + manifest["files"]["model.onnx.data"]["size"]) / 1024
     # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
@@ -603,7 +603,7 @@ def test_export_split_then_info_check_and_run_as_a_user_does(tiny_llama, tmp_pat
     assert sorted(p.name for p in out.iterdir() if p.suffix in (".onnx", ".data")) == ["decode.onnx", "prefill.onnx", "weights.data"]
     info = edgeinfer("info", str(out))
     assert "graphs: split, prefill.onnx (16 positions) and decode.onnx (a cache of 96 slots, one token a pass)" in info.stdout
-    assert json.loads(info.stdout[: info.stdout.index("\n}\n") + 2])["static_context"] == 96
+    assert json.loads(edgeinfer("info", "--json", str(out)).stdout)["static_context"] == 96
     check = edgeinfer("check", str(out), "--against", str(tiny_llama[0]))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "batch of two prompts: rows equal to single runs" in check.stdout and check.stdout.strip().endswith("check passed")
@@ -802,3 +802,31 @@ def test_chat_on_a_terminal_keeps_a_line_history(tiny_llama, tmp_path):
     assert b"^[[A" not in shown and shown.count(b"Hello there") >= 2, shown
     # readline keeps a line once where it repeats the one before
     assert (tmp_path / "chat_history").read_text().splitlines()[-2:] == ["Hello there", "/bye"]
+
+
+def test_serve_says_where_the_page_is_and_refuses_a_taken_port_before_it_says_it_listens(tiny_llama):
+    import signal
+
+    from test_serve import server_log, start
+
+    process, url = start(tiny_llama[1], "--provider", "cpu")
+    try:
+        port = url.rsplit(":", 1)[1]
+        assert f"listening on {url}: the chat page at {url}/, the OpenAI API under /v1" in server_log(process)
+        taken = edgeinfer("serve", "--model", str(tiny_llama[1]), "--port", port)
+        assert_one_line_error(taken, f"port {port} on 127.0.0.1 is in use (another server?)", "--port")
+        assert "listening" not in taken.stderr and "Errno" not in taken.stderr
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_benchmark(tiny_llama, tmp_path):
+    hidden = tmp_path / "hidden" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('matplotlib is not installed here')\n")
+    env = {**os.environ, "PYTHONPATH": str(hidden.parent)}
+    figures = tmp_path / "figures.json"
+    done = edgeinfer("bench", "-m", str(tiny_llama[1]), "--plot", str(tmp_path / "p.png"), "--json", str(figures), env=env)
+    assert_one_line_error(done, "--plot needs matplotlib: pip install 'edgeinfer[plot]', or leave out --plot")
+    assert not figures.exists() and "provider" not in done.stderr  # nothing was loaded or measured

@@ -128,6 +128,12 @@ def test_bad_model_sets_are_refused_in_one_line(folder, tmp_path):
         done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", *flags], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr, (flags, done.stderr)
         assert "Traceback" not in done.stderr
+    (tmp_path / "one" / "hf").mkdir()
+    (tmp_path / "one" / "hf" / "config.json").write_text("{}")
+    flags = ["--models", str(tmp_path / "one"), "--pin", "x"]  # refused after the folder is read: the server never starts
+    done = subprocess.run([sys.executable, "-m", "edgeinfer.cli", "serve", *flags], capture_output=True, text=True, timeout=60)
+    skipped = f"--models: not serving hf: a Hugging Face model folder; `edgeinfer export {tmp_path / 'one' / 'hf'} -o OUT` makes"
+    assert skipped in done.stderr and "'x' is not among the models served (a)" in done.stderr
 
 
 def _rss(process) -> int:
