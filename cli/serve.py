@@ -189,8 +189,7 @@ def serve(
         engine = dict(provider=provider, threads=threads, max_context=max_context, prefix_cache=prefix_cache)
         pool = _PoolSettings(memory_limit * 2**20 if memory_limit else None, keep_alive, pin, max_batch, max_queue, engine)
         return _serve_several(models, models_dir, pool, bool(draft or speculative), ray, host, port, options)
-    model = models[0] if models else None
-    name = Path(model).expanduser().name if model and Path(model).expanduser().exists() else (model or DEFAULT_MODEL)
+    name, model = _named(models[0]) if models else (DEFAULT_MODEL, None)
     mode = speculative.replace("-", "_") if speculative else "draft" if draft else None
     if on_ray:
         limit = memory_limit * 2**20 if memory_limit else None
@@ -232,11 +231,29 @@ def _one_model(engine_args: tuple, chat_template: str | None, mode: str | None, 
     return Scheduler(engine, max_batch=max_batch, max_queue=max_queue)
 
 
+def _named(given: str) -> tuple[str, str]:
+    """(the name requests use, the model to load) of a --model: NAME=MODEL names it; a catalog name
+    is its own name; an export folder is named by the hub id it was exported from, else by its
+    folder's name."""
+    name, given_name, model = given.partition("=")
+    if given_name and re.fullmatch(r"[A-Za-z0-9][\w./-]*", name) and not Path(given).expanduser().exists():
+        return name, model
+    path = Path(given).expanduser()
+    if not path.exists():
+        return given, given
+    try:
+        source = load_manifest(path).source
+    except EdgeInferError:  # not an export: loading it says why
+        return path.name, given
+    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) and not Path(source).exists()
+    return (source if hub_id else path.name), given
+
+
 def _named_exports(models: tuple[str, ...], models_dir: Path | None) -> dict[str, Path]:
     """Each model's name (its folder's name, or its catalog name) and export folder; two of one
     name are refused."""
     served: dict[str, Path] = {}
-    candidates = [(m, resolve_export(m, say)) for m in models]
+    candidates = [(name, resolve_export(model, say)) for name, model in map(_named, models)]
     if models_dir is not None:
         if not models_dir.is_dir():
             raise click.BadParameter(f"{models_dir} is not a folder", param_hint="--models")
@@ -247,8 +264,7 @@ def _named_exports(models: tuple[str, ...], models_dir: Path | None) -> dict[str
         if not found:
             raise click.BadParameter(f"{models_dir} holds no export folder (one with an edgeinfer.json)", param_hint="--models")
         candidates += [(p.name, p) for p in found]
-    for given, folder in candidates:
-        name = Path(given).expanduser().name if Path(given).expanduser().exists() else given
+    for name, folder in candidates:
         if name in served:
             raise click.BadParameter(
                 f"two models are named {name!r} ({served[name]} and {folder}): serve one of them, or rename a folder",

@@ -7,10 +7,29 @@ from pathlib import Path
 
 from edgeinfer.sdk.engine import serving_context
 from edgeinfer.sdk.errors import UnavailableError
-from edgeinfer.sdk.manifest import load_manifest
+from edgeinfer.sdk.manifest import MANIFEST_NAME, load_manifest
 from edgeinfer.sdk.pool import ModelPool
 
 from .checks import RequestError
+
+
+def model_fields(manifest, folder: Path | str | None) -> dict:
+    """What /v1/models says of an export besides its name: when it was exported (its manifest's
+    time; 0 where the folder is not on this machine), its context, its weights' precision and the
+    bytes of its files."""
+    written = Path(folder) / MANIFEST_NAME if folder else None
+    quantization = manifest.quantization or {}
+    return {
+        "created": int(written.stat().st_mtime) if written is not None and written.exists() else 0,
+        "context_length": manifest.max_context,
+        "precision": quantization.get("method") or manifest.dtype,
+        "size_bytes": sum(int(f.get("size", 0)) for f in manifest.files.values()),
+    }
+
+
+def folder_of(backend) -> Path | None:
+    """The export folder a backend serves from (a Scheduler's engine's, a pooled model's, the replicas')."""
+    return getattr(getattr(backend, "engine", None), "folder", None) or getattr(backend, "folder", None)
 
 
 class PooledBackend:
@@ -105,7 +124,8 @@ class ModelSet:
         entries = []
         for name, backend in self.backends.items():
             shown = self.shown(name)
-            entries.append({"id": name, "object": "model", "created": 0, "owned_by": "edgeinfer", **shown})
+            fields = model_fields(backend.manifest, folder_of(backend))
+            entries.append({"id": name, "object": "model", "owned_by": "edgeinfer", **fields, **shown})
             entries += adapter_entries(name, backend.manifest, **shown)
         return entries
 

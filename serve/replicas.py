@@ -240,7 +240,7 @@ class Replicas:
     `folder` renders and encodes the prompts here; no graph is loaded."""
 
     def __init__(self, handle, folder: str | Path, max_context: int | None = None, model: str | None = None):
-        self.model = model  # which of the replicas' several models (None: their one model)
+        self.model, self.folder = model, Path(folder)  # which of the replicas' several models (None: their one model)
         self.manifest = load_manifest(folder)
         self.tokenizer = Tokenizer(Path(folder), self.manifest.tokenizer)
         self.max_context = max_context or self.manifest.max_context

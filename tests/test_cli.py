@@ -830,3 +830,39 @@ def test_bench_plot_without_matplotlib_is_refused_before_the_benchmark(tiny_llam
     done = edgeinfer("bench", "-m", str(tiny_llama[1]), "--plot", str(tmp_path / "p.png"), "--json", str(figures), env=env)
     assert_one_line_error(done, "--plot needs matplotlib: pip install 'edgeinfer[plot]', or leave out --plot")
     assert not figures.exists() and "provider" not in done.stderr  # nothing was loaded or measured
+
+
+def test_served_models_are_named_by_name_dir_or_by_their_hub_id_and_listed_with_their_figures(tiny_llama, tmp_path):
+    """--model NAME=DIR names a model; an export made from a hub id is named by it, not by its
+    folder ("onnx"); /v1/models gives each one's context, precision, size and export time."""
+    import shutil
+    import signal
+
+    import httpx
+    from test_serve import start
+
+    copy = tmp_path / "onnx"
+    shutil.copytree(tiny_llama[1], copy)
+    manifest = json.loads((copy / "edgeinfer.json").read_text())
+    (copy / "edgeinfer.json").write_text(json.dumps({**manifest, "source": "Org/Tiny-Llama"}))
+    sizes = sum(f["size"] for f in manifest["files"].values())
+    for flags, name in ([["--model", str(copy)], "Org/Tiny-Llama"], [["--model", f"mine={tiny_llama[1]}"], "mine"]):
+        process, url = start(None, *flags, "--provider", "cpu")
+        try:
+            (entry,) = httpx.get(f"{url}/v1/models").json()["data"]
+            folder = copy if name != "mine" else tiny_llama[1]
+            created = int((folder / "edgeinfer.json").stat().st_mtime)
+            assert entry == {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "edgeinfer",
+                "context_length": 256,
+                "precision": "float32",
+                "size_bytes": sizes,
+            }
+            body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
