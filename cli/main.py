@@ -435,10 +435,13 @@ def verify(model, model_option):
 def check(model, model_option, source, prompt, new_tokens):
     """Check MODEL's export (a folder or a catalog name) against its PyTorch source: greedy tokens,
     prefill and decode logits, those of several tokens in one pass (extend), and a batch of two
-    prompts against single runs. Exits 1 if any differs."""
+    prompts against single runs. A quantized export's tokens and logits differ from fp32's by
+    design: its quality (top-1 agreement, perplexity) is measured again and held to what its
+    manifest recorded. Exits 1 if any differs."""
     _exporter()  # a clear error where the export extra is missing
     from edgeinfer.export.check import DEFAULT_PROMPT, check_export
     from edgeinfer.export.source import load_model, resolve_source
+    from edgeinfer.sdk.manifest import load_manifest
 
     folder = resolve_export(one_model(model, model_option), say)
     source_model, _ = load_model(resolve_source(source, say), with_tokenizer=False)
@@ -454,11 +457,39 @@ def check(model, model_option, source, prompt, new_tokens):
         verdict = "within" if difference <= result.tolerance else "ABOVE"
         click.echo(f"{stage} logits: largest difference {difference:.2e}, {verdict} tolerance {result.tolerance:.2e}")
     click.echo(f"batch of two prompts: rows {same[result.batch_rows_equal_single]} to single runs")
-    if not result.passed:
+    quantization = load_manifest(folder).quantization or {}
+    if quantization.get("method"):  # its logits differ from fp32's by design: its quality is what is checked
+        passed = result.batch_rows_equal_single and _quality_kept(folder, source_model, quantization)
+    else:
+        passed = result.passed
+    if not passed:
         raise ExportError(
             f"the export in {folder} does not match {source}: re-export it, and report the check's output if it persists"
         )
     click.echo("check passed")
+
+
+def _quality_kept(folder, source_model, recorded: dict) -> bool:
+    """A quantized export's quality measured again, said beside what its manifest recorded."""
+    from edgeinfer.export.check import AGREEMENT_TOLERANCE, PERPLEXITY_TOLERANCE, check_quality
+
+    method = recorded["method"]
+    click.echo(f"{method} weights: tokens and logits differ from fp32's by design; the quality is checked instead")
+    measured, moved = check_quality(folder, source_model, recorded)
+    click.echo(
+        f"quality over {measured['text_tokens']} tokens: top-1 agreement with fp32 {measured['top1_agreement']:.1%}, "
+        f"perplexity {measured['perplexity']:.2f} (fp32 {measured['perplexity_fp32']:.2f})"
+    )
+    if "top1_agreement" not in recorded:
+        click.echo("  the export did not measure its quality (--no-quality): nothing to hold it to")
+    elif moved:
+        click.echo(f"  MOVED from the manifest's figures: {'; '.join(moved)}")
+    else:
+        click.echo(
+            f"  as the manifest recorded ({recorded['top1_agreement']:.1%}, {recorded['perplexity']:.2f}): within "
+            f"{AGREEMENT_TOLERANCE:.0%} and {PERPLEXITY_TOLERANCE:.0%}"
+        )
+    return not moved
 
 
 cli.add_command(chat)

@@ -68,3 +68,26 @@ def check_against(engine: Engine | str | Path, reference: Reference, provider: s
         **logits_differences(engine, reference, adapter),
         batch_rows_equal_single=[r.token_ids for r in rows] == singles,
     )
+
+
+# How far a quantized export's quality, measured again, may be from what its manifest recorded at
+# export: the same text and the same fp32 model, so only the machine's kernels differ.
+AGREEMENT_TOLERANCE = 0.02  # top-1 agreement, absolute
+PERPLEXITY_TOLERANCE = 0.02  # perplexity, relative
+
+
+def check_quality(folder: str | Path, model, recorded: dict) -> tuple[dict, list[str]]:
+    """A quantized export's quality against its fp32 `model`, measured as the export measured it
+    (quantize.quality), and the figures that moved past the tolerances from `recorded` (the
+    manifest's); none are compared where the export did not measure them (--no-quality)."""
+    from .quantize import quality, quality_reference
+
+    measured = quality(quality_reference(model, Path(folder)), Path(folder))
+    if "top1_agreement" not in recorded:
+        return measured, []
+    moved = []
+    if abs(measured["top1_agreement"] - recorded["top1_agreement"]) > AGREEMENT_TOLERANCE:
+        moved.append(f"top-1 agreement {measured['top1_agreement']:.1%} against {recorded['top1_agreement']:.1%} recorded")
+    if abs(measured["perplexity"] / recorded["perplexity"] - 1) > PERPLEXITY_TOLERANCE:
+        moved.append(f"perplexity {measured['perplexity']:.2f} against {recorded['perplexity']:.2f} recorded")
+    return measured, moved

@@ -866,3 +866,25 @@ def test_served_models_are_named_by_name_dir_or_by_their_hub_id_and_listed_with_
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+
+
+def test_check_holds_a_quantized_export_to_the_quality_it_recorded(tiny_llama, tmp_path):
+    """An int4 export's logits differ from fp32's by design: `check` measures its quality again and
+    holds it to the manifest's figures (a manifest that recorded other figures fails)."""
+    import shutil
+
+    out = tmp_path / "int4"
+    assert edgeinfer("export", str(tiny_llama[0]), "-o", str(out), "--quantize", "int4").returncode == 0
+    recorded = json.loads((out / "edgeinfer.json").read_text())["quantization"]
+    done = edgeinfer("check", str(out), "--against", str(tiny_llama[0]))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "int4 weights: tokens and logits differ from fp32's by design; the quality is checked instead" in done.stdout
+    assert f"as the manifest recorded ({recorded['top1_agreement']:.1%}, {recorded['perplexity']:.2f})" in done.stdout
+    assert done.stdout.strip().endswith("check passed")
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    manifest = json.loads((moved / "edgeinfer.json").read_text())
+    manifest["quantization"]["top1_agreement"] -= 0.5
+    (moved / "edgeinfer.json").write_text(json.dumps(manifest))
+    failed = edgeinfer("check", str(moved), "--against", str(tiny_llama[0]))
+    assert failed.returncode == 1 and "MOVED from the manifest's figures: top-1 agreement" in failed.stdout
