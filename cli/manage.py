@@ -16,7 +16,7 @@ from edgeinfer.sdk.errors import ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 from edgeinfer.sdk.memory import size_text
 
-from .resolve import resolve_export, say
+from .resolve import folder_bytes, resolve_export, say
 
 KEPT = ("downloads", "sources", "converted")  # what an export of a catalog model is made from, kept for the next
 
@@ -38,7 +38,7 @@ def list_models(as_json):
         for row in rows:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["modified"]))
             click.echo(f"{row['name']:<28} {size_text(row['bytes']):>10} {row['context']:>8} {row['precision']:<10} {when}")
-    kept = sum(_bytes(cache_root() / part) for part in KEPT)
+    kept = sum(folder_bytes(cache_root() / part) for part in KEPT)
     if kept:
         say(f"and {size_text(kept)} of downloads and sources they were made from (`edgeinfer rm --downloads` removes them)")
 
@@ -53,7 +53,7 @@ def pull(name):
             "use `edgeinfer export MODEL -o OUT`"
         )
     folder = resolve_export(name, say)
-    say(f"{name} is exported in {folder} ({size_text(_bytes(folder))})")
+    say(f"{name} is exported in {folder} ({size_text(folder_bytes(folder))})")
 
 
 @click.command()
@@ -68,11 +68,11 @@ def rm(names, downloads):
         if not (folder / MANIFEST_NAME).exists() or ".." in Path(name).parts:
             shown = ", ".join(f.name for f in _exports()) or "none"
             raise ModelNotFoundError(f"no export named {name!r} in {cache_root() / 'exports'}: the exports there are {shown}")
-        freed = _bytes(folder)
+        freed = folder_bytes(folder)
         shutil.rmtree(folder)
         say(f"removed {name} ({size_text(freed)})")
     if downloads:
-        freed = sum(_bytes(cache_root() / part) for part in KEPT)
+        freed = sum(folder_bytes(cache_root() / part) for part in KEPT)
         for part in KEPT:
             shutil.rmtree(cache_root() / part, ignore_errors=True)
         say(f"removed the downloads and sources ({size_text(freed)}); a catalog model not exported yet downloads again")
@@ -90,14 +90,8 @@ def _row(folder: Path) -> dict:
     return {
         "name": folder.name,
         "path": str(folder),
-        "bytes": _bytes(folder),
+        "bytes": folder_bytes(folder),
         "context": manifest.get("max_context"),
         "precision": precision,
         "modified": int((folder / MANIFEST_NAME).stat().st_mtime),
     }
-
-
-def _bytes(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())

@@ -134,7 +134,27 @@ def _cached_export(name: str, say) -> Path:
             say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
             export = _exporter()
             export.export_model(name, out, export.ExportOptions(force=True), say, live=live_stream())
+            _say_kept(out)
     return out
+
+
+def _say_kept(out: Path) -> None:
+    """What the first use of a catalog model leaves on disk, and how to free the part not needed."""
+    from edgeinfer.models import cache_root
+    from edgeinfer.sdk.memory import size_text
+
+    kept = sum(folder_bytes(cache_root() / part) for part in ("downloads", "sources", "converted"))
+    say(
+        f"kept: the export, {size_text(folder_bytes(out))} in {out}, and {size_text(kept)} of downloads it was made from "
+        f"in {cache_root()} (`edgeinfer rm --downloads` frees them; `edgeinfer list` shows what is kept)"
+    )
+
+
+def folder_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (0 where it does not exist)."""
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _exporter():

@@ -130,7 +130,7 @@ def create_app(
 
 
 UI = Path(__file__).parent / "ui"
-UI_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+UI_ASSETS = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8", "favicon.svg": "image/svg+xml"}
 # The page loads only its own files, talks only to this server, and runs no inline script or
 # style: what a model writes cannot run even if it reached the page as markup.
 UI_HEADERS = {
@@ -152,6 +152,10 @@ def _add_page(app: FastAPI) -> None:
     @app.get("/", include_in_schema=False)
     async def chat_page():
         return Response(page, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():  # what browsers ask for on their own: the page's icon
+        return Response(assets["favicon.svg"], media_type=UI_ASSETS["favicon.svg"], headers=UI_HEADERS)
 
     @app.get("/ui/{name}", include_in_schema=False)
     async def chat_page_asset(name: str):

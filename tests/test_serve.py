@@ -410,6 +410,9 @@ def test_the_chat_page_and_its_files_are_served_with_a_strict_policy_and_no_ui_t
         script.status_code == 200 and script.headers["content-type"].startswith("text/javascript") and "renderMarkdown" in script.text
     )
     assert httpx.get(f"{url}/ui/../app.py").status_code == 404 and httpx.get(f"{url}/ui/nope.js").status_code == 404
+    icon = httpx.get(f"{url}/favicon.ico")  # browsers ask for it on their own: not a 404 in every log
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml" and icon.content.startswith(b"<svg")
+    assert '<link rel="icon" href="/ui/favicon.svg"' in page.text and httpx.get(f"{url}/ui/favicon.svg").content == icon.content
     process, plain = start(tiny_llama[1], "--provider", "cpu", "--no-ui")
     try:
         assert httpx.get(f"{plain}/").status_code == 404 and httpx.get(f"{plain}/ui/app.js").status_code == 404
