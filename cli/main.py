@@ -350,14 +350,7 @@ def info(model, model_option, architectures, as_json):
     graphs, adapters) and the execution providers usable here; --json its manifest; or
     (--architectures) the model families edgeinfer can export."""
     if architectures:
-        from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
-
-        click.echo("supported (each proven by a parity test against transformers):")
-        click.echo("  " + ", ".join(SUPPORTED))
-        click.echo("not supported:")
-        for name, reason in UNSUPPORTED.items():
-            click.echo(f"  {name}: {reason}")
-        return
+        return _architectures()
     if model is None and model_option is None:
         raise click.UsageError("give a MODEL (an export folder or a catalog name), or --architectures")
     folder = resolve_export(one_model(model, model_option), say)
@@ -387,6 +380,23 @@ def info(model, model_option, architectures, as_json):
         f"memory: weights {size_text(plan.weights)}, KV cache {size_text(plan.kv_per_token)} per token and row, "
         f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens"
     )
+    _describe_graphs(manifest, plan)
+    cuda = cuda_unusable_reason()
+    click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
+
+
+def _architectures() -> None:
+    from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
+
+    click.echo("supported (each proven by a parity test against transformers):")
+    click.echo("  " + ", ".join(SUPPORTED))
+    click.echo("not supported:")
+    for name, reason in UNSUPPORTED.items():
+        click.echo(f"  {name}: {reason}")
+
+
+def _describe_graphs(manifest, plan) -> None:
+    """info's lines on the prefix cache, the graphs, speculative decoding and the adapters."""
     from edgeinfer.sdk.engine import DEFAULT_PREFIX_CACHE_MIB
 
     tokens = DEFAULT_PREFIX_CACHE_MIB * 2**20 // plan.kv_per_token
@@ -408,8 +418,6 @@ def info(model, model_option, architectures, as_json):
         click.echo("speculative decoding: no, the graph gives the last position's logits only (export it again)")
     if manifest.adapters:
         click.echo(f"LoRA adapters: {', '.join(sorted(manifest.adapters))} (--adapter NAME; MODEL:NAME under edgeinfer serve)")
-    cuda = cuda_unusable_reason()
-    click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 
 
 @cli.command()
