@@ -35,6 +35,6 @@ def test_built_wheel_imports_and_runs_the_cli(tmp_path):
     assert cli_file == str(target / "edgeinfer" / "cli" / "__init__.py")
     assert names.strip() == "['gemma-3-270m', 'smollm2-135m-instruct']"  # the catalog's JSON is in the wheel
     ui = target / "edgeinfer" / "serve" / "ui"  # the chat page's files too
-    assert sorted(p.name for p in ui.iterdir()) == ["app.js", "index.html", "style.css"]
+    assert sorted(p.name for p in ui.iterdir()) == ["app.js", "favicon.svg", "index.html", "style.css"]
     help_text = subprocess.run([str(target / "bin" / "edgeinfer"), "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert help_text.returncode == 0 and all(c in help_text.stdout for c in ("export", "run", "info", "serve"))

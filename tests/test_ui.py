@@ -61,8 +61,8 @@ class Page:
     """A fresh browser context (its own localStorage) on the page, failing the test on any script
     error or Content-Security-Policy report."""
 
-    def __init__(self, browser, url: str, viewport=DESKTOP):
-        self.context = browser.new_context(viewport=viewport)
+    def __init__(self, browser, url: str, viewport=DESKTOP, color_scheme: str = "light"):
+        self.context = browser.new_context(viewport=viewport, color_scheme=color_scheme)
         self.page = self.context.new_page()
         self.problems = []
         self.page.on("pageerror", lambda error: self.problems.append(f"page error: {error}"))
@@ -181,13 +181,15 @@ def test_markup_a_model_writes_shows_as_text_and_never_runs(browser, two_models)
     page.close()
 
 
-def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path):
-    """Saved where EDGEINFER_ARTIFACTS says (else the test's folder); on a phone the conversations
-    fold away and nothing is wider than the screen."""
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path, scheme):
+    """Saved where EDGEINFER_ARTIFACTS says (else the test's folder; docs/images holds the ones
+    docs/serving.md shows); on a phone the conversations fold away and nothing is wider than the
+    screen; light and dark as the system asks."""
     folder = Path(os.environ.get("EDGEINFER_ARTIFACTS") or tmp_path)
     folder.mkdir(parents=True, exist_ok=True)
     for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        page = Page(browser, two_models, viewport)
+        page = Page(browser, two_models, viewport, scheme)
         page.setting("max_tokens", "24")
         page.send("Hello")
         page.page.click("#toggle-settings")
@@ -199,7 +201,8 @@ def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path):
         page.page.evaluate("c => localStorage.setItem('edgeinfer.conversations', JSON.stringify(c))", stored)
         page.page.reload()
         page.page.wait_for_selector(".message.assistant pre code")
-        shot = folder / f"chat-{name}.png"
+        assert page.page.evaluate("document.documentElement.dataset.theme") == scheme
+        shot = folder / f"chat-{name}-{scheme}.png"
         page.page.screenshot(path=str(shot))
         assert shot.stat().st_size > 10_000
         assert page.page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
@@ -241,3 +244,63 @@ def test_a_tool_call_shows_under_the_reply_as_the_api_makes_it(browser, long_exp
         page.close()
     finally:
         stop_server(process)
+
+
+def test_the_drawer_closes_on_escape_a_tap_outside_and_new_chat_at_phone_width(browser, two_models):
+    page = Page(browser, two_models, PHONE)
+    drawer_open = "() => document.getElementById('sidebar').classList.contains('open')"
+    for close in (
+        lambda: page.page.keyboard.press("Escape"),
+        lambda: page.page.click("#messages"),
+        lambda: page.page.click("#new-chat"),
+    ):
+        page.page.click("#toggle-sidebar")
+        assert page.page.evaluate(drawer_open)
+        close()
+        assert not page.page.evaluate(drawer_open)
+        page.page.wait_for_timeout(300)  # the drawer's slide
+        assert page.page.locator("#toggle-sidebar").is_visible()  # and the button that opens it is not under it
+    page.close()
+
+
+def test_a_server_that_stopped_gets_a_clear_message_not_the_browsers(browser, tiny_llama):
+    process, url = serving(tiny_llama[1], "--provider", "cpu")
+    page = Page(browser, url)
+    page.page.wait_for_selector("#model option", state="attached")
+    stop_server(process)
+    reply = page.send("Hello")
+    assert reply["error"] == "The server is not answering: is edgeinfer serve still running? Start it again, then resend."
+    assert "Failed to fetch" not in page.page.inner_text("#messages")
+    page.close()
+
+
+def test_the_theme_follows_the_system_and_the_button(browser, two_models):
+    context = browser.new_context(viewport=DESKTOP, color_scheme="dark")
+    page = context.new_page()
+    page.goto(two_models)
+    background = "() => getComputedStyle(document.body).backgroundColor"
+    assert page.evaluate("document.documentElement.dataset.theme") == "dark" and page.evaluate(background) == "rgb(21, 23, 28)"
+    page.click("#theme")  # auto -> dark
+    page.click("#theme")  # dark -> light, whatever the system says
+    assert page.inner_text("#theme") == "Theme: light" and page.evaluate(background) == "rgb(246, 247, 249)"
+    page.reload()
+    assert page.evaluate(background) == "rgb(246, 247, 249)"  # kept in this browser
+    context.close()
+
+
+def test_a_message_can_be_copied_edited_regenerated_and_deleted(browser, two_models):
+    page = Page(browser, two_models)
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.setting("max_tokens", "8")
+    first = page.send("Hello there")
+    page.page.locator(".message.assistant .actions .copy").click()
+    assert page.page.evaluate("navigator.clipboard.readText()") == first["content"]
+    page.page.locator(".message.assistant .actions .regenerate").click()
+    page.page.wait_for_function(REPLY_DONE)
+    messages = page.conversations()[0]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"] == first["content"]  # greedy
+    page.page.locator(".message.assistant .actions .delete").click()
+    assert [m["role"] for m in page.conversations()[0]["messages"]] == ["user"]
+    page.page.locator(".message.user .actions .edit").click()
+    assert page.page.input_value("#input") == "Hello there" and page.conversations()[0]["messages"] == []
+    page.close()

@@ -24,6 +24,8 @@ const store = {
 let conversations = store.get("conversations", []);
 let currentId = store.get("current", null);
 let running = null; // the reply being streamed: {controller, conversation}
+let modelsLoading = false; // /health said the model is still loading
+const SERVER_DOWN = "The server is not answering: is edgeinfer serve still running? Start it again, then resend.";
 
 function save() {
   store.set("conversations", conversations);
@@ -69,7 +71,21 @@ async function api(path, options = {}) {
 // Models.
 
 async function loadModels() {
-  const response = await api("/v1/models");
+  let response;
+  try {
+    response = await api("/v1/models");
+    const health = await fetch("/health");
+    modelsLoading = health.status === 503;
+    $("notice").hidden = !modelsLoading;
+    $("notice").textContent = modelsLoading ? "The model is loading: the first reply waits for it." : "";
+  } catch {
+    $("notice").textContent = SERVER_DOWN;
+    $("notice").hidden = false;
+    return;
+  }
+  if (modelsLoading) {
+    setTimeout(loadModels, 1000); // until it has loaded
+  }
   const models = response.ok ? (await response.json()).data.map((m) => m.id) : [];
   const picker = $("model");
   picker.replaceChildren(...models.map((id) => new Option(id, id)));
@@ -173,17 +189,28 @@ function render() {
     }),
   );
   const messages = $("messages");
-  messages.replaceChildren(...(current() ? current().messages.map(renderMessage) : []));
+  messages.replaceChildren(...(current() ? current().messages.map((m, i) => renderMessage(m, i)) : []));
   messages.scrollTop = messages.scrollHeight;
 }
 
-function renderMessage(message) {
+function renderMessage(message, index) {
   const box = element("div", `message ${message.role}${message.error ? " error" : ""}`);
   const role = element("div", "role");
   role.textContent = message.role === "user" ? "You" : message.model || "assistant";
   const body = element("div", "body");
   renderMarkdown(message.content, body);
+  for (const pre of body.querySelectorAll("pre")) {
+    pre.append(copyButton(() => pre.querySelector("code").textContent, "Copy code"));
+  }
   box.append(role, body);
+  if (message.pending && !message.content) {
+    const waiting = element("div", "waiting");
+    waiting.textContent = modelsLoading ? "The model is loading…" : "Waiting for the first token…";
+    box.append(waiting);
+  }
+  if (!message.pending && index !== undefined) {
+    box.append(actions(message, index));
+  }
   for (const call of message.tool_calls || []) {
     const line = element("div", "tool-call");
     line.textContent = `${call.name}(${call.arguments})`;
@@ -209,6 +236,68 @@ function renderMessage(message) {
     box.append(stats);
   }
   return box;
+}
+
+function copyButton(text, label) {
+  const button = element("button", "copy");
+  button.type = "button";
+  button.textContent = "Copy";
+  button.setAttribute("aria-label", label);
+  button.addEventListener("click", () => {
+    navigator.clipboard.writeText(text()).then(() => (button.textContent = "Copied"), () => (button.textContent = "Copy failed"));
+  });
+  return button;
+}
+
+// A message's own buttons: copy it; edit a question (it goes back to the composer, and what came
+// after it goes); regenerate the last reply; delete a message.
+function actions(message, index) {
+  const bar = element("div", "actions");
+  bar.append(copyButton(() => message.content, "Copy message"));
+  const conversation = current();
+  const last = conversation && index === conversation.messages.length - 1;
+  const button = (label, handler) => {
+    const b = element("button", label.toLowerCase());
+    b.type = "button";
+    b.textContent = label;
+    b.addEventListener("click", () => !running && handler());
+    bar.append(b);
+  };
+  if (message.role === "user") {
+    button("Edit", () => {
+      $("input").value = message.content;
+      conversation.messages.splice(index);
+      save();
+      render();
+      $("input").focus();
+    });
+  }
+  if (message.role === "assistant" && last) {
+    button("Regenerate", () => regenerate(conversation));
+  }
+  button("Delete", () => {
+    conversation.messages.splice(index, 1);
+    save();
+    render();
+  });
+  return bar;
+}
+
+async function regenerate(conversation) {
+  conversation.messages.pop();
+  const reply = { role: "assistant", content: "", model: conversation.model, pending: true };
+  let body;
+  try {
+    body = requestBody(conversation, readSettings());
+  } catch (error) {
+    $("settings-error").textContent = "Settings: " + error.message;
+    $("settings-error").hidden = false;
+    return;
+  }
+  conversation.messages.push(reply);
+  save();
+  render();
+  await stream(conversation, reply, body);
 }
 
 function newConversation() {
@@ -333,7 +422,7 @@ async function stream(conversation, reply, body) {
     if (error.name === "AbortError") {
       reply.stopped = true;
     } else {
-      reply.error = error.message;
+      reply.error = error instanceof TypeError ? SERVER_DOWN : error.message; // fetch's own failure: no answer at all
     }
   } finally {
     const tokens = usage ? usage.completion_tokens : chunks;
@@ -378,6 +467,19 @@ function showReply(reply) {
   $("messages").scrollTop = $("messages").scrollHeight;
 }
 
+function closeDrawer() {
+  $("sidebar").classList.remove("open");
+}
+
+// The theme: the system's (auto: it follows the system's changes), or dark or light as chosen here.
+const SYSTEM_DARK = window.matchMedia("(prefers-color-scheme: dark)");
+
+function applyTheme() {
+  const theme = store.get("theme", "auto");
+  document.documentElement.dataset.theme = theme === "auto" ? (SYSTEM_DARK.matches ? "dark" : "light") : theme;
+  $("theme").textContent = { auto: "Theme: auto", dark: "Theme: dark", light: "Theme: light" }[theme];
+}
+
 function stop() {
   if (running) {
     running.controller.abort();
@@ -407,7 +509,18 @@ function start() {
       save();
       render();
     }
+    closeDrawer();
   });
+  document.addEventListener("keydown", (event) => event.key === "Escape" && closeDrawer());
+  $("messages").addEventListener("click", closeDrawer); // a tap outside the drawer closes it
+  $("composer").addEventListener("click", closeDrawer);
+  $("theme").addEventListener("click", () => {
+    const next = { auto: "dark", dark: "light", light: "auto" }[store.get("theme", "auto")];
+    store.set("theme", next);
+    applyTheme();
+  });
+  SYSTEM_DARK.addEventListener("change", applyTheme);
+  applyTheme();
   $("conversations").addEventListener("click", (event) => {
     const item = event.target.closest("li");
     if (item && !running) {
@@ -422,7 +535,20 @@ function start() {
   });
   $("model").addEventListener("change", () => store.set("model", $("model").value));
   $("toggle-settings").addEventListener("click", () => ($("settings").hidden = !$("settings").hidden));
-  $("toggle-sidebar").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  $("toggle-sidebar").addEventListener("click", (event) => {
+    event.stopPropagation();
+    $("sidebar").classList.toggle("open");
+  });
+  $("conversations").addEventListener("dblclick", (event) => {
+    const item = event.target.closest("li");
+    const conversation = item && conversations.find((c) => c.id === item.dataset.id);
+    const title = conversation && window.prompt("Rename the conversation", conversation.title || "New chat");
+    if (title && title.trim()) {
+      conversation.title = title.trim().slice(0, 80);
+      save();
+      render();
+    }
+  });
   render();
   loadModels();
 }
