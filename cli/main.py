@@ -16,7 +16,7 @@ from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
 from .bench import bench
 from .chat import chat
-from .manage import list_models, pull, rm
+from .manage import list_models, ps, pull, rm
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, model_argument, one_model, with_options
 from .resolve import _exporter, live_stream, load_engine, quiet_libraries, resolve_export, say, say_timings
 from .serve import serve
@@ -505,6 +505,7 @@ cli.add_command(bench)
 cli.add_command(serve)
 cli.add_command(list_models)
 cli.add_command(pull)
+cli.add_command(ps)
 cli.add_command(rm)
 cli.add_command(info, "show")
 

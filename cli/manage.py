@@ -95,3 +95,31 @@ def _row(folder: Path) -> dict:
         "precision": precision,
         "modified": int((folder / MANIFEST_NAME).stat().st_mtime),
     }
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="The server's address.")
+@click.option("--api-key", envvar="EDGEINFER_API_KEY", default=None, help="Its API key, where it has one [env: EDGEINFER_API_KEY].")
+def ps(url, api_key):
+    """The models a running `edgeinfer serve` holds: loaded or not, pinned, the memory each holds,
+    and the seconds until an idle one is unloaded (through its /v1/models)."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            models = json.load(response)["data"]
+    except urllib.error.HTTPError as e:
+        way = "pass --api-key (or EDGEINFER_API_KEY)" if e.code == 401 else "is it edgeinfer serve?"
+        raise ModelNotFoundError(f"{url} answered {e.code} to /v1/models: {way}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ModelNotFoundError(
+            f"no server answers at {url} ({getattr(e, 'reason', e)}): start one (edgeinfer serve), or pass --url"
+        ) from None
+    click.echo(f"{'NAME':<32} {'LOADED':<7} {'PINNED':<7} {'MEMORY':>10} UNTIL")
+    for model in (m for m in models if "parent" not in m):
+        memory = size_text(model["memory_bytes"]) if "memory_bytes" in model else "-"
+        until = f"{model['expires_in_s']:.0f} s" if "expires_in_s" in model else ("kept" if model.get("loaded") else "-")
+        loaded, pinned = ("yes" if model.get(k) else "no" for k in ("loaded", "pinned"))
+        click.echo(f"{model['id']:<32} {loaded:<7} {pinned:<7} {memory:>10} {until}")

@@ -158,7 +158,8 @@ class ModelPool:
             }
 
     def status(self) -> list[dict]:
-        """Per model: its name, folder, whether it is loaded and pinned, and the bytes it holds."""
+        """Per model: its name, folder, whether it is loaded and pinned, the bytes it holds, and the
+        seconds until it is unloaded (None: not loaded, pinned, in use, or no keep-alive)."""
         with self._lock:
             return [
                 {
@@ -168,9 +169,15 @@ class ModelPool:
                     "pinned": m.pinned,
                     "bytes": m.held,
                     "error": m.error,
+                    "expires_in_s": self._expires_in(m),
                 }
                 for m in self._models.values()
             ]
+
+    def _expires_in(self, model: _Model) -> float | None:
+        if model.scheduler is None or model.pinned or not model.idle or self.keep_alive is None:
+            return None
+        return max(0.0, self.keep_alive - (time.monotonic() - model.last_used))
 
     def close(self, grace: float | None = None) -> None:
         """Stop every loaded model's scheduler (running requests get `grace` seconds) and the keep-alive timer."""

@@ -38,7 +38,7 @@ from .backend import Backend
 from .checks import RequestError, check_room, error_body, fingerprint, from_edgeinfer
 from .guard import Guard, answer, refusal
 from .metrics import CONTENT_TYPE, Metrics
-from .models import ModelSet, adapter_entries, folder_of, model_fields, with_adapter
+from .models import ModelSet, adapter_entries, folder_of, held_bytes, model_fields, with_adapter
 
 log = logging.getLogger("edgeinfer.serve")
 
@@ -310,7 +310,10 @@ class _Routes:
         base = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "edgeinfer"}
         if backend is None:  # still loading: its name only
             return [base]
-        return [{**base, **model_fields(backend.manifest, folder_of(backend))}, *adapter_entries(self.model_name, backend.manifest)]
+        held = held_bytes(backend)
+        loaded = {"loaded": True, **({"memory_bytes": held} if held is not None else {})}
+        entry = {**base, **model_fields(backend.manifest, folder_of(backend)), **loaded}
+        return [entry, *adapter_entries(self.model_name, backend.manifest)]
 
     def named(self, model: str | None) -> str:
         """The model a request names, or where it names none the one model served (400 with several)."""

@@ -27,6 +27,13 @@ def model_fields(manifest, folder: Path | str | None) -> dict:
     }
 
 
+def held_bytes(backend) -> int | None:
+    """The bytes a loaded model's engine planned for (weights, KV cache, prefix cache); None where
+    the backend has no engine here (Ray replicas)."""
+    plan = getattr(getattr(backend, "engine", None), "memory", None)
+    return None if plan is None else plan.total
+
+
 def folder_of(backend) -> Path | None:
     """The export folder a backend serves from (a Scheduler's engine's, a pooled model's, the replicas')."""
     return getattr(getattr(backend, "engine", None), "folder", None) or getattr(backend, "folder", None)
@@ -163,7 +170,16 @@ class PooledModels(ModelSet):
         """Whether the model is loaded, pinned and available (not while its folder fails to load, with the reason)."""
         status = next(s for s in self.pool.status() if s["name"] == name)
         reason = {} if status["error"] is None else {"unavailable_reason": status["error"]}
-        return {"loaded": status["loaded"], "pinned": status["pinned"], "available": status["error"] is None, **reason}
+        expiry = {} if status["expires_in_s"] is None else {"expires_in_s": round(status["expires_in_s"], 1)}
+        held = {"memory_bytes": status["bytes"]} if status["loaded"] else {}
+        return {
+            "loaded": status["loaded"],
+            "pinned": status["pinned"],
+            "available": status["error"] is None,
+            **held,
+            **expiry,
+            **reason,
+        }
 
     def stats(self) -> dict[str, float]:
         """The pool's figures, and the loaded models' queues and rows summed."""

@@ -888,3 +888,30 @@ def test_check_holds_a_quantized_export_to_the_quality_it_recorded(tiny_llama, t
     (moved / "edgeinfer.json").write_text(json.dumps(manifest))
     failed = edgeinfer("check", str(moved), "--against", str(tiny_llama[0]))
     assert failed.returncode == 1 and "MOVED from the manifest's figures: top-1 agreement" in failed.stdout
+
+
+def test_ps_shows_what_a_running_server_holds(tiny_llama, tmp_path):
+    import signal
+
+    import httpx
+    from conftest import linked_copy
+    from test_serve import start
+
+    for name in ("a", "b"):
+        linked_copy(tiny_llama[1], tmp_path / "models" / name)
+    process, url = start(None, "--models", str(tmp_path / "models"), "--provider", "cpu", "--keep-alive", "60")
+    try:
+        body = {"model": "a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        done = edgeinfer("ps", "--url", url)
+        assert done.returncode == 0, done.stderr
+        rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:]}
+        loaded, pinned, memory, unit, until, seconds = rows["a"]
+        assert (loaded, pinned, seconds) == ("yes", "no", "s") and unit in ("KiB", "MiB") and 0 < float(until) <= 60 and float(memory) > 0
+        assert rows["b"] == ["no", "no", "-", "-"]
+        listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert listed["a"]["memory_bytes"] > 0 and "memory_bytes" not in listed["b"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert_one_line_error(edgeinfer("ps", "--url", url), f"no server answers at {url}", "start one (edgeinfer serve), or pass --url")
