@@ -907,7 +907,9 @@ def test_ps_shows_what_a_running_server_holds(tiny_llama, tmp_path):
         assert done.returncode == 0, done.stderr
         rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:]}
         loaded, pinned, memory, unit, until, seconds = rows["a"]
-        assert (loaded, pinned, seconds) == ("yes", "no", "s") and unit in ("KiB", "MiB") and 0 < float(until) <= 60 and float(memory) > 0
+        assert (
+            (loaded, pinned, seconds) == ("yes", "no", "s") and unit in ("KiB", "MiB") and 0 < float(until) <= 60 and float(memory) > 0
+        )
         assert rows["b"] == ["no", "no", "-", "-"]
         listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert listed["a"]["memory_bytes"] > 0 and "memory_bytes" not in listed["b"]
