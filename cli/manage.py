@@ -1,6 +1,6 @@
 """Models on this machine: `edgeinfer list` (the exports in edgeinfer's cache and the other files it
-keeps), `pull` (export a catalog model into the cache now), `rm` (remove an export from the cache,
-or the downloads it was made from)."""
+keeps), `pull` (export a catalog model or a hub id into the cache now), `rm` (remove an export from
+the cache, or the downloads it was made from), `ps` (what a running server holds)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from edgeinfer.sdk.errors import ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 from edgeinfer.sdk.memory import size_text
 
-from .resolve import folder_bytes, resolve_export, say
+from .resolve import HUB_ID, folder_bytes, resolve_export, say
 
 KEPT = ("downloads", "sources", "converted")  # what an export of a catalog model is made from, kept for the next
 
@@ -46,11 +46,12 @@ def list_models(as_json):
 @click.command()
 @click.argument("name")
 def pull(name):
-    """Export catalog model NAME into edgeinfer's cache now (what `run -m NAME` does on first use)."""
-    if not is_catalog_name(name):
+    """Export NAME (a catalog name, or a hub id: org/name) into edgeinfer's cache now (what
+    `run -m NAME` does at its first use)."""
+    if not is_catalog_name(name) and not HUB_ID.fullmatch(name):
         raise ModelNotFoundError(
-            f"{name!r} is not a catalog name ({', '.join(sorted(entries()))}): for a folder, a .gguf file or a hub id, "
-            "use `edgeinfer export MODEL -o OUT`"
+            f"{name!r} is not a catalog name ({', '.join(sorted(entries()))}) or a hub id (org/name): for a folder or a "
+            ".gguf file, use `edgeinfer export MODEL -o OUT`"
         )
     folder = resolve_export(name, say)
     say(f"{name} is exported in {folder} ({size_text(folder_bytes(folder))})")
@@ -66,7 +67,7 @@ def rm(names, downloads):
     for name in names:
         folder = exported_model_dir(name)
         if not (folder / MANIFEST_NAME).exists() or ".." in Path(name).parts:
-            shown = ", ".join(f.name for f in _exports()) or "none"
+            shown = ", ".join(_row(f)["name"] for f in _exports()) or "none"
             raise ModelNotFoundError(f"no export named {name!r} in {cache_root() / 'exports'}: the exports there are {shown}")
         freed = folder_bytes(folder)
         shutil.rmtree(folder)
@@ -79,8 +80,9 @@ def rm(names, downloads):
 
 
 def _exports() -> list[Path]:
+    """The cache's exports: exports/NAME, and exports/ORG/NAME of hub ids."""
     root = cache_root() / "exports"
-    return sorted(f for f in root.iterdir() if (f / MANIFEST_NAME).exists()) if root.is_dir() else []
+    return sorted(m.parent for pattern in ("*", "*/*") for m in root.glob(f"{pattern}/{MANIFEST_NAME}")) if root.is_dir() else []
 
 
 def _row(folder: Path) -> dict:
@@ -88,7 +90,7 @@ def _row(folder: Path) -> dict:
     quantization = manifest.get("quantization") or {}
     precision = quantization.get("method") or {"float32": "fp32", "float16": "fp16"}.get(manifest.get("dtype"), manifest.get("dtype"))
     return {
-        "name": folder.name,
+        "name": folder.relative_to(cache_root() / "exports").as_posix(),
         "path": str(folder),
         "bytes": folder_bytes(folder),
         "context": manifest.get("max_context"),

@@ -4,6 +4,7 @@ the messages the commands print on stderr."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -107,15 +108,21 @@ def read_template(path: str) -> str:
     return text
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names models
+
+
 def resolve_export(model: str | None, say) -> Path:
+    """The export folder of a model given by its folder, its catalog name or its hub id (the last
+    two exported into the cache at their first use)."""
     model = model or DEFAULT_MODEL
     path = Path(model).expanduser()
-    if is_catalog_name(model) and not path.exists():
+    if not path.exists() and (is_catalog_name(model) or HUB_ID.fullmatch(model)):
         return _cached_export(model, say)
     names = ", ".join(sorted(entries()))
     if not path.exists() and ("/" in model or model.startswith((".", "~"))):
         raise ModelNotFoundError(
-            f"model path {model} does not exist: pass a folder made by `edgeinfer export`, or a catalog name ({names})"
+            f"model path {model} does not exist: pass a folder made by `edgeinfer export`, a catalog name ({names}), "
+            "or a hub id (org/name)"
         )
     if not path.exists():
         raise ModelNotFoundError(
@@ -129,7 +136,7 @@ def _cached_export(name: str, say) -> Path:
     out = exported_model_dir(name)
     if (out / MANIFEST_NAME).exists():
         return out
-    with cache_lock(f"export-{name}", say):  # another process may be exporting it: wait, then use its export
+    with cache_lock(f"export-{name.replace('/', '--')}", say):  # another process may be exporting it: wait, then use its export
         if not (out / MANIFEST_NAME).exists():
             say(f"{name} has not been exported on this machine yet: exporting it once into {out}")
             export = _exporter()

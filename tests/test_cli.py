@@ -852,7 +852,9 @@ def test_served_models_are_named_by_name_dir_or_by_their_hub_id_and_listed_with_
             (entry,) = httpx.get(f"{url}/v1/models").json()["data"]
             folder = copy if name != "mine" else tiny_llama[1]
             created = int((folder / "edgeinfer.json").stat().st_mtime)
+            assert entry.pop("memory_bytes") > sizes  # the weights and the KV cache planned
             assert entry == {
+                "loaded": True,
                 "id": name,
                 "object": "model",
                 "created": created,
@@ -917,3 +919,22 @@ def test_ps_shows_what_a_running_server_holds(tiny_llama, tmp_path):
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert_one_line_error(edgeinfer("ps", "--url", url), f"no server answers at {url}", "start one (edgeinfer serve), or pass --url")
+
+
+def test_a_hub_id_is_exported_into_the_cache_at_its_first_use_and_found_there_after(tiny_llama, tmp_path, monkeypatch):
+    """Offline, a hub id that is not in the cache is one line naming the hub and the ways out, and
+    leaves nothing behind; one whose export is in the cache (the tiny llama's stands in) runs by
+    its id, and list and rm know it."""
+    import shutil
+
+    monkeypatch.setenv("EDGEINFER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert_one_line_error(edgeinfer("run", "-m", "Org/Not-Here", "hi"), "cannot download Org/Not-Here from the Hugging Face hub")
+    assert not (tmp_path / "cache" / "exports" / "Org" / "Not-Here").exists()
+    shutil.copytree(tiny_llama[1], tmp_path / "cache" / "exports" / "Org" / "Tiny")
+    ran = edgeinfer("run", "-m", "Org/Tiny", "--raw", "--json", "--max-new-tokens", "4", "The capital")
+    expected = Engine.load(tiny_llama[1], provider="cpu").generate("The capital", max_new_tokens=4).token_ids
+    assert json.loads(ran.stdout)["token_ids"] == expected and "exporting" not in ran.stderr
+    assert json.loads(edgeinfer("list", "--json").stdout)["name"] == "Org/Tiny"
+    assert "removed Org/Tiny" in edgeinfer("rm", "Org/Tiny").stderr
+    assert not (tmp_path / "cache" / "exports" / "Org" / "Tiny").exists()
