@@ -163,3 +163,40 @@ def test_a_phone_size_screenshot(firefox, served, tmp_path):
         assert firefox.execute_script("const r = document.getElementById('sidebar').getBoundingClientRect(); return r.right;") <= 0
     finally:
         firefox.set_window_rect(width=1280, height=800)
+
+
+@pytest.mark.parametrize("size", [(1280, 800), (390, 844)], ids=["desktop", "phone"])
+def test_edit_regenerate_delete_the_drawer_and_the_theme(firefox, served, size):
+    """What the Chromium tests check of the message actions, the phone's drawer and the theme, in
+    Firefox at both widths (the clipboard is Chromium's test: Marionette grants no permission)."""
+    firefox.set_window_rect(width=size[0], height=size[1])
+    try:
+        fresh(firefox, served)
+        setting(firefox, "max_tokens", "8")
+        first = send(firefox, "Hello there")
+        firefox.execute_script("document.querySelector('.message.assistant .actions .regenerate').click();")
+        wait(firefox, REPLY_DONE)
+        messages = conversations(firefox)[0]["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"] == first["content"]
+        firefox.execute_script("document.querySelector('.message.assistant .actions .delete').click();")
+        firefox.execute_script("document.querySelector('.message.user .actions .edit').click();")
+        assert firefox.execute_script("return document.getElementById('input').value;") == "Hello there"
+        assert conversations(firefox)[0]["messages"] == []
+        is_open = "return document.getElementById('sidebar').classList.contains('open');"
+        if size[0] < 700:  # the drawer: opened by the button, closed by Escape and by New chat
+            firefox.find_element("css selector", "#toggle-sidebar").click()
+            assert firefox.execute_script(is_open)
+            firefox.execute_script("document.dispatchEvent(new KeyboardEvent('keydown', {key: 'Escape'}));")
+            assert not firefox.execute_script(is_open)
+            wait(firefox, "() => document.getElementById('sidebar').getBoundingClientRect().right <= 0")  # its slide ends
+            firefox.find_element("css selector", "#toggle-sidebar").click()
+            firefox.execute_script("document.getElementById('new-chat').click();")
+            assert not firefox.execute_script(is_open)
+        for expected in ("Theme: dark", "Theme: light"):
+            firefox.find_element("css selector", "#theme").click()
+            assert firefox.find_element("css selector", "#theme").text == expected
+        background = "return getComputedStyle(document.body).backgroundColor;"
+        assert firefox.execute_script(background) == "rgb(246, 247, 249)"
+        firefox.find_element("css selector", "#theme").click()  # back to auto
+    finally:
+        firefox.set_window_rect(width=1280, height=800)
