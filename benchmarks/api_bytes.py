@@ -15,17 +15,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trees import ROOT, in_tree, package_of  # noqa: E402
+from compare_trees import ROOT, package_of, server_of  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -108,42 +106,13 @@ def requests(model: str) -> list[tuple[str, str, dict]]:
 
 def answers(package: Path, export: str) -> dict[str, str]:
     """Each request's normalized response (status and body) from a server of `package`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "edgeinfer.cli",
-        "serve",
-        "--model",
-        str(Path(export).resolve()),
-        "--port",
-        str(port),
-        "--provider",
-        "cpu",
-    ]
-    process = subprocess.Popen(
-        command, **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    with server_of(package, export) as url:
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         got = {}
         for label, path, body in requests(name):
             reply = httpx.post(url + path, json={k: v for k, v in body.items() if v is not None}, timeout=120)
             got[label] = f"{reply.status_code}\n" + by_choice(TIMES.sub(r'"\1": 0', IDS.sub(r"\1ID", reply.text)))
         return got
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def main() -> None:

@@ -14,19 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_trees import ROOT, in_tree, package_of  # noqa: E402
+from compare_trees import ROOT, in_tree, package_of, server_of  # noqa: E402
 from serve import PROMPTS, level, one_request  # noqa: E402
 
 CLIENTS = (1, 4)
@@ -34,21 +32,7 @@ CLIENTS = (1, 4)
 
 def served(package: Path, export: str, seconds: float) -> dict:
     """Aggregate tok/s and TTFT p50 at each number of clients, against a server of `package`."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", export, "--port", str(port), "--provider", "cpu"]
-    process = subprocess.Popen(
-        [*command, "--prefix-cache", "0"], **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with server_of(package, export, "--prefix-cache", "0") as url:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         ids = json.loads(PROMPTS.read_text())["prompts"]["p128"]
         body = {"model": model, "prompt": ids, "max_tokens": 64, "temperature": 0, "stream": True, "ignore_eos": True}
@@ -60,9 +44,6 @@ def served(package: Path, export: str, seconds: float) -> dict:
             figures[f"{clients}c tok/s"] = found["aggregate_tokens_per_s"]
             figures[f"{clients}c TTFT ms"] = found["ttft_p50_ms"]
         return figures
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def tool_cost(package: Path, export: str) -> dict:

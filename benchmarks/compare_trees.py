@@ -12,12 +12,15 @@ package's folders mapped as pyproject.toml maps them), with this environment's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +70,33 @@ def in_tree(path: Path) -> dict:
     started in the repository's root, `python -c` and `python -m` would import the root's own
     package first (the current folder leads sys.path), whatever PYTHONPATH says."""
     return {"env": {**os.environ, "PYTHONPATH": str(path)}, "cwd": str(path)}
+
+
+@contextlib.contextmanager
+def server_of(package: Path, export: str, *flags: str):
+    """The URL of an `edgeinfer serve` of `package` on `export` (CPU, a free port of 127.0.0.1),
+    once /health says 200; the server is stopped after."""
+    import httpx  # the serve extra's
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "edgeinfer.cli", "serve", "--model", str(Path(export).resolve()), "--port", str(port)]
+    process = subprocess.Popen(
+        [*command, "--provider", "cpu", *flags], **in_tree(package), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def one_run(path: Path, export: str) -> dict:
