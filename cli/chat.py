@@ -171,8 +171,13 @@ def _read_message() -> str | None:
 
 
 def _read_line(prompt: str) -> str | None:
-    """The user's next line, or None at EOF or Ctrl-C (also when Ctrl-C comes as the prompt is shown)."""
+    """The user's next line, or None at EOF or Ctrl-C (also when Ctrl-C comes as the prompt is shown).
+    On a terminal the line editor shows the prompt itself, once it reads keys (a key typed as a
+    prompt printed beforehand appears would be echoed raw, ^[[A); through a pipe it goes to stderr,
+    apart from the replies."""
     try:
+        if sys.stdin.isatty():
+            return input(prompt)
         click.echo(prompt, nl=False, err=True)
         return input()
     except (EOFError, KeyboardInterrupt):
