@@ -144,8 +144,10 @@ def _set(words: str, conversation: Conversation, settings: dict, engine) -> None
 
 def _save_or_load(name: str, path: Path, conversation: Conversation) -> None:
     try:
-        if name == "/save":
-            path.write_text(json.dumps(conversation.messages(), ensure_ascii=False, indent=1) + "\n")
+        if name == "/save":  # written beside it, then renamed: a file is never left half-written
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_text(json.dumps(conversation.messages(), ensure_ascii=False, indent=1) + "\n")
+            partial.replace(path)
             say(f"(saved {len(conversation.messages())} messages to {path})")
             return
         messages = json.loads(path.read_text())

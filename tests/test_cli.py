@@ -727,6 +727,7 @@ def test_chat_commands_are_never_sent_to_the_model(tiny_llama, tmp_path):
         and "settings: max_new_tokens 6, seed 4, temperature 0.9; 0 messages, a system message" in done.stderr
     )
     assert json.loads(saved.read_text()) == [*asked, {"role": "assistant", "content": reply}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conversation.json"]  # no partial file left beside it
     loaded = chat(tiny_llama[1], [f"/load {saved}", "And Paris?"])
     follow = engine.chat(
         [*asked, {"role": "assistant", "content": reply}, {"role": "user", "content": "And Paris?"}], max_new_tokens=6
