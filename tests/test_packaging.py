@@ -34,6 +34,10 @@ def test_built_wheel_imports_and_runs_the_cli(tmp_path):
     assert sdk_file == str(target / "edgeinfer" / "sdk" / "__init__.py")
     assert cli_file == str(target / "edgeinfer" / "cli" / "__init__.py")
     assert names.strip() == "['gemma-3-270m', 'smollm2-135m-instruct']"  # the catalog's JSON is in the wheel
+    parts = {"sdk": "sdk", "export": "export", "cli": "cli", "models": "models", "serve": "serve"}
+    packages = [init.parent.relative_to(ROOT) for part in parts for init in (ROOT / part).rglob("__init__.py")]
+    missing = [str(p) for p in packages if not (target / "edgeinfer" / p / "__init__.py").exists()]
+    assert missing == [], f"packages left out of the wheel (pyproject.toml's packages): {missing}"
     ui = target / "edgeinfer" / "serve" / "ui"  # the chat page's files too
     assert sorted(p.name for p in ui.iterdir()) == ["app.js", "favicon.svg", "index.html", "style.css"]
     help_text = subprocess.run([str(target / "bin" / "edgeinfer"), "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
