@@ -19,7 +19,15 @@ def first_run(tmp_path_factory):
     cache = tmp_path_factory.mktemp("edgeinfer-cache")
     env = offline_env(cache)
     done = subprocess.run(
-        [sys.executable, "-m", "edgeinfer.cli", "run", "--chat", "--max-new-tokens", "24", "What is the capital of France?"],
+        [
+            sys.executable,
+            "-m",
+            "edgeinfer.cli",
+            "run",
+            "--max-new-tokens",
+            "24",
+            "What is the capital of France?",
+        ],  # as the README runs it: a chat turn by default
         env=env,
         capture_output=True,
         text=True,
