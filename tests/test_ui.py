@@ -304,3 +304,17 @@ def test_a_message_can_be_copied_edited_regenerated_and_deleted(browser, two_mod
     page.page.locator(".message.user .actions .edit").click()
     assert page.page.input_value("#input") == "Hello there" and page.conversations()[0]["messages"] == []
     page.close()
+
+
+def test_a_loading_model_is_said_and_the_notice_goes_once_it_has_loaded(browser, two_models):
+    """/health's 503 (the server loading its model; held here by the browser's router) shows a
+    notice and a waiting reply says the model is loading; the notice goes once /health says 200."""
+    context = browser.new_context(viewport=DESKTOP)
+    context.route("**/health", lambda route: route.fulfill(status=503, body='{"error": {"message": "loading"}}'))
+    page = context.new_page()
+    page.goto(two_models)
+    page.wait_for_selector("#notice", state="visible")
+    assert page.inner_text("#notice") == "The model is loading: the first reply waits for it."
+    context.unroute("**/health")
+    page.wait_for_selector("#notice", state="hidden", timeout=10_000)  # polled each second until it has loaded
+    context.close()
