@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trees import ROOT, package_of, server_of  # noqa: E402
+from compare_trees import server_of, trees  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -121,13 +119,8 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new", nargs="?", default="HEAD")
     args = parser.parse_args()
-    try:
-        with tempfile.TemporaryDirectory() as temporary:
-            trees = [Path(temporary) / name for name in ("old", "new")]  # the same commit twice is two worktrees
-            old = answers(package_of(args.old, trees[0]), args.export)
-            new = answers(package_of(args.new, trees[1]), args.export)
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+    with trees(args.old, args.new) as (old_package, new_package):
+        old, new = answers(old_package, args.export), answers(new_package, args.export)
     same = 0
     for label, text in old.items():
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -17,14 +17,13 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_trees import ROOT, in_tree, package_of, server_of  # noqa: E402
+from compare_trees import in_tree, server_of, trees  # noqa: E402
 from serve import PROMPTS, level, one_request  # noqa: E402
 
 CLIENTS = (1, 4)
@@ -70,15 +69,11 @@ def main() -> None:
     args = parser.parse_args()
     export = str(Path(args.export).resolve())
     runs = {"old": [], "new": []}
-    try:
-        with tempfile.TemporaryDirectory() as temporary:
-            trees = {name: package_of(commit, Path(temporary) / name) for name, commit in (("old", args.old), ("new", args.new))}
-            for round_ in range(args.rounds):
-                for name, package in trees.items():
-                    runs[name].append({**served(package, export, args.seconds), **tool_cost(package, export)})
-                    print(f"round {round_ + 1} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+    with trees(args.old, args.new) as packages:
+        for round_ in range(args.rounds):
+            for name, package in zip(runs, packages):
+                runs[name].append({**served(package, export, args.seconds), **tool_cost(package, export)})
+                print(f"round {round_ + 1} {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in runs[name][-1].items()), flush=True)
     for name, commit in (("old", args.old), ("new", args.new)):
         medians = {k: statistics.median(run[k] for run in runs[name]) for k in runs[name][0]}
         print(f"{name} {commit} medians: " + ", ".join(f"{k} {v:.3g}" for k, v in medians.items()))

@@ -73,6 +73,17 @@ def in_tree(path: Path) -> dict:
 
 
 @contextlib.contextmanager
+def trees(*commits: str):
+    """A package folder (package_of) per commit, each from a worktree of its own (the same commit
+    twice is two), in a temporary folder; afterwards the folder goes and git forgets the worktrees."""
+    try:
+        with tempfile.TemporaryDirectory() as temporary:
+            yield [package_of(commit, Path(temporary) / str(i)) for i, commit in enumerate(commits)]
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+
+
+@contextlib.contextmanager
 def server_of(package: Path, export: str, *flags: str):
     """The URL of an `edgeinfer serve` of `package` on `export` (CPU, a free port of 127.0.0.1),
     once /health says 200; the server is stopped after."""
@@ -112,16 +123,12 @@ def main() -> None:
     parser.add_argument("new", nargs="?", default="HEAD")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    try:
-        with tempfile.TemporaryDirectory() as temporary:
-            trees = {name: package_of(commit, Path(temporary)) for name, commit in (("old", args.old), ("new", args.new))}
-            figures = {name: [] for name in trees}
-            for round_ in range(args.rounds):
-                for name, path in trees.items():
-                    figures[name].append(one_run(path, args.export))
-                    print(f"round {round_ + 1} {name}: {json.dumps(figures[name][-1])}", flush=True)
-    finally:  # the worktrees' folders are gone: git forgets them
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+    with trees(args.old, args.new) as packages:
+        figures = {"old": [], "new": []}
+        for round_ in range(args.rounds):
+            for name, path in zip(figures, packages):
+                figures[name].append(one_run(path, args.export))
+                print(f"round {round_ + 1} {name}: {json.dumps(figures[name][-1])}", flush=True)
     for name, runs in figures.items():
         medians = {key: round(statistics.median(run[key] for run in runs), 1) for key in runs[0]}
         ranges = {key: (round(min(run[key] for run in runs), 1), round(max(run[key] for run in runs), 1)) for key in runs[0]}

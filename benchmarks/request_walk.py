@@ -18,11 +18,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_trees import ROOT, in_tree, package_of  # noqa: E402
+from compare_trees import in_tree, trees  # noqa: E402
 
 ONE_WALK = r"""
 import asyncio, json, os, sys, threading
@@ -100,15 +99,12 @@ def main() -> None:
     parser.add_argument("export")
     parser.add_argument("commits", nargs="+")
     args = parser.parse_args()
-    try:
-        with tempfile.TemporaryDirectory() as temporary:
-            for i, commit in enumerate(args.commits):
-                counted = walk(package_of(commit, Path(temporary) / str(i)), args.export)
-                by_file = counted.pop("by_file")
-                print(f"{commit}: {json.dumps(counted)}")
-                print("  stops by file: " + ", ".join(f"{f} {n}" for f, n in by_file.items()))
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+    with trees(*args.commits) as packages:
+        for commit, package in zip(args.commits, packages):
+            counted = walk(package, args.export)
+            by_file = counted.pop("by_file")
+            print(f"{commit}: {json.dumps(counted)}")
+            print("  stops by file: " + ", ".join(f"{f} {n}" for f, n in by_file.items()))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import click
 
-from edgeinfer.models import cache_root, entries, exported_model_dir, is_catalog_name
+from edgeinfer.models import cache_root, entries, exported_model_dir, is_catalog_name, is_hub_id
 from edgeinfer.sdk.errors import ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 from edgeinfer.sdk.memory import size_text
 
-from .resolve import HUB_ID, folder_bytes, resolve_export, say
+from .resolve import folder_bytes, resolve_export, say
 
 KEPT = ("downloads", "sources", "converted")  # what an export of a catalog model is made from, kept for the next
 
@@ -48,7 +48,7 @@ def list_models(as_json):
 def pull(name):
     """Export NAME (a catalog name, or a hub id: org/name) into edgeinfer's cache now (what
     `run -m NAME` does at its first use)."""
-    if not is_catalog_name(name) and not HUB_ID.fullmatch(name):
+    if not is_catalog_name(name) and not is_hub_id(name):
         raise ModelNotFoundError(
             f"{name!r} is not a catalog name ({', '.join(sorted(entries()))}) or a hub id (org/name): for a folder or a "
             ".gguf file, use `edgeinfer export MODEL -o OUT`"

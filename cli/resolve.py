@@ -4,13 +4,12 @@ the messages the commands print on stderr."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import click
 
-from edgeinfer.models import DEFAULT_MODEL, cache_lock, entries, exported_model_dir, is_catalog_name
+from edgeinfer.models import DEFAULT_MODEL, cache_lock, entries, exported_model_dir, is_catalog_name, is_hub_id
 from edgeinfer.sdk.embedder import NOT_GENERATING, Embedder
 from edgeinfer.sdk.errors import EdgeInferError, ModelNotFoundError, SettingsError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
@@ -108,15 +107,12 @@ def read_template(path: str) -> str:
     return text
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names models
-
-
 def resolve_export(model: str | None, say) -> Path:
     """The export folder of a model given by its folder, its catalog name or its hub id (the last
     two exported into the cache at their first use)."""
     model = model or DEFAULT_MODEL
     path = Path(model).expanduser()
-    if not path.exists() and (is_catalog_name(model) or HUB_ID.fullmatch(model)):
+    if not path.exists() and (is_catalog_name(model) or is_hub_id(model)):
         return _cached_export(model, say)
     names = ", ".join(sorted(entries()))
     if not path.exists() and ("/" in model or model.startswith((".", "~"))):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from edgeinfer.models import DEFAULT_MODEL
+from edgeinfer.models import DEFAULT_MODEL, is_hub_id
 from edgeinfer.sdk.errors import EdgeInferError
 from edgeinfer.sdk.manifest import load_manifest
 
@@ -245,8 +245,7 @@ def _named(given: str) -> tuple[str, str]:
         source = load_manifest(path).source
     except EdgeInferError:  # not an export: loading it says why
         return path.name, given
-    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) and not Path(source).exists()
-    return (source if hub_id else path.name), given
+    return (source if is_hub_id(source) and not Path(source).exists() else path.name), given
 
 
 def _named_exports(models: tuple[str, ...], models_dir: Path | None) -> dict[str, Path]:

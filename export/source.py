@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeinfer.models import entries, is_catalog_name, lookup
+from edgeinfer.models import entries, is_catalog_name, is_hub_id, lookup
 from edgeinfer.models.cache import cache_root
 from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
@@ -21,8 +21,6 @@ from edgeinfer.sdk.manifest import MANIFEST_NAME
 
 from .families import SUPPORTED, UNSUPPORTED
 from .patches import faster_gguf
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ def resolve_source(model: str, say=lambda message: None) -> Source:
     if is_catalog_name(model):
         fetched = resolve_source(fetch_source(lookup(model), say))
         return Source(f"{model} ({fetched.name})", fetched.path, fetched.gguf_file)
-    if _HUB_ID.match(model) and not model.startswith((".", "/", "~")):
+    if is_hub_id(model):
         return _hub_source(model)
     names = ", ".join(sorted(entries()))
     raise ModelNotFoundError(f"{model!r} is not an existing path, a catalog name ({names}) or a hub id like org/name")

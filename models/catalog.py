@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -50,3 +51,12 @@ def lookup(name: str) -> CatalogEntry:
 
 def is_catalog_name(name: str) -> bool:
     return name in entries()
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names models
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is spelled as a hub id (org/name); a path that exists is a path first, which
+    the caller checks."""
+    return bool(_HUB_ID.fullmatch(name))
