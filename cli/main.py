@@ -363,10 +363,9 @@ def info(model, model_option, architectures, as_json):
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return
     plan = MemoryPlan.of(manifest, manifest.max_context, 1)
-    precision = (manifest.quantization or {}).get("method") or manifest.dtype
     click.echo(
         f"{manifest.source}: {manifest.architecture}, {_layers_text(manifest.kv)}, context {manifest.max_context} tokens, "
-        f"{precision}, in {folder}"
+        f"{manifest.precision}, in {folder}"
     )
     if manifest.task == "embedding":
         embedding = manifest.embedding

@@ -13,7 +13,7 @@ import click
 
 from edgeinfer.models import cache_root, entries, exported_model_dir, is_catalog_name, is_hub_id
 from edgeinfer.sdk.errors import ModelNotFoundError
-from edgeinfer.sdk.manifest import MANIFEST_NAME
+from edgeinfer.sdk.manifest import MANIFEST_NAME, Manifest
 from edgeinfer.sdk.memory import size_text
 
 from .resolve import folder_bytes, resolve_export, say
@@ -86,15 +86,13 @@ def _exports() -> list[Path]:
 
 
 def _row(folder: Path) -> dict:
-    manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    quantization = manifest.get("quantization") or {}
-    precision = quantization.get("method") or {"float32": "fp32", "float16": "fp16"}.get(manifest.get("dtype"), manifest.get("dtype"))
+    manifest = Manifest.from_dict(json.loads((folder / MANIFEST_NAME).read_text()))
     return {
         "name": folder.relative_to(cache_root() / "exports").as_posix(),
         "path": str(folder),
         "bytes": folder_bytes(folder),
-        "context": manifest.get("max_context"),
-        "precision": precision,
+        "context": manifest.max_context,
+        "precision": manifest.precision,
         "modified": int((folder / MANIFEST_NAME).stat().st_mtime),
     }
 

@@ -100,6 +100,9 @@ class TokenizerSpec:
     eos_token: str | None = None
 
 
+PRECISION_WORDS = {"float32": "fp32", "float16": "fp16"}  # a manifest's dtype, in export's --dtype words
+
+
 @dataclass(frozen=True)
 class Manifest:
     source: str
@@ -141,6 +144,12 @@ class Manifest:
     @property
     def layout(self) -> str:
         return "split" if self.prefill is not None else "single"
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision in export's own words (--quantize int4/int8, --dtype fp32/fp16), as
+        every command and /v1/models says it."""
+        return (self.quantization or {}).get("method") or PRECISION_WORDS.get(self.dtype, self.dtype)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

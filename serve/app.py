@@ -30,7 +30,7 @@ from edgeinfer.sdk.chat_stream import ChatStream
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
 
-from . import anthropic, llama, openai, responses
+from . import anthropic, llama, openai, responses, ui_vendor
 from . import backend as backends
 from .api import Api, Event, Reply, Served
 from .apis import APIS, api_of
@@ -145,9 +145,12 @@ UI_HEADERS = {
 
 
 def _add_page(app: FastAPI) -> None:
-    """GET / (the chat page) and /ui/ (its script and style), files of the package: no CDN, no build step."""
-    page = (UI / "index.html").read_bytes()
+    """GET / (the chat page), /ui/ (its script, style and icon) and /ui/vendor/ (its libraries, fetched
+    at build time: serve/ui_vendor.py), all files of the package: no CDN, nothing fetched at run time."""
     assets = {name: (UI / name).read_bytes() for name in UI_ASSETS}
+    libraries = page_libraries()
+    tags = "".join(_library_tag(name) for name in libraries)
+    page = (UI / "index.html").read_text().replace("<!-- libraries -->", tags).encode()
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
@@ -162,6 +165,28 @@ def _add_page(app: FastAPI) -> None:
         if name not in assets:
             raise StarletteHTTPException(404)
         return Response(assets[name], media_type=UI_ASSETS[name], headers=UI_HEADERS)
+
+    @app.get("/ui/vendor/{name}", include_in_schema=False)
+    async def chat_page_library(name: str):
+        if name not in libraries:
+            raise StarletteHTTPException(404)
+        return Response(libraries[name], media_type=UI_ASSETS["app.js" if name.endswith(".js") else "style.css"], headers=UI_HEADERS)
+
+
+def page_libraries() -> dict[str, bytes]:
+    """The page's libraries as {file name: bytes}, in the lock's order; none where the build could not
+    fetch them (the page then shows replies as plain text)."""
+    locked = ui_vendor.lock()
+    if not ui_vendor.present(ui_vendor.VENDOR, locked):
+        return {}
+    names = [name for package in locked["packages"] for name in package["files"].values() if name.endswith((".js", ".css"))]
+    return {name: (ui_vendor.VENDOR / name).read_bytes() for name in names}
+
+
+def _library_tag(name: str) -> str:
+    if name.endswith(".css"):
+        return f'<link rel="stylesheet" href="/ui/vendor/{name}">\n'
+    return f'<script src="/ui/vendor/{name}" defer></script>\n'
 
 
 def _add_routes(app: FastAPI, routes: _Routes) -> None:

@@ -18,11 +18,10 @@ def model_fields(manifest, folder: Path | str | None) -> dict:
     time; 0 where the folder is not on this machine), its context, its weights' precision and the
     bytes of its files."""
     written = Path(folder) / MANIFEST_NAME if folder else None
-    quantization = manifest.quantization or {}
     return {
         "created": int(written.stat().st_mtime) if written is not None and written.exists() else 0,
         "context_length": manifest.max_context,
-        "precision": quantization.get("method") or manifest.dtype,
+        "precision": manifest.precision,
         "size_bytes": sum(int(f.get("size", 0)) for f in manifest.files.values()),
     }
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from edgeinfer.sdk.errors import EdgeInferError
 
-from .app import create_app
+from .app import create_app, page_libraries
 from .checks import error_body
 from .responses import StoreLimits
 
@@ -93,11 +93,20 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
     server = _Server(config, options.grace)
     bound = _bound(host, port)
     where = f"http://{'[' + host + ']' if ':' in host else host}:{bound.getsockname()[1]}"
-    page = f"the chat page at {where}/, " if options.ui else ""
+    page = _page_line(where) if options.ui else ""
     log.info("listening on %s: %sthe OpenAI API under /v1, Anthropic's at /v1/messages; loading %s", where, page, model_name)
     server.run(sockets=[bound])
     if failed:
         raise failed[0]
+
+
+def _page_line(where: str) -> str:
+    if page_libraries():
+        return f"the chat page at {where}/, "
+    return (
+        f"the chat page at {where}/ (showing replies as plain text: its Markdown libraries were not fetched when "
+        f"edgeinfer was installed; `python -m edgeinfer.serve.ui_vendor` fetches them), "
+    )
 
 
 def _bound(host: str, port: int) -> socket.socket:

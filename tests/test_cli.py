@@ -200,7 +200,7 @@ def test_info_says_what_the_export_is_first_and_json_gives_the_manifest(tiny_lla
     manifest = json.loads(edgeinfer("info", "--json", str(tiny_llama[1])).stdout)
     assert manifest["architecture"] == "llama" and manifest["kv"]["num_layers"] == 2
     summary, memory, prefix, graphs, speculative, providers = done.stdout.splitlines()
-    assert summary == f"{manifest['source']}: llama, 2 layers, context 256 tokens, float32, in {tiny_llama[1]}"
+    assert summary == f"{manifest['source']}: llama, 2 layers, context 256 tokens, fp32, in {tiny_llama[1]}"
     assert graphs == "graphs: single, model.onnx for prefill and decode"
     weights = (manifest["files"]["model.onnx"]["size"] + manifest["files"]["model.onnx.data"]["size"]) / 1024
     # 2 layers x 2 kv heads x (16 + 16) values x 4 bytes = 512 bytes a token; 256 tokens = 128 KiB
@@ -861,7 +861,7 @@ def test_served_models_are_named_by_name_dir_or_by_their_hub_id_and_listed_with_
                 "created": created,
                 "owned_by": "edgeinfer",
                 "context_length": 256,
-                "precision": "float32",
+                "precision": "fp32",
                 "size_bytes": sizes,
             }
             body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgeinfer.serve import ui_vendor
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = (
     "import edgeinfer, edgeinfer.sdk, edgeinfer.export, edgeinfer.cli, edgeinfer.models, edgeinfer.serve; "
@@ -39,6 +41,11 @@ def test_built_wheel_imports_and_runs_the_cli(tmp_path):
     missing = [str(p) for p in packages if not (target / "edgeinfer" / p / "__init__.py").exists()]
     assert missing == [], f"packages left out of the wheel (pyproject.toml's packages): {missing}"
     ui = target / "edgeinfer" / "serve" / "ui"  # the chat page's files too
-    assert sorted(p.name for p in ui.iterdir()) == ["app.js", "favicon.svg", "index.html", "style.css"]
+    assert sorted(p.name for p in ui.iterdir()) == ["app.js", "favicon.svg", "index.html", "style.css", "vendor", "vendor.json"]
+    # and the libraries setup.py's build step fetched, with their licences
+    shipped = sorted(p.name for p in (ui / "vendor").iterdir())
+    assert shipped == sorted(name for package in ui_vendor.lock()["packages"] for name in package["files"].values()) + [
+        "versions.json"
+    ]
     help_text = subprocess.run([str(target / "bin" / "edgeinfer"), "--help"], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert help_text.returncode == 0 and all(c in help_text.stdout for c in ("export", "run", "info", "serve"))

@@ -413,6 +413,13 @@ def test_the_chat_page_and_its_files_are_served_with_a_strict_policy_and_no_ui_t
     icon = httpx.get(f"{url}/favicon.ico")  # browsers ask for it on their own: not a 404 in every log
     assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml" and icon.content.startswith(b"<svg")
     assert '<link rel="icon" href="/ui/favicon.svg"' in page.text and httpx.get(f"{url}/ui/favicon.svg").content == icon.content
+    # the libraries the install fetched (serve/ui_vendor.py), each before the page's own script
+    for name in ("marked.js", "purify.js", "highlight.js", "katex.js", "highlight.css"):
+        tag = f'src="/ui/vendor/{name}"' if name.endswith(".js") else f'href="/ui/vendor/{name}"'
+        assert tag in page.text and page.text.index(tag) < page.text.index('src="/ui/app.js"'), name
+        library = httpx.get(f"{url}/ui/vendor/{name}")
+        assert library.status_code == 200 and library.headers["content-security-policy"] == policy and len(library.content) > 1000
+    assert httpx.get(f"{url}/ui/vendor/versions.json").status_code == 404 and httpx.get(f"{url}/ui/vendor/app.js").status_code == 404
     process, plain = start(tiny_llama[1], "--provider", "cpu", "--no-ui")
     try:
         assert httpx.get(f"{plain}/").status_code == 404 and httpx.get(f"{plain}/ui/app.js").status_code == 404

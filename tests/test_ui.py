@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from chat_page import KEY, MARKDOWN, MARKUP, REPLY_DONE, api_answer
+from chat_page import KEY, MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
 from conftest import linked_copy
 from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
 
@@ -84,6 +84,12 @@ class Page:
 
     def conversations(self) -> list:
         return json.loads(self.page.evaluate("localStorage.getItem('edgeinfer.conversations') || '[]'"))
+
+    def show_reply(self, text: str) -> None:
+        """A conversation whose reply is `text`, stored in this browser and shown after a reload."""
+        self.page.evaluate(STORE_REPLY, text)
+        self.page.reload()
+        self.page.wait_for_selector(".message.assistant .body")
 
     def close(self) -> None:
         self.context.close()
@@ -178,6 +184,27 @@ def test_markup_a_model_writes_shows_as_text_and_never_runs(browser, two_models)
     assert body.locator("script").count() == 0 and body.locator("img").count() == 0
     assert body.locator("strong").inner_text() == "bold"  # Markdown still renders around the text
     assert page.page.evaluate("window.pwned") is None
+    page.close()
+
+
+def test_markdown_tables_quotes_links_math_and_nested_code_render_through_the_libraries(browser, two_models):
+    """marked, DOMPurify, KaTeX and highlight.js (fetched at install time: serve/ui_vendor.py) render
+    what the old hand-made subset showed as raw text; a javascript: link loses its href."""
+    page = Page(browser, two_models)
+    page.show_reply(RICH)
+    assert page.page.evaluate(RICH_SHOWN) == RICH_EXPECTED
+    page.close()
+
+
+def test_without_its_libraries_the_page_shows_replies_as_plain_text(browser, two_models):
+    """A build that could not reach the registry (its /ui/vendor/ files missing: blocked here by the
+    browser's router) still works: the reply is its own text, markup included, and nothing runs."""
+    page = Page(browser, two_models)
+    page.context.route("**/ui/vendor/**", lambda route: route.fulfill(status=404, body=""))
+    page.show_reply(MARKUP)
+    body = page.page.locator(".message.assistant .body")
+    assert body.inner_text() == MARKUP and "plain" in body.get_attribute("class")
+    assert body.locator("*").count() == 0 and page.page.evaluate("window.pwned") is None
     page.close()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from chat_page import MARKDOWN, MARKUP, REPLY_DONE, api_answer
+from chat_page import MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
 from conftest import linked_copy
 from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
 
@@ -120,6 +120,14 @@ def test_markup_a_model_writes_shows_as_text_and_never_runs(firefox, served):
     )
     assert firefox.execute_script("return document.querySelector('.message.assistant .body strong').textContent;") == "bold"
     assert firefox.execute_script("return typeof window.pwned;") == "undefined"
+
+
+def test_markdown_renders_through_the_libraries_as_in_chromium(firefox, served):
+    fresh(firefox, served)
+    firefox.execute_script(f"return ({STORE_REPLY})(arguments[0]);", script_args=[RICH])
+    firefox.refresh()
+    wait(firefox, "() => document.querySelector('.message.assistant .body') !== null")
+    assert firefox.execute_script(f"return ({RICH_SHOWN})();") == RICH_EXPECTED
 
 
 def test_stop_cancels_the_request_and_the_server_frees_its_row(firefox, long_export):

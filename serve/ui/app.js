@@ -1,7 +1,7 @@
 // edgeinfer's chat page: the server's own /v1 API from the browser. Conversations, settings and the
 // API key are kept in this browser's localStorage; nothing is kept on the server. What the model
-// writes is put in the page as text nodes (a small Markdown subset builds elements around them), so
-// its HTML and scripts never run.
+// writes is rendered as Markdown by maintained libraries and sanitized (see renderMarkdown), so its
+// HTML and scripts never run.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -95,9 +95,6 @@ async function loadModels() {
   }
 }
 
-// Markdown: fenced code, headings, lists, paragraphs; code spans, bold and italic inside them.
-// Every piece of the model's text becomes a text node.
-
 function element(tag, className) {
   const node = document.createElement(tag);
   if (className) {
@@ -106,74 +103,81 @@ function element(tag, className) {
   return node;
 }
 
-const LIST_ITEM = /^\s*([-*+]|\d+[.)])\s+/;
+// Markdown: marked renders it (GitHub's flavour; a line break where the model wrote one), the model's
+// own HTML shown as text, $…$, \(…\), $$…$$ and \[…\] typeset by KaTeX as MathML (no fonts, no inline
+// style); DOMPurify then keeps only harmless markup (no script, no handler, no javascript: link), and
+// highlight.js colours code. The libraries are fetched at build time (serve/ui_vendor.py): without
+// them, or should one fail, a reply shows as plain text.
 
-function renderMarkdown(text, into) {
-  into.replaceChildren();
-  const lines = text.split("\n");
-  let i = 0;
-  while (i < lines.length) {
-    const line = lines[i];
-    const fence = line.match(/^```\s*([\w+-]*)\s*$/);
-    if (fence) {
-      const code = [];
-      for (i++; i < lines.length && !/^```\s*$/.test(lines[i]); i++) {
-        code.push(lines[i]);
+const escapeHtml = (text) => text.replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+
+function mathRule(name, level, pattern, starts) {
+  return {
+    name,
+    level,
+    start: (src) => {
+      const at = src.search(starts);
+      return at < 0 ? undefined : at;
+    },
+    tokenizer(src) {
+      const match = pattern.exec(src);
+      if (match) {
+        const display = match[1] !== undefined || match[2] !== undefined;
+        return { type: name, raw: match[0], text: match.slice(1).find((part) => part !== undefined), display };
       }
-      i++;
-      const pre = element("pre");
-      const block = element("code", fence[1] ? "language-" + fence[1] : "");
-      block.textContent = code.join("\n");
-      pre.append(block);
-      into.append(pre);
-      continue;
-    }
-    const heading = line.match(/^(#{1,6})\s+(.*)$/);
-    if (heading) {
-      const title = element("h" + Math.min(6, heading[1].length + 2));
-      inline(title, heading[2]);
-      into.append(title);
-      i++;
-      continue;
-    }
-    if (LIST_ITEM.test(line)) {
-      const list = element(/^\s*\d/.test(line) ? "ol" : "ul");
-      for (; i < lines.length && LIST_ITEM.test(lines[i]); i++) {
-        const item = element("li");
-        inline(item, lines[i].replace(LIST_ITEM, ""));
-        list.append(item);
-      }
-      into.append(list);
-      continue;
-    }
-    if (!line.trim()) {
-      i++;
-      continue;
-    }
-    const paragraph = element("p");
-    for (let first = true; i < lines.length && lines[i].trim() && !/^```|^#{1,6}\s/.test(lines[i]) && !LIST_ITEM.test(lines[i]); i++) {
-      if (!first) {
-        paragraph.append(element("br"));
-      }
-      inline(paragraph, lines[i]);
-      first = false;
-    }
-    into.append(paragraph);
-  }
+    },
+    renderer: (token) => katex.renderToString(token.text.trim(), { displayMode: token.display, output: "mathml", throwOnError: false }),
+  };
 }
 
-function inline(parent, text) {
-  const pattern = /(`[^`]+`)|(\*\*[^*]+\*\*)|(\*[^*\s][^*]*\*)/g;
-  let last = 0;
-  for (let match; (match = pattern.exec(text)); ) {
-    parent.append(document.createTextNode(text.slice(last, match.index)));
-    const [token] = match;
-    const node = element(match[1] ? "code" : match[2] ? "strong" : "em");
-    node.textContent = match[1] ? token.slice(1, -1) : match[2] ? token.slice(2, -2) : token.slice(1, -1);
-    parent.append(node);
-    last = match.index + token.length;
+// inline $…$ needs a non-space after the opening and before the closing $, and no digit after it,
+// so that "$5 and $10" stays text
+const MATH = [
+  mathRule("mathBlock", "block", /^(?:\$\$([\s\S]+?)\$\$|\\\[([\s\S]+?)\\\])[ \t]*(?:\n+|$)/, /^ {0,3}(?:\$\$|\\\[)/m),
+  mathRule("mathInline", "inline", /^(?:\$\$([^$]+?)\$\$|\\\[([\s\S]+?)\\\]|\\\(([\s\S]+?)\\\)|\$(?=\S)([^$\n]*?\S)\$(?!\d))/, /\$|\\[([]/),
+];
+
+const markdown = (() => {
+  if (typeof marked !== "object" || typeof DOMPurify !== "function") {
+    return null;
   }
-  parent.append(document.createTextNode(text.slice(last)));
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A") {
+      node.setAttribute("target", "_blank"); // a link opens beside the page, not over it
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+  const html = (token) => (token.block ? `<p>${escapeHtml(token.text)}</p>` : escapeHtml(token.text));
+  return new marked.Marked({ gfm: true, breaks: true, renderer: { html }, extensions: typeof katex === "object" ? MATH : [] });
+})();
+
+// KaTeX's MathML keeps the TeX in <semantics><annotation>, which browsers do not draw: kept as
+// markup, else DOMPurify would leave its text beside the formula
+const PURIFY = { RETURN_DOM_FRAGMENT: true, ADD_ATTR: ["target"], ADD_TAGS: ["semantics", "annotation"] };
+
+function renderMarkdown(text, into, pending) {
+  into.replaceChildren();
+  into.classList.toggle("plain", !markdown);
+  if (!markdown) {
+    into.textContent = text;
+    return;
+  }
+  try {
+    into.append(DOMPurify.sanitize(markdown.parse(text), PURIFY));
+  } catch (error) {
+    console.warn("Markdown failed, shown as text:", error);
+    into.classList.add("plain");
+    into.textContent = text;
+    return;
+  }
+  if (typeof hljs === "object") {
+    for (const code of into.querySelectorAll("pre code")) {
+      // a streaming reply's code is coloured when it names its language; guessing one waits for the end
+      if (!pending || /\blanguage-/.test(code.className)) {
+        hljs.highlightElement(code);
+      }
+    }
+  }
 }
 
 // The page.
@@ -198,7 +202,7 @@ function renderMessage(message, index) {
   const role = element("div", "role");
   role.textContent = message.role === "user" ? "You" : message.model || "assistant";
   const body = element("div", "body");
-  renderMarkdown(message.content, body);
+  renderMarkdown(message.content, body, message.pending);
   for (const pre of body.querySelectorAll("pre")) {
     pre.append(copyButton(() => pre.querySelector("code").textContent, "Copy code"));
   }
