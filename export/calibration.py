@@ -95,6 +95,8 @@ def window_feeds(graph: Graph, manifest, window: list[int], logits: int = 1) -> 
         "logits_to_keep": np.array(logits, np.int64),
     }
     feeds = {name: value for name, value in feeds.items() if name in graph.inputs}
+    if "image_features" in graph.inputs:  # a vision-language model's text windows: no image features
+        feeds["image_features"] = np.zeros((0, manifest.vision["hidden_size"]), graph.input_dtype("image_features"))
     length = len(window) if kv.in_place else 0
     dtype = np.float16 if kv.dtype == "float16" else np.float32
     for name in kv.past:

@@ -59,6 +59,9 @@ SUPPORTED = (
     "qwen3_5_text",
     "seed_oss",
 )
+# Vision-language families: their language model as above, taking image features (export/vision.py
+# has how each one's encoder is called and its processor read).
+VISION_LANGUAGE = ("idefics3", "smolvlm")
 # Families that cannot be exported here, and why.
 UNSUPPORTED = {
     "internlm2": "transformers 5 has no internlm2 model; its checkpoints need trust_remote_code, which edgeinfer does not run",

@@ -46,14 +46,30 @@ from .source import (
     manifest_source,
     resolve_source,
     source_parameters,
+    source_model_type,
     source_sizes,
 )
+from .families import VISION_LANGUAGE
 from .split import split_export
 from .stream import deferring
 from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
+from .vision import check_vision, is_vision, vision_reference, with_vision
 
-STAGES = ("load", "export graph", "tokenizer", "validate", "fuse", "fp16", "quantize", "split", "adapters", "write")
+STAGES = (
+    "load",
+    "export graph",
+    "tokenizer",
+    "vision",
+    "validate",
+    "fuse",
+    "fp16",
+    "quantize",
+    "split",
+    "images",
+    "adapters",
+    "write",
+)
 DTYPES = ("fp32", "fp16")
 TASKS = ("generation", "embedding")
 LAYOUTS = ("single", "split")
@@ -269,6 +285,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     }
     adapters = {name: read_peft(folder) for name, folder in options.adapters}  # a bad folder is refused before any work
     source = resolve_source(model, say)
+    wanted["vision"] = wanted["images"] = _vision_not_streamed(source) is not None
     streamed = _streams(source, options)
     if streamed is not None:
         return _export_streamed(source, *streamed, work, options, say, live)
@@ -278,12 +295,16 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     torch_model, manifest, weights = _traced(source, work, options, stage, adapters)
     with stage("validate"):
         stage.progress("PyTorch's logits and tokens for the checks")
-        config, references = torch_model.config, _references(torch_model, work, options, adapters)
+        config, references = torch_model.config.get_text_config(), _references(torch_model, work, options, adapters, source.path)
         del torch_model  # every check from here on compares with `references`: ONNX Runtime's weights alone are held
         gc.collect()  # (a model can refer to itself through bound methods)
         give_back_freed_memory()
         validation = _validated(work, references["validate"], stage)
     manifest, quantization = _refined(work, manifest, config, references, options, stage, validation)
+    if "vision" in references:
+        with stage("images"):  # the graphs as they will run, with an image
+            manifest.save(work)
+            validation["vision"] = _vision_validated(work, references["vision"], stage, gate=not quantization)
     manifest = dataclasses.replace(manifest, validation=validation, quantization=quantization)
     if adapters:
         with stage("adapters"):
@@ -324,7 +345,7 @@ def _streams(source: Source, options: ExportOptions) -> tuple[Sizes, int, int] |
     if options.stream is False or options.layers is not None:
         return None
     sizes = source_sizes(source)
-    why_not = _not_streamable(options, sizes)
+    why_not = _not_streamable(options, sizes) or _vision_not_streamed(source)
     if why_not and options.stream:
         raise ExportError(f"--stream cannot export this model: {why_not}; leave --stream out")
     if why_not or (options.stream is None and 4 * sizes.parameters < STREAM_FROM):
@@ -344,6 +365,12 @@ def _not_streamable(options: ExportOptions, sizes: Sizes | None) -> str | None:
             return f"{flag} converts the whole graph in memory"
     if options.adapters:
         return "--adapter checks each adapter on the whole model"
+    return None
+
+
+def _vision_not_streamed(source: Source) -> str | None:
+    if source_model_type(source) in VISION_LANGUAGE:
+        return "a vision-language model is exported whole (its language model and vision graph checked together)"
     return None
 
 
@@ -424,8 +451,12 @@ def _traced(source: Source, work: Path, options: ExportOptions, stage: _Stages, 
         graph = export_graph(torch_model, work, defer=defer)
     with stage("tokenizer"):
         tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
-    context = max_context(torch_model.config, tokenizer, options.max_context)
+    context = max_context(torch_model.config.get_text_config(), tokenizer, options.max_context)
     manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
+    if is_vision(torch_model.config):
+        with stage("vision"):
+            stage.progress("tracing the vision encoder and its projector")
+            manifest = with_vision(manifest, torch_model, source.path, work)
     manifest.save(work)
     return torch_model, manifest, weights
 
@@ -488,6 +519,19 @@ def _validated(work: Path, reference, stage: _Stages) -> dict:
         f"(tolerance {validation['tolerance']:.2e})"
     )
     return validation
+
+
+def _vision_validated(work: Path, reference, stage: _Stages, gate: bool) -> dict:
+    """The export with an image against transformers; a quantized one's logits differ by design:
+    recorded, not a pass mark."""
+    stage.progress("an image and its question, against transformers' processor and model")
+    checked = check_vision(reference, work, gate)
+    stage.say(
+        f"vision: pixels within {checked['max_abs_diff_pixels']:.1e} of the processor's, prompt ids "
+        f"{'equal' if checked['ids_equal'] else 'DIFFERENT'}, largest logits difference {checked['max_abs_diff_logits']:.2e}, "
+        f"greedy tokens {'equal' if checked['tokens_equal'] else 'DIFFERENT'}"
+    )
+    return checked
 
 
 def _refined(work: Path, manifest: Manifest, config, references: dict, options: ExportOptions, stage: _Stages, validation: dict):
@@ -570,10 +614,14 @@ def adapter_summary(name: str, entry: dict, check: dict) -> str:
     )
 
 
-def _references(model, work: Path, options: ExportOptions, adapters: dict[str, PeftAdapter] | None = None) -> dict:
+def _references(
+    model, work: Path, options: ExportOptions, adapters: dict[str, PeftAdapter] | None = None, source_path: str | None = None
+) -> dict:
     """PyTorch's side of the checks the export's stages run, computed while the model is loaded
     (each adapter's with PEFT, after the base's)."""
-    references = {"validate": torch_reference(model, sample_ids(model.config.vocab_size))}
+    references = {"validate": torch_reference(model, sample_ids(model.config.get_text_config().vocab_size))}
+    if is_vision(model.config):
+        references["vision"] = vision_reference(model, source_path)
     if options.fuse or options.dtype == "fp16":
         references["check"] = torch_reference(model, CHECK_PROMPT, CHECK_TOKENS)
     if options.quantization and options.quality:
@@ -708,7 +756,7 @@ def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifes
         source=source,
         architecture=config.model_type,
         dtype="float32",
-        vocab_size=config.vocab_size,
+        vocab_size=config.get_text_config().vocab_size,
         max_context=context,
         bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),

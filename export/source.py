@@ -19,7 +19,7 @@ from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
-from .families import SUPPORTED, UNSUPPORTED
+from .families import SUPPORTED, UNSUPPORTED, VISION_LANGUAGE
 from .patches import faster_gguf
 
 
@@ -84,7 +84,7 @@ def load_model(source: Source, with_tokenizer: bool = True, layers: int | None =
     the first that many of its layers (a check copy, `truncated`); `precision`: "fp32", or
     "source" for the checkpoint's own (bfloat16 for most), half the memory."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if not source.gguf_file:
@@ -98,7 +98,8 @@ def load_model(source: Source, with_tokenizer: bool = True, layers: int | None =
                 config = truncated(config, layers)
             dtype = torch.float32 if precision == "fp32" else "auto"
             with _quiet(layers is not None):  # a check copy leaves most weights unread, which transformers would list
-                model = AutoModelForCausalLM.from_pretrained(source.path, config=config, dtype=dtype, **kwargs).eval()
+                auto = AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else AutoModelForCausalLM
+                model = auto.from_pretrained(source.path, config=config, dtype=dtype, **kwargs).eval()
             tokenizer = None
             if with_tokenizer:
                 tokenizer = AutoTokenizer.from_pretrained(converted or source.path, **({} if converted else kwargs))
@@ -266,11 +267,16 @@ def check_supported(model_type: str) -> None:
             f"model type {model_type!r} cannot be exported: {UNSUPPORTED[model_type]}; "
             "`edgeinfer info --architectures` lists the supported ones"
         )
-    if model_type not in SUPPORTED:
+    if model_type not in SUPPORTED and model_type not in VISION_LANGUAGE:
         raise ExportError(
             f"model type {model_type!r} cannot be exported: edgeinfer exports decoder-only language models "
             "of the families that `edgeinfer info --architectures` lists"
         )
+
+
+def source_model_type(source: Source) -> str | None:
+    """The model type a folder's config.json names; None for a GGUF (its type is in the file)."""
+    return None if source.gguf_file else _model_type(Path(source.path))
 
 
 def _model_type(folder: Path) -> str:

@@ -24,6 +24,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from .families import VISION_LANGUAGE
 from .patches import constant_repeat_interleave, traceable_falcon_alibi, traceable_linear_attention
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
@@ -56,20 +57,27 @@ def takes_positions(model) -> bool:
 
 
 def trace(model, path: Path) -> None:
-    """Trace `model` into the ONNX file `path` (its weights as torch.onnx writes them)."""
+    """Trace `model` into the ONNX file `path` (its weights as torch.onnx writes them). A
+    vision-language model's graph also takes `image_features` [image tokens, hidden]: the features
+    of the image tokens among `input_ids`, in their order (row by row), put in their place."""
     import torch
 
-    vocab_size = model.config.get_text_config().vocab_size
-    ids = _dummy_ids(vocab_size, _PAST + _NEW)
+    text = model.config.get_text_config()
+    ids = _dummy_ids(text.vocab_size, _PAST + _NEW)
     with torch.no_grad(), traceable_experts(model.config):
         kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
-    decoder = Decoder(model, kinds).eval()
-    inputs = {"input_ids": ids[:, _PAST:], "attention_mask": torch.ones(_BATCH, _PAST + _NEW, dtype=torch.int64)}
+    image_token = model.config.image_token_id if model.config.model_type in VISION_LANGUAGE else None
+    decoder = Decoder(model, kinds, image_token).eval()
+    inputs = {"input_ids": ids[:, _PAST:]}
+    if image_token is not None:
+        inputs["image_features"] = torch.randn(_PAST, text.hidden_size, generator=torch.Generator().manual_seed(0))
+    inputs["attention_mask"] = torch.ones(_BATCH, _PAST + _NEW, dtype=torch.int64)
     if decoder.positions:
         inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(_BATCH, _NEW).contiguous()
     past_names, present_names = cache_names(kinds)
     axes = {
         "input_ids": {0: _AXES["batch"], 1: _AXES["new"]},
+        "image_features": {0: "image_tokens"},
         "attention_mask": {0: _AXES["batch"], 1: _AXES["total"]},
         "position_ids": {0: _AXES["batch"], 1: _AXES["new"]},
         "logits": {0: _AXES["batch"], 1: _AXES["new"]},
@@ -98,7 +106,7 @@ def trace(model, path: Path) -> None:
             opset_version=OPSET,
             do_constant_folding=True,
         )
-    _outputs_shaped(path, vocab_size)
+    _outputs_shaped(path, text.vocab_size)
 
 
 def _outputs_shaped(path: Path, vocab_size: int) -> None:
@@ -195,19 +203,33 @@ def _decoder_class():
     import torch
 
     class Decoder(torch.nn.Module):
-        """The model as a function of plain tensors: (input_ids, attention_mask[, position_ids],
-        past...) -> (logits, present...)."""
+        """The model as a function of plain tensors: (input_ids[, image_features], attention_mask[,
+        position_ids], past...) -> (logits, present...)."""
 
-        def __init__(self, model, kinds: list[tuple[str, ...]]):
+        def __init__(self, model, kinds: list[tuple[str, ...]], image_token: int | None = None):
             super().__init__()
-            self.model, self.kinds, self.positions = model, kinds, takes_positions(model)
+            self.model, self.kinds, self.positions, self.image_token = model, kinds, takes_positions(model), image_token
 
-        def forward(self, input_ids, attention_mask, *rest):
+        def forward(self, input_ids, *rest):
+            tokens = {"input_ids": input_ids}
+            if self.image_token is not None:
+                tokens = {"inputs_embeds": self._with_images(input_ids, rest[0])}
+                rest = rest[1:]
+            attention_mask, rest = rest[0], rest[1:]
             positions = {"position_ids": rest[0]} if self.positions else {}
             past = rest[1:] if self.positions else rest
             cache = full_length_cache(past, self.kinds)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, **positions)
+            out = self.model(**tokens, attention_mask=attention_mask, cache=cache, use_cache=True, **positions)
             return out.logits, *_present(out.cache)
+
+        def _with_images(self, input_ids, features):
+            """The token embeddings, the k-th image token's replaced by the k-th row of `features`
+            (a gather, not masked_scatter: it exports to plain ONNX ops, and takes no rows at all)."""
+            embeds = self.model.get_input_embeddings()(input_ids)
+            is_image = input_ids == self.image_token
+            order = (is_image.reshape(-1).to(torch.int64).cumsum(0) - 1).clamp(min=0).reshape(input_ids.shape)
+            rows = torch.cat([features.to(embeds.dtype), embeds.new_zeros(1, embeds.shape[-1])])
+            return torch.where(is_image.unsqueeze(-1), rows[order], embeds)
 
     return Decoder
 
@@ -247,8 +269,8 @@ def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
     return ((), ()) if layer.keys is None else (("key", "value"), (layer.keys, layer.values))
 
 
-def Decoder(model, kinds: list[tuple[str, ...]]):  # noqa: N802 - builds the class on first use: torch is imported late
-    return _decoder_class()(model, kinds)
+def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None):  # noqa: N802 - builds the class on first use
+    return _decoder_class()(model, kinds, image_token)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from .errors import SettingsError
 from .reasoning import ReasoningFormat, reasoning_format
 from .tokenizer import Tokenizer
 from .tools import ToolCall, ToolPlan, ToolRequest, plan, thought_first
+from .vision import Picture, expand, name_pictures, take_pictures
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class ChatTurn:
     """`ids`: the prompt (the conversation as the template renders it, `text`); `plan`: the tools'
     plan, where the turn has tools; `thinking`: a reasoning model's markers, read off the
     rendered text; `constraint`: what the plan constrains every output to (a call it must make),
-    the thought first where the model thinks."""
+    the thought first where the model thinks; `pictures`: the conversation's images, whose
+    features the prompt's picture ids name (sdk/vision.py), to be encoded before it runs."""
 
     tokenizer: Tokenizer
     text: str
@@ -28,6 +30,7 @@ class ChatTurn:
     plan: ToolPlan | None
     thinking: ReasoningFormat | None
     constraint: dict | None
+    pictures: tuple[Picture, ...] = ()
 
     def settings(self, settings: dict, config=None) -> dict:
         """One output's settings with the plan's constraint; a response_format or choice of its own
@@ -44,19 +47,30 @@ class ChatTurn:
 
 
 def chat_turn(
-    tokenizer: Tokenizer, context: int, messages: list[dict], request: ToolRequest | None = None, template_kwargs: dict | None = None
+    tokenizer: Tokenizer,
+    context: int,
+    messages: list[dict],
+    request: ToolRequest | None = None,
+    template_kwargs: dict | None = None,
+    vision: dict | None = None,
 ) -> ChatTurn:
     """The turn of `messages` with the tools `request` asks for (None: none), within `context`
-    tokens; `template_kwargs` are the chat template's own variables. Raises SettingsError on a bad
-    tool request or a prompt that leaves no room."""
-    messages = _as_dicts(messages)
+    tokens; `template_kwargs` are the chat template's own variables; `vision` the manifest's,
+    for a model that takes images. Raises SettingsError on a bad tool request, a bad image or a
+    prompt that leaves no room."""
+    messages, pictures = take_pictures(_as_dicts(messages), vision)
     chosen = plan(tokenizer, messages, request) if request is not None else None
-    text, ids = tokenizer.chat_prompt(chosen.messages if chosen else messages, context, chosen and chosen.tools, template_kwargs)
+    rewrite = (lambda text: expand(text, vision, pictures)) if pictures else None
+    text, ids = tokenizer.chat_prompt(
+        chosen.messages if chosen else messages, context, chosen and chosen.tools, template_kwargs, rewrite
+    )
+    if pictures:
+        ids = name_pictures(ids, vision, pictures)
     thinking = reasoning_format(tokenizer, text)
     constraint = chosen.response_format if chosen is not None else None
     if constraint is not None and thinking is not None:
         constraint = thought_first(constraint, thinking)
-    return ChatTurn(tokenizer, text, ids, chosen, thinking, constraint)
+    return ChatTurn(tokenizer, text, ids, chosen, thinking, constraint, tuple(pictures))
 
 
 def closed_text(

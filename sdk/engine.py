@@ -250,7 +250,10 @@ class Engine:
         if tools is None and tool_choice is not None:
             raise SettingsError("tool_choice needs tools: pass the tools it chooses from", "tool_choice")
         request = None if tools is None else tool_request(tools, tool_choice, parallel_tool_calls)
-        turn = chat_turn(self.tokenizer, self.max_context, messages, request, template_variables(chat_template_kwargs))
+        turn = chat_turn(
+            self.tokenizer, self.max_context, messages, request, template_variables(chat_template_kwargs), self.manifest.vision or None
+        )
+        self.runner.see(turn.pictures)
         return chat_deltas(turn.stream(), self.stream(turn.ids, config, **turn.settings(settings, config)))
 
     def embed(self, texts, dimensions: int | None = None, truncate: bool = False):
@@ -268,7 +271,8 @@ class Engine:
     def prompt_ids(self, prompt: Prompt, within_context: bool = True) -> list[int]:
         """The prompt's token ids; text that cannot leave room in the context is refused before
         it is encoded, unless `within_context` is False (a prompt to truncate)."""
-        return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, self.max_context if within_context else None)
+        context = self.max_context if within_context else None
+        return self.tokenizer.prompt_ids(prompt, self.manifest.vocab_size, context, self.runner.images)
 
     def prepare(
         self, prompts: list[Prompt], config: GenerationConfig | list[GenerationConfig] | None = None, **settings

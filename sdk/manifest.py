@@ -20,10 +20,12 @@ from .errors import ManifestError, ModelNotFoundError, NotAnExportError
 # 4: LoRA adapters (the adapters' graph and files) or an embedding model, written only for an
 # export with adapters or of an embedding model; 5: layers whose caches differ in shape (`kv.layers`,
 # Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports; 6:
-# sliding layers whose cache keeps only their window (`kv.windows`), written only for such exports.
-# So exports stay readable by the edgeinfer versions that read what they use.
+# sliding layers whose cache keeps only their window (`kv.windows`), written only for such exports;
+# 7: a vision-language model (`vision`: its vision graph, and what an image becomes), written only
+# for such exports. So exports stay readable by the edgeinfer versions that read what they use.
 WINDOWS_FORMAT_VERSION, LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 6, 5, 4, 3, 2
-FORMAT_VERSION = WINDOWS_FORMAT_VERSION  # the newest this edgeinfer reads
+VISION_FORMAT_VERSION = 7
+FORMAT_VERSION = VISION_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -140,6 +142,12 @@ class Manifest:
     # or "mean"), `normalize`, `dimensions`, and `matryoshka` (the shorter widths it was trained for).
     task: str = "generation"
     embedding: dict = field(default_factory=dict)
+    # A vision-language model (export/vision.py; format version 7): `graph` (pixel_values [images,
+    # 3, H, W] -> image_features [images, tokens, hidden]), the image token's id and text, the
+    # resize `steps`, `resample`, `rescale`, `mean` and `std` that make an image's pixels, and the
+    # `expansion` that stands for an image in a prompt where the template writes its `marker`
+    # ({image}: `tokens_per_image` image tokens). The graph then takes `image_features`.
+    vision: dict = field(default_factory=dict)
 
     @property
     def layout(self) -> str:

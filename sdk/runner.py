@@ -30,8 +30,10 @@ from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
 from .sequence import Sequence
+from .vision import ImageStore
 
 STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
+IMAGE_INPUT = "image_features"  # a vision-language graph's: the features of the pass's image tokens
 LAST_ONLY = np.array(1, np.int64)  # `logits_to_keep` of a pass whose last position alone is read
 
 
@@ -90,12 +92,40 @@ class ModelRunner:
         self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
         self._no_adapter: dict | None = None  # rank-0 tensors for passes of base rows alone, once the adapters' graph serves
         self._switching = threading.Lock()
+        self.images = self._image_store(options) if manifest.vision else None
+
+    def _image_store(self, options: RuntimeOptions) -> ImageStore:
+        """The vision graph, and the store of the features it makes (sdk/vision.py)."""
+        vision = self.manifest.vision
+        encoder = Graph(self.folder / vision["graph"]["file"], self.provider, options.threads)
+        encoder.check_names(vision["graph"]["inputs"], vision["graph"]["outputs"])
+        pixels_type = encoder.input_dtype("pixel_values")
+
+        def encode(pixels: np.ndarray) -> np.ndarray:
+            return encoder.run({"pixel_values": pixels.astype(pixels_type)}, [], ["image_features"])[1]["image_features"]
+
+        return ImageStore(encode, int(vision["hidden_size"]), self.graph.input_dtype(IMAGE_INPUT))
+
+    def see(self, pictures) -> None:
+        """Make the features of a prompt's pictures (those not held yet), before it runs."""
+        if pictures:
+            if self.images is None:
+                raise GenerationError("this export reads text only: images need a vision-language export")
+            self.images.add(list(pictures))
+
+    def _feeds(self, inputs: dict) -> dict:
+        """A pass's inputs with its picture ids given to the graph as the image token and their features."""
+        if self.images is None:
+            return inputs
+        ids, features = self.images.feeds(inputs["input_ids"], self.manifest.vision["image_token_id"])
+        return {**inputs, "input_ids": ids, IMAGE_INPUT: features}
 
     def _open(self, spec: GraphSpec, options: RuntimeOptions, shared: dict | None) -> Graph:
         graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
         graph.check_names(spec.inputs, spec.outputs)
         adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is self.manifest.lora else set()
-        unknown = set(graph.inputs) - STEP_INPUTS - set(self.kv.past) - {s["past"] for s in self.kv.state} - adapters
+        images = {IMAGE_INPUT} if self.manifest.vision else set()
+        unknown = set(graph.inputs) - STEP_INPUTS - images - set(self.kv.past) - {s["past"] for s in self.kv.state} - adapters
         if unknown:
             raise ManifestError(
                 f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
@@ -287,7 +317,7 @@ class ModelRunner:
                 f"{fixed} positions of this export's prefill graph, which a batch must fit: run such prompts "
                 "one at a time, or export with a larger --prefill-length"
             )
-        inputs = prepare_together(batch.cache, prompts, length, width)
+        inputs = self._feeds(prepare_together(batch.cache, prompts, length, width))
         lengths = batch.cache.lengths[: len(prompts)]
         if self.prefill_graph is None:
             binding = self._bind_rows(batch, 0, len(prompts))
@@ -336,6 +366,7 @@ class ModelRunner:
         inputs = prepare_decode(batch.cache, tokens, self.is_static)
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
+        inputs = self._feeds(inputs)
         binding, logits = self._decode_binding(batch, len(tokens))
         idle = {row: self.row_state(batch, row, 1) for row, token in enumerate(tokens) if token is None}
         binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
@@ -412,7 +443,7 @@ class ModelRunner:
         if binding is None:
             binding = batch.bindings.rows[row] = self._bind_rows(batch, row, 1)
         self._bind_adapters(binding, batch, row, 1)
-        binding.run(inputs, fresh=("logits",))
+        binding.run(self._feeds(inputs), fresh=("logits",))
         return binding.outputs()[-1]
 
     def _decode_binding(self, batch: Batch, num_rows: int):
@@ -449,7 +480,8 @@ class ModelRunner:
         """One pass on a cache that grows: the past bound where it is, the presents kept on the device."""
         cache = batch.cache
         adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
-        inputs = {name: value for name, value in {**inputs, **adapters}.items() if name in graph.inputs}
+        inputs = {**self._feeds(inputs), **adapters}
+        inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
         past = cache.buffers if graph is self.graph else {}
         presents = [present for _, present in cache_pairs(self.kv)]
         outputs, _ = graph.run({**inputs, **past}, on_device=[*presents, "logits"], to_host=[])

@@ -158,6 +158,10 @@ class Graph:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
 
+    def input_dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of a float input (image features, pixels)."""
+        return np.dtype(_NUMPY_TYPES[self.inputs[name].type])
+
     def check_names(self, inputs: list[str], outputs: list[str]) -> None:
         """The graph must take and give exactly the names the manifest lists."""
         if list(self.inputs) != inputs or self.output_names != outputs:

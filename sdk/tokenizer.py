@@ -52,14 +52,15 @@ class Tokenizer:
             )
         return self.encode(text, add_special_tokens)
 
-    def prompt_ids(self, prompt: str | list[int], vocab_size: int, context: int | None = None) -> list[int]:
-        """A prompt's token ids (text is encoded, ids are checked against the vocabulary); with
-        `context`, text that cannot leave room in it is refused before it is encoded."""
+    def prompt_ids(self, prompt: str | list[int], vocab_size: int, context: int | None = None, pictures=None) -> list[int]:
+        """A prompt's token ids (text is encoded, ids are checked against the vocabulary, or are
+        picture ids `pictures`, an ImageStore, holds); with `context`, text that cannot leave room
+        in it is refused before it is encoded."""
         if isinstance(prompt, str):
             ids = self.encode(prompt) if context is None else self.encode_within(prompt, context)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) for t in prompt):
             ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab_size and not (pictures is not None and pictures.holds(t))]
             if bad:
                 raise GenerationError(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
         else:
@@ -103,12 +104,18 @@ class Tokenizer:
         return self.chat_prompt(messages, context, tools, template_kwargs)[1]
 
     def chat_prompt(
-        self, messages: list[dict], context: int | None = None, tools: list[dict] | None = None, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        context: int | None = None,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+        rewrite=None,
     ) -> tuple[str, list[int]]:
         """(text, token ids) of a conversation rendered by the chat template, ready for a reply
         (refused at once where they cannot leave room in a context of `context` tokens), with
         `template_kwargs` as the template's own variables (enable_thinking, say). An assistant
-        message may have `content` None where it has `tool_calls`, as OpenAI's do."""
+        message may have `content` None where it has `tool_calls`, as OpenAI's do; a content may be
+        a list of parts (images, sdk/vision.py), which `rewrite` makes into their text once rendered."""
         if not isinstance(messages, (list, tuple)) or not messages or not all(_is_message(m) for m in messages):
             raise GenerationError('messages must be a non-empty list of {"role": str, "content": str} dicts')
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in (self.chat_template or ""):
@@ -117,6 +124,7 @@ class Tokenizer:
                 "tool_calls cannot be shown to it: send the calls' text as the message's content"
             )
         text = self._turn_text(messages, tools, template_kwargs)
+        text = rewrite(text) if rewrite is not None else text
         return text, (self.encode(text, False) if context is None else self.encode_within(text, context, False))
 
     def _turn_text(self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None) -> str:
@@ -255,7 +263,9 @@ _LONG_TEXT = 4096  # characters: shorter texts are encoded holding the GIL (the 
 def _is_message(m) -> bool:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         return False
-    return isinstance(m.get("content"), str) or (m.get("content") is None and bool(m.get("tool_calls")))
+    content = m.get("content")
+    parts = isinstance(content, list) and all(isinstance(p, dict) for p in content)
+    return isinstance(content, str) or parts or (content is None and bool(m.get("tool_calls")))
 
 
 def _check_text(text: str) -> None:

@@ -1,0 +1,248 @@
+"""Vision-language models: the vision encoder and its projector as their own graph (vision.onnx:
+pixel_values [images, 3, H, W] -> image_features [images, tokens, hidden]); the language model traced
+as every other, its graph taking `image_features` in the place of the image token (export/trace.py);
+and the family's processor read into the manifest's `vision` section, which the runtime follows
+with no family code (sdk/vision.py).
+
+The families are this module's table, `FAMILIES`: how each one's encoder is called, and how its
+processor says what an image becomes (resize steps, rescale, normalization, the text around its
+tokens)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edgeinfer.sdk.errors import ExportError
+from edgeinfer.sdk.manifest import VISION_FORMAT_VERSION, GraphSpec, Manifest
+
+from .families import VISION_LANGUAGE
+from .trace import OPSET
+
+VISION_FILE = "vision.onnx"
+_RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}  # Pillow's numbers
+
+
+@dataclass(frozen=True)
+class Family:
+    """`encode(model, pixel_values)`: the projected features [images, tokens, hidden] of images
+    [images, 3, H, W]; `describe(processor)`: the manifest's steps and text of an image."""
+
+    encode: Callable
+    describe: Callable
+
+
+def _idefics3_encode(model, pixel_values):
+    """The vision transformer on whole squares (every patch an image's: the processor gives no
+    other), so a patch's position is its index: transformers' bucketized positions for partial
+    images (torch.bucketize, which ONNX has no op for) come to the same for whole ones."""
+    import torch
+
+    vision = model.model.vision_model
+    embeddings = vision.embeddings
+    patches = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+    hidden = patches + embeddings.position_embedding(torch.arange(patches.shape[1]))
+    hidden = vision.post_layernorm(vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state)
+    return model.model.connector(hidden)
+
+
+def _idefics3_describe(processor) -> dict:
+    """Idefics3 and SmolVLM: the longest side to `size`, then the square the encoder takes; an
+    image's tokens between <fake_token_around_image><global-img> and <fake_token_around_image>."""
+    images = processor.image_processor
+    if images.do_image_splitting:
+        raise ExportError(
+            "this model's processor splits each image into tiles (do_image_splitting), which this edgeinfer does not "
+            "export yet: set do_image_splitting to false in its preprocessor_config.json to export it with one tile per image"
+        )
+    side = images.max_image_size["longest_edge"]
+    steps = [{"op": "longest_edge", "size": images.size["longest_edge"]}] if images.do_resize else []
+    fake, tag = processor.fake_image_token, processor.global_image_tag
+    return {
+        "steps": [*steps, {"op": "resize", "height": side, "width": side}],
+        "resample": _RESAMPLE_NAMES[int(images.resample)],
+        "image_token": processor.image_token,
+        "tokens_per_image": processor.image_seq_len,
+        "marker": processor.image_token,
+        "expansion": f"{fake}{tag}{{image}}{fake}",
+        **_normalization(images),
+    }
+
+
+def _normalization(images) -> dict:
+    return {
+        "rescale": float(images.rescale_factor) if images.do_rescale else 1.0,
+        "mean": [float(m) for m in images.image_mean] if images.do_normalize else [0.0, 0.0, 0.0],
+        "std": [float(s) for s in images.image_std] if images.do_normalize else [1.0, 1.0, 1.0],
+    }
+
+
+FAMILIES = {"idefics3": Family(_idefics3_encode, _idefics3_describe), "smolvlm": Family(_idefics3_encode, _idefics3_describe)}
+assert set(FAMILIES) == set(VISION_LANGUAGE), "export/families.py's VISION_LANGUAGE and this table name the same families"
+
+
+def is_vision(config) -> bool:
+    return config.model_type in VISION_LANGUAGE
+
+
+def vision_section(model, processor, folder: Path) -> dict:
+    """The vision graph traced into `folder`, and the manifest's `vision` section."""
+    family = FAMILIES[model.config.model_type]
+    described = family.describe(processor)
+    side = next(s for s in reversed(described["steps"]) if s["op"] == "resize")
+    graph = export_vision_graph(model, family, folder, side["height"], side["width"])
+    text = model.config.get_text_config()
+    return {
+        "graph": {"file": graph.file, "inputs": graph.inputs, "outputs": graph.outputs},
+        "image_token_id": int(model.config.image_token_id),
+        "hidden_size": int(text.hidden_size),
+        **described,
+    }
+
+
+def export_vision_graph(model, family: Family, folder: Path, height: int, width: int) -> GraphSpec:
+    import torch
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixel_values):
+            return family.encode(self.model, pixel_values)
+
+    pixels = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(0))
+    path = folder / VISION_FILE
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            Encoder().eval(),
+            (pixels,),
+            str(path),
+            dynamo=False,
+            input_names=["pixel_values"],
+            output_names=["image_features"],
+            dynamic_axes={"pixel_values": {0: "images"}, "image_features": {0: "images"}},
+            opset_version=OPSET,
+        )
+    _weights_apart(path)
+    return GraphSpec(file=VISION_FILE, inputs=["pixel_values"], outputs=["image_features"])
+
+
+def _weights_apart(path: Path) -> None:
+    """The graph's weights in vision.onnx.data beside it, as the language model's are."""
+    import onnx
+
+    graph = onnx.load(str(path))
+    onnx.save(graph, str(path), save_as_external_data=True, location=f"{path.name}.data", size_threshold=1024)
+
+
+def with_vision(manifest: Manifest, model, source_path: str, folder: Path) -> Manifest:
+    """`manifest` with its `vision` section, the vision graph traced into `folder`."""
+    from transformers import AutoProcessor
+
+    section = vision_section(model, AutoProcessor.from_pretrained(source_path), folder)
+    return dataclasses.replace(manifest, vision=section, format_version=max(manifest.format_version, VISION_FORMAT_VERSION))
+
+
+# The check: one image and a question, as transformers' processor and model see them, against the
+# runtime's own pixels, prompt ids, logits and greedy tokens.
+
+CHECK_QUESTION = "What is in this picture?"
+CHECK_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class VisionReference:
+    text: str  # the prompt as the chat template writes it, one image marker in it
+    image: bytes  # the check image, as PNG
+    ids: list[int]  # the processor's prompt ids
+    pixels: np.ndarray  # the processor's pixel values
+    logits: np.ndarray  # at the prompt's last position
+    greedy: list[int]
+
+
+def check_image() -> bytes:
+    """A fixed picture (a gradient with a bright square) of a shape no model takes as it is, as PNG."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:45, 0:80]
+    pixels = np.stack([x * 3, y * 5, (x + y) * 2], axis=-1).astype(np.uint8)
+    pixels[10:25, 30:50] = (250, 240, 20)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def vision_reference(model, source_path: str) -> VisionReference:
+    """transformers' side of the check, computed while the model is loaded."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(source_path)
+    image = check_image()
+    text = _check_prompt(processor)
+    inputs = processor(text=text, images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
+    greedy, past, step = [], None, dict(inputs)
+    with torch.no_grad():
+        for n in range(CHECK_TOKENS):
+            out = model(**step, cache=past, use_cache=True)
+            if n == 0:
+                logits = out.logits[0, -1].float().numpy().copy()
+            greedy.append(int(out.logits[0, -1].argmax()))
+            past, step = out.cache, {"input_ids": torch.tensor([[greedy[-1]]])}
+    return VisionReference(text, image, inputs["input_ids"][0].tolist(), inputs["pixel_values"].float().numpy(), logits, greedy)
+
+
+def _check_prompt(processor) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CHECK_QUESTION}]}]
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(messages, add_generation_prompt=True)
+    return processor.image_token + CHECK_QUESTION
+
+
+def check_vision(reference: VisionReference, folder: Path, gate: bool = True) -> dict:
+    """The runtime's pixels, prompt ids, logits and greedy tokens for the reference's image and
+    prompt, against transformers'; ExportError where the ids differ, or (`gate`) the logits are off."""
+    from edgeinfer.sdk.engine import Engine
+    from edgeinfer.sdk.vision import expand, name_pictures, picture
+
+    from .validate import RELATIVE_TOLERANCE
+
+    engine = Engine.load(folder, provider="cpu", prefix_cache=0)
+    vision = engine.manifest.vision
+    item = picture(reference.image, vision)
+    ids = engine.tokenizer.encode(expand(reference.text, vision, [item]), False)
+    engine.runner.see([item])
+    logits, greedy = _runtime_greedy(engine, name_pictures(ids, vision, [item]))
+    result = {
+        "max_abs_diff_pixels": float(np.abs(item.pixels - reference.pixels.reshape(item.pixels.shape)).max()),
+        "ids_equal": ids == reference.ids,
+        "max_abs_diff_logits": float(np.abs(logits - reference.logits).max()),
+        "tokens_equal": greedy == reference.greedy,
+        "tolerance": RELATIVE_TOLERANCE[engine.manifest.dtype] * max(1.0, float(np.abs(reference.logits).max())),
+    }
+    if not result["ids_equal"] or (gate and result["max_abs_diff_logits"] > result["tolerance"]):
+        raise ExportError(
+            f"with an image the export differs from transformers (prompt ids {'equal' if result['ids_equal'] else 'differ'}, "
+            f"logits by {result['max_abs_diff_logits']:.3g}, tolerance {result['tolerance']:.3g}): the export is not valid"
+        )
+    return result
+
+
+def _runtime_greedy(engine, ids: list[int]) -> tuple[np.ndarray, list[int]]:
+    runner = engine.runner
+    batch = runner.new_batch()
+    logits = runner.prefill(batch, [ids]).numpy()[0, -1].astype(np.float32)
+    first, greedy = logits, [int(logits.argmax())]
+    while len(greedy) < CHECK_TOKENS:
+        logits = runner.decode(batch, [greedy[-1]]).numpy()[0, -1]
+        greedy.append(int(logits.argmax()))
+    return first, greedy

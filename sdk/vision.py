@@ -1,0 +1,273 @@
+"""Images in. A vision-language export's manifest says how an image becomes tokens (`vision`: the
+steps that make its pixels, the vision graph that makes its features, the text that stands for it in
+a prompt), and this module does what it says, with no family code: Pillow opens and resizes, numpy
+rescales and normalizes, the vision graph (through runtime.py) encodes.
+
+In a prompt's ids each of an image's placeholder tokens is a *picture id*: above any vocabulary,
+made of the image's content hash and the token's place in the image. The prefix cache keys on ids,
+so the same picture asked twice is found there and encoded once, and another picture is never
+mistaken for it; the runner gives the graph the image token in their place and the features they
+name (`ImageStore.feeds`)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import SettingsError
+
+PICTURE_BASE = 1 << 32  # picture ids start here, above every vocabulary
+INDEX_BITS, KEY_BITS = 16, 40  # a picture id: PICTURE_BASE + (key << INDEX_BITS) + the token's place
+# An image larger than this is refused before it is decoded (a decompression bomb says it is small
+# on the wire and huge in memory); Pillow's own guard stands behind it.
+MAX_PIXELS = 40_000_000
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+@dataclass(frozen=True)
+class Picture:
+    """One image of a conversation, made into what the vision graph takes: `pixels` [tiles, 3, H,
+    W] float32, `key` its content hash, `text` what stands for it in the prompt."""
+
+    key: int
+    pixels: np.ndarray
+    text: str
+
+    def ids(self, count: int) -> list[int]:
+        return [PICTURE_BASE + (self.key << INDEX_BITS) + place for place in range(count)]
+
+
+def is_picture(ids: np.ndarray) -> np.ndarray:
+    return ids >= PICTURE_BASE
+
+
+def picture_key(picture_id: int) -> tuple[int, int]:
+    """(key, place) of a picture id."""
+    offset = int(picture_id) - PICTURE_BASE
+    return offset >> INDEX_BITS, offset & ((1 << INDEX_BITS) - 1)
+
+
+def open_image(source, param: str = "messages"):
+    """A Pillow RGB image from a path, bytes or a Pillow image; SettingsError naming `param` for
+    what cannot be one (not an image, a format it does not take, too many pixels, truncated)."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return _checked_size(source, param).convert("RGB")
+    data = _image_bytes(source, param)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.format not in FORMATS:
+                raise SettingsError(f"an image in {image.format} is not taken: send {', '.join(FORMATS)}", param)
+            _checked_size(image, param).load()
+            return image.convert("RGB")
+    except SettingsError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise SettingsError(f"the image has more than {MAX_PIXELS:,} pixels: send a smaller one", param) from None
+    except (OSError, ValueError, SyntaxError) as error:  # Pillow's words for bytes it cannot decode
+        raise SettingsError(f"the image cannot be decoded ({error}): send a whole PNG, JPEG, WebP, GIF or BMP file", param) from None
+
+
+def _image_bytes(source, param: str) -> bytes:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, (str, Path)):
+        try:
+            data = Path(source).read_bytes()
+        except OSError as error:
+            raise SettingsError(f"cannot read the image {source}: {error.strerror}", param) from None
+    else:
+        raise SettingsError(f"an image is a path, bytes or a PIL image, not {type(source).__name__}", param)
+    if not data:
+        raise SettingsError("the image is empty (0 bytes)", param)
+    return data
+
+
+def _checked_size(image, param: str):
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise SettingsError(f"the image is {width}x{height} pixels: it has nothing to see", param)
+    if width * height > MAX_PIXELS:
+        raise SettingsError(f"the image is {width}x{height}, more than {MAX_PIXELS:,} pixels: send a smaller one", param)
+    return image
+
+
+# Pixels, by the manifest's steps.
+
+_RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}  # Pillow's numbers
+
+
+def picture(source, vision: dict, param: str = "messages") -> Picture:
+    """An image made into the vision graph's input by the manifest's steps, with its text."""
+    image = open_image(source, param)
+    resample = _RESAMPLE[vision["resample"]]
+    for step in vision["steps"]:
+        image = image.resize(_size(image.size, step), resample=resample)
+    pixels = (np.asarray(image, np.float32) * np.float32(vision["rescale"])).transpose(2, 0, 1)
+    mean, std = (np.asarray(vision[k], np.float32)[:, None, None] for k in ("mean", "std"))
+    pixels = np.ascontiguousarray(((pixels - mean) / std)[None])
+    key = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[: KEY_BITS // 8], "big")
+    image_text = vision["image_token"] * vision["tokens_per_image"]
+    return Picture(key, pixels, vision["expansion"].replace("{image}", image_text))
+
+
+def _size(size: tuple[int, int], step: dict) -> tuple[int, int]:
+    """(width, height) a resize step makes of an image of `size`: `resize` to a fixed size, or
+    `longest_edge` (the longest side to `size`, the other in proportion, rounded up to even)."""
+    width, height = size
+    if step["op"] == "resize":
+        return step["width"], step["height"]
+    if step["op"] == "longest_edge":
+        longest = step["size"]
+        if width >= height:
+            other = int(longest / (width / height))
+            width, height = longest, other + (other % 2)
+        else:
+            other = int(longest * (width / height))
+            width, height = other + (other % 2), longest
+        return max(width, 1), max(height, 1)
+    raise SettingsError(f"this export's manifest has an image step {step['op']!r} this edgeinfer does not know: update edgeinfer")
+
+
+# Features, kept by picture.
+
+
+class ImageStore:
+    """The features of the pictures a prompt may still need, by key: an image's features are
+    made once (the vision graph), kept while there is room (the least recently used go first),
+    and given to the language model's passes in the place of its picture ids."""
+
+    def __init__(self, encode, hidden_size: int, dtype: str, max_bytes: int = 256 << 20):
+        self._encode, self._hidden, self._dtype, self._max = encode, hidden_size, np.dtype(dtype), max_bytes
+        self._features: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.encoded = 0  # pictures encoded so far (the rest were found here)
+
+    def add(self, pictures: list[Picture]) -> None:
+        """Encode the pictures not held (the vision graph, outside the lock), and hold them."""
+        for item in pictures:
+            with self._lock:
+                if item.key in self._features:
+                    self._features.move_to_end(item.key)
+                    continue
+            features = np.asarray(self._encode(item.pixels), self._dtype).reshape(-1, self._hidden)
+            with self._lock:
+                self._features[item.key] = features
+                self.encoded += 1
+                self._evict()
+
+    def _evict(self) -> None:
+        while len(self._features) > 1 and sum(f.nbytes for f in self._features.values()) > self._max:
+            self._features.popitem(last=False)
+
+    def holds(self, picture_id: int) -> bool:
+        """Whether `picture_id` names a place of a picture whose features are held."""
+        if picture_id < PICTURE_BASE:
+            return False
+        key, place = picture_key(picture_id)
+        with self._lock:
+            return key in self._features and place < len(self._features[key])
+
+    def feeds(self, ids: np.ndarray, image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, image_features) of a pass: picture ids become the image token, and their
+        features come in the order the graph reads them (row by row, position by position)."""
+        mask = is_picture(ids)
+        if not mask.any():
+            return ids, np.zeros((0, self._hidden), self._dtype)
+        with self._lock:
+            rows = [self._row(int(i)) for i in ids[mask]]
+        return np.where(mask, image_token_id, ids), np.stack(rows)
+
+    def _row(self, picture_id: int) -> np.ndarray:
+        key, place = picture_key(picture_id)
+        features = self._features.get(key)
+        if features is None or place >= len(features):
+            raise SettingsError("an image of this prompt is no longer held: send the request again")
+        return features[place]
+
+
+# A conversation's images, in the prompt.
+
+
+def take_pictures(messages: list, vision: dict | None) -> tuple[list, list[Picture]]:
+    """`messages` as the chat template takes them, and their pictures in order: an image part
+    ({"type": "image", "image": a path, bytes or PIL image}) becomes {"type": "image"}, which
+    chat templates show as the model's image marker; a content of text parts alone becomes one
+    text (text-only templates take a string). SettingsError for an image a text-only model is sent."""
+    if not isinstance(messages, (list, tuple)):
+        return messages, []
+    pictures: list[Picture] = []
+    taken = [_message_parts(m, vision, pictures) for m in messages]
+    return taken, pictures
+
+
+def _message_parts(message, vision: dict | None, pictures: list[Picture]):
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, (list, tuple)):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image":
+            if vision is None:
+                raise SettingsError(
+                    "this model reads text only, and a message holds an image: send the image to a vision-language "
+                    "export (edgeinfer export of a model such as SmolVLM), or leave the image out",
+                    "messages",
+                )
+            pictures.append(picture(part.get("image"), vision))
+            parts.append({"type": "image"})
+        else:
+            raise SettingsError(
+                f"a message's content part {part!r:.80} is not taken: send {{'type': 'text', 'text': ...}} and "
+                "{'type': 'image', 'image': a path, bytes or PIL image}",
+                "messages",
+            )
+    if all(p["type"] == "text" for p in parts):
+        return {**message, "content": "".join(p["text"] for p in parts)}
+    return {**message, "content": parts}
+
+
+def expand(text: str, vision: dict, pictures: list[Picture]) -> str:
+    """The rendered prompt with each image marker the template wrote replaced by its picture's
+    text (its image tokens and what surrounds them), as the model's processor does."""
+    pieces = text.split(vision["marker"])
+    if len(pieces) - 1 != len(pictures):
+        raise SettingsError(
+            f"the chat template wrote {len(pieces) - 1} image markers ({vision['marker']!r}) for {len(pictures)} images: "
+            "the messages' text may hold the marker itself (take it out), or the template does not show images",
+            "messages",
+        )
+    out = [pieces[0]]
+    for item, piece in zip(pictures, pieces[1:]):
+        out += [item.text, piece]
+    return "".join(out)
+
+
+def name_pictures(ids: list[int], vision: dict, pictures: list[Picture]) -> list[int]:
+    """`ids` with the image tokens made picture ids, `tokens_per_image` for each picture in order."""
+    token, count = vision["image_token_id"], vision["tokens_per_image"]
+    places = [i for i, t in enumerate(ids) if t == token]
+    if len(places) != count * len(pictures):
+        raise SettingsError(
+            f"the prompt holds {len(places)} image tokens where its {len(pictures)} images make {count * len(pictures)}: "
+            f"the messages' text may hold the image token {vision['image_token']!r} itself: take it out",
+            "messages",
+        )
+    named = list(ids)
+    for n, item in enumerate(pictures):
+        for place, picture_id in zip(places[n * count : (n + 1) * count], item.ids(count)):
+            named[place] = picture_id
+    return named

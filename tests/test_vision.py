@@ -1,0 +1,151 @@
+"""Images in: a tiny Idefics3 (SmolVLM's architecture) exported, its vision graph and language model
+run by the runtime with no torch, against transformers' own processor and model: the same prompt
+ids, pixels and greedy tokens with an image and without, alone and batched; the same picture asked
+twice encoded once; bad images refused in SDK words."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+
+from vision_models import build_idefics3
+
+from edgeinfer import Engine, Scheduler
+from edgeinfer.sdk.chat import chat_turn
+from edgeinfer.sdk.errors import SettingsError
+
+TOKENS = 8
+
+
+def png(seed: int, size=(70, 41)) -> bytes:
+    """A random picture of `size` (width, height), as PNG bytes."""
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    """(transformers model, processor, export folder) of the tiny Idefics3."""
+    from edgeinfer.export import export_model
+
+    folder = tmp_path_factory.mktemp("idefics3")
+    model, processor = build_idefics3(folder / "hf")
+    export_model(str(folder / "hf"), folder / "export")
+    return model, processor, folder / "export"
+
+
+def transformers_tokens(model, processor, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of transformers' processor and model: forward passes with its
+    own cache, the largest logit each step (TOKENS of them, EOS or not)."""
+    import torch
+    from PIL import Image
+
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images] or None
+    inputs = dict(processor(text=text, images=pictures, return_tensors="pt"))
+    tokens, past = [], None
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            out = model(**inputs, cache=past, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            past, inputs = out.cache, {"input_ids": torch.tensor([[tokens[-1]]])}
+    return processor(text=text, images=pictures)["input_ids"][0], tokens
+
+
+def asked(question: str, *images: bytes, as_parts: bool = True) -> tuple[list[dict], list[dict]]:
+    """(the SDK's messages, transformers' messages) of one user turn: the images, then the question."""
+    sdk = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": question}]
+    hf = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": sdk}], [{"role": "user", "content": hf}]
+
+
+@pytest.mark.parametrize("images", [1, 2, 0], ids=["one image", "two images", "text only"])
+def test_a_chat_with_images_gives_transformers_prompt_and_tokens(idefics3, images):
+    model, processor, export = idefics3
+    pictures = [png(seed) for seed in range(images)]
+    messages, theirs = asked("What is in the picture?", *pictures)
+    ids, tokens = transformers_tokens(model, processor, theirs, pictures)
+    engine = Engine.load(export, provider="cpu")
+    result = engine.chat(messages, max_new_tokens=TOKENS, ignore_eos=True)
+    assert result.token_ids == tokens
+    assert result.prompt_tokens == len(ids)
+    turn = chat_turn(engine.tokenizer, engine.max_context, messages, vision=engine.manifest.vision)
+    assert [processor.tokenizer.convert_tokens_to_ids("<image>") if t >= 1 << 32 else t for t in turn.ids] == list(ids)
+    assert len(turn.pictures) == images
+
+
+def test_the_same_picture_asked_twice_is_encoded_once_and_its_prompt_found_in_the_prefix_cache(idefics3):
+    _, _, export = idefics3
+    engine = Engine.load(export, provider="cpu")
+    picture = png(7)
+    first = engine.chat(asked("Describe it.", picture)[0], max_new_tokens=4, ignore_eos=True)
+    again = engine.chat(asked("Describe it.", picture)[0], max_new_tokens=4, ignore_eos=True)
+    other = engine.chat(asked("Describe it.", png(8))[0], max_new_tokens=4, ignore_eos=True)
+    assert engine.runner.images.encoded == 2  # the first picture once, the other once
+    assert first.token_ids == again.token_ids and again.cached_tokens > 0
+    # the other picture's tokens are not the first's: the prefix cache stops where the pictures differ
+    turn = chat_turn(engine.tokenizer, engine.max_context, asked("Describe it.", picture)[0], vision=engine.manifest.vision)
+    first_image_token = next(i for i, t in enumerate(turn.ids) if t >= 1 << 32)
+    assert other.cached_tokens <= first_image_token
+
+
+def test_a_batch_of_rows_with_and_without_images_gives_each_rows_tokens_alone(idefics3):
+    _, _, export = idefics3
+    engine = Engine.load(export, provider="cpu", max_batch=4)
+    conversations = [
+        asked("What is it?", png(1))[0],
+        [{"role": "user", "content": "Say something."}],
+        asked("Compare them.", png(2), png(3))[0],
+        asked("And this?", png(1))[0],
+    ]
+    alone = [engine.chat(m, max_new_tokens=TOKENS, ignore_eos=True).token_ids for m in conversations]
+    turns = [chat_turn(engine.tokenizer, engine.max_context, m, vision=engine.manifest.vision) for m in conversations]
+    for turn in turns:
+        engine.runner.see(turn.pictures)
+    results = [None] * len(turns)
+    with Scheduler(engine, max_batch=4) as scheduler:
+        requests = [scheduler.submit(turn.ids, max_new_tokens=TOKENS, ignore_eos=True) for turn in turns]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, requests[i].result().token_ids)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert results == alone
+
+
+@pytest.mark.parametrize(
+    "image, words",
+    [
+        (b"", "the image is empty (0 bytes)"),
+        (b"not an image at all", "the image cannot be decoded"),
+        (png(1)[:60], "the image cannot be decoded"),
+        (12, "an image is a path, bytes or a PIL image, not int"),
+        ("/nonexistent/picture.png", "cannot read the image /nonexistent/picture.png"),
+    ],
+    ids=["empty", "not an image", "truncated", "a number", "a missing file"],
+)
+def test_a_bad_image_is_refused_in_sdk_words(idefics3, image, words):
+    _, _, export = idefics3
+    engine = Engine.load(export, provider="cpu")
+    with pytest.raises(SettingsError) as refused:
+        engine.chat(asked("What is it?", image)[0], max_new_tokens=2)
+    assert words in str(refused.value) and refused.value.param == "messages"
+
+
+def test_an_image_sent_to_a_text_only_model_says_what_takes_one(tiny_llama):
+    engine = Engine.load(tiny_llama[1], provider="cpu")
+    with pytest.raises(SettingsError, match="this model reads text only, and a message holds an image"):
+        engine.chat(asked("What is it?", png(1))[0], max_new_tokens=2)
+    # text parts alone are one text, as the template takes it
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    assert (
+        engine.chat(parts, max_new_tokens=4, ignore_eos=True).token_ids
+        == engine.chat([{"role": "user", "content": "Hello there"}], max_new_tokens=4, ignore_eos=True).token_ids
+    )
