@@ -15,6 +15,7 @@ import click
 from edgeinfer.models import cache_root
 from edgeinfer.sdk.errors import EdgeInferError, GenerationError, SettingsError
 from edgeinfer.sdk.settings import resolve_settings
+from edgeinfer.sdk.vision import picture, user_message
 
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, with_options
 from .resolve import QUIET, load_engine, say, say_timings
@@ -23,6 +24,7 @@ HELP = 'type a message and press Enter (""" opens and closes several lines); /he
 COMMANDS = {
     "/help": "this list",
     "/set NAME VALUE": "a setting for the next replies: temperature, top_p, top_k, min_p, max_new_tokens, seed, system",
+    "/image FILE": "a picture (PNG, JPEG, WebP, GIF, BMP) sent with the next message (a vision-language model)",
     "/show": "the settings and the conversation's length",
     "/save FILE": "the conversation as JSON (its messages)",
     "/load FILE": "a conversation saved by /save (or any JSON list of messages), in place of this one",
@@ -41,10 +43,12 @@ class Conversation:
         self.system = [{"role": "system", "content": system}] if system else []
         self.turns: list[dict] = []
         self.reply_room = reply_room
+        self.images: list[str] = []  # pictures attached to the next message (/image)
 
     def ask(self, text: str) -> list[dict]:
-        """Add a user message; the conversation's messages, ready for the reply."""
-        self.turns.append({"role": "user", "content": text})
+        """Add a user message (with the pictures attached); the conversation's messages, ready for the reply."""
+        self.turns.append(user_message(text, self.images))
+        self.images = []
         ids = self.engine.chat_prompt(self.system + self.turns)
         while len(ids) + self.reply_room > self.engine.max_context and len(self.turns) > 1:
             del self.turns[:2]  # the oldest user message and its reply
@@ -113,11 +117,27 @@ def _command(line: str, conversation: Conversation, settings: dict, engine) -> b
     elif name == "/show":
         shown = ", ".join(f"{k} {v}" for k, v in sorted(settings.items()) if k in SETTABLE) or "the model's defaults"
         say(f"settings: {shown}; {len(conversation.turns)} messages" + (", a system message" if conversation.system else ""))
+    elif name == "/image" and rest.strip():
+        _attach(Path(rest.strip()).expanduser(), conversation, engine)
     elif name in ("/save", "/load") and rest.strip():
         _save_or_load(name, Path(rest.strip()).expanduser(), conversation)
     else:
         say(f"{line!r} is not a command here (/help lists them); to send it to the model, start it with a space")
     return True
+
+
+def _attach(path: Path, conversation: Conversation, engine) -> None:
+    """A picture for the next message, checked now (read, decoded, the model takes images)."""
+    if not engine.manifest.vision:
+        say(f"{engine.manifest.source} reads text only: pictures need a vision-language export")
+        return
+    try:
+        picture(str(path), engine.manifest.vision, "image")
+    except SettingsError as e:
+        say(f"error: {e}")
+        return
+    conversation.images.append(str(path))
+    say(f"({path.name} goes with your next message)")
 
 
 def _set(words: str, conversation: Conversation, settings: dict, engine) -> None:

@@ -14,6 +14,8 @@ from edgeinfer import __version__
 from edgeinfer.export.algorithms import ALGORITHMS
 from edgeinfer.sdk.errors import EdgeInferError, ExportError
 
+from edgeinfer.sdk.vision import user_message
+
 from .bench import bench
 from .chat import chat
 from .manage import list_models, ps, pull, rm
@@ -258,6 +260,14 @@ def export_adapter(adapter, base, name, model):
 )
 @click.option("--tool-choice", default=None, help="With --tools: auto, none, required, or a tool's name [default: auto].")
 @click.option("--parallel-tool-calls", is_flag=True, help="With --tools: let one reply make several calls [default: one].")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="A picture (PNG, JPEG, WebP, GIF, BMP) sent before PROMPT, for a vision-language model; repeat for several.",
+)
 def run(
     prompt,
     model,
@@ -273,6 +283,7 @@ def run(
     tools_file,
     tool_choice,
     parallel_tool_calls,
+    images,
     **params,
 ):
     """Answer PROMPT (`-` reads it from stdin), streaming the reply as it is produced: through the
@@ -283,18 +294,20 @@ def run(
         raise click.UsageError("--tools, --tool-choice and --parallel-tool-calls apply to a chat turn: leave out --raw")
     if (tool_choice or parallel_tool_calls) and not tools_file:
         raise click.UsageError("--tool-choice and --parallel-tool-calls need --tools")
+    if images and chat is False:
+        raise click.UsageError("--image goes with a chat turn (the template places the picture): leave out --raw")
     engine = load_engine(model, provider, threads, max_context, memory_limit, prefix_cache, draft=draft, chat_template=chat_template)
+    asked = [user_message(prompt, images)]
     if tools_file:
-        return _run_with_tools(engine, prompt, tools_file, (tool_choice, parallel_tool_calls), as_json, settings)
+        return _run_with_tools(engine, asked, tools_file, (tool_choice, parallel_tool_calls), as_json, settings)
     if chat is None:
-        chat = engine.tokenizer.chat_template is not None
+        chat = engine.tokenizer.chat_template is not None or bool(images)
     if as_json:
-        asked = [{"role": "user", "content": prompt}]
         result = engine.chat(asked, **settings) if chat else engine.generate(prompt, **settings)
         payload = {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}
         click.echo(json.dumps(payload, ensure_ascii=False))
         return
-    say_timings(_streamed_chat(engine, prompt, settings) if chat else _streamed(engine, prompt, settings))
+    say_timings(_streamed_chat(engine, asked, settings) if chat else _streamed(engine, prompt, settings))
 
 
 def _streamed(engine, prompt: str, settings: dict):
@@ -306,9 +319,9 @@ def _streamed(engine, prompt: str, settings: dict):
     return piece
 
 
-def _streamed_chat(engine, prompt: str, settings: dict):
-    """The reply to PROMPT on stdout as it comes (a reasoning model's thought on stderr); its result."""
-    for delta in engine.stream_chat([{"role": "user", "content": prompt}], **settings):
+def _streamed_chat(engine, asked: list[dict], settings: dict):
+    """The reply to the messages `asked` on stdout as it comes (a reasoning model's thought on stderr); its result."""
+    for delta in engine.stream_chat(asked, **settings):
         if delta.reasoning:
             click.echo(delta.reasoning, nl=False, err=True)
         click.echo(delta.text, nl=False)
@@ -317,9 +330,9 @@ def _streamed_chat(engine, prompt: str, settings: dict):
     return delta.result
 
 
-def _run_with_tools(engine, prompt: str, tools_file: str, asked: tuple, as_json: bool, settings: dict) -> None:
-    """One chat turn with tools (`asked`: --tool-choice, --parallel-tool-calls): the reply's text,
-    then each call as a JSON line {"name", "arguments"}."""
+def _run_with_tools(engine, messages: list[dict], tools_file: str, asked: tuple, as_json: bool, settings: dict) -> None:
+    """One chat turn of `messages` with tools (`asked`: --tool-choice, --parallel-tool-calls): the
+    reply's text, then each call as a JSON line {"name", "arguments"}."""
     tool_choice, parallel = asked
     try:
         tools = json.loads(Path(tools_file).read_text())
@@ -327,9 +340,7 @@ def _run_with_tools(engine, prompt: str, tools_file: str, asked: tuple, as_json:
         raise click.BadParameter(f"{tools_file} is not JSON ({e}): give a JSON list of OpenAI function tools", param_hint="--tools")
     named = tool_choice not in (None, "auto", "none", "required")
     choice = {"type": "function", "function": {"name": tool_choice}} if named else tool_choice
-    result = engine.chat(
-        [{"role": "user", "content": prompt}], tools=tools, tool_choice=choice, parallel_tool_calls=parallel, **settings
-    )
+    result = engine.chat(messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, **settings)
     if as_json:
         payload = {"model": engine.manifest.source, "provider": engine.provider, **dataclasses.asdict(result)}
         click.echo(json.dumps(payload, ensure_ascii=False))

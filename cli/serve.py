@@ -109,6 +109,11 @@ from .resolve import load_engine, resolve_export, say
 )
 @click.option("--no-ui", is_flag=True, help="Serve no chat page at / (the API alone).")
 @click.option(
+    "--allow-image-urls",
+    is_flag=True,
+    help="Fetch the http(s) image URLs requests name (by default only data: URLs are taken: the box fetches nothing a client names).",
+)
+@click.option(
     "--responses-store",
     "store_count",
     default=256,
@@ -165,6 +170,7 @@ def serve(
     grace,
     chat_template,
     no_ui,
+    allow_image_urls,
     store_count,
     store_mib,
     store_ttl,
@@ -178,7 +184,9 @@ def serve(
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
     store = (store_count, store_mib * 2**20, None if store_ttl < 0 else store_ttl)
-    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui, store)
+    options = _server_options(
+        api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui, store, allow_image_urls
+    )
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -343,7 +351,7 @@ def _pool(served: dict[str, Path], settings: _PoolSettings):
     return PooledModels(pool, settings.engine["max_context"])
 
 
-def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True, store=None):
+def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True, store=None, image_urls=False):
     """The server's options, once the serve extra is known to be installed and the flags are sound;
     `store`: the Responses store's (count, bytes, ttl or None)."""
     try:
@@ -354,7 +362,7 @@ def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_tim
     _check_keys(api_key, metrics_key)
     _check_origins(cors_origins)
     limits = StoreLimits() if store is None else StoreLimits(*store)
-    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui, limits)
+    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui, limits, image_urls)
 
 
 def _check_keys(api_key: str | None, metrics_key: str | None) -> None:

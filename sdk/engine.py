@@ -265,8 +265,9 @@ class Engine:
         )
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template, ready for a reply."""
-        return self.tokenizer.chat_ids(messages, self.max_context)
+        """Token ids of a conversation rendered by the model's chat template, ready for a reply
+        (an image's tokens among them, as chat_turn makes them)."""
+        return chat_turn(self.tokenizer, self.max_context, messages, vision=self.manifest.vision or None).ids
 
     def prompt_ids(self, prompt: Prompt, within_context: bool = True) -> list[int]:
         """The prompt's token ids; text that cannot leave room in the context is refused before

@@ -16,6 +16,7 @@ the base graph until a row first asks for an adapter; from then on it serves the
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -97,7 +98,11 @@ class ModelRunner:
     def _image_store(self, options: RuntimeOptions) -> ImageStore:
         """The vision graph, and the store of the features it makes (sdk/vision.py)."""
         vision = self.manifest.vision
-        encoder = Graph(self.folder / vision["graph"]["file"], self.provider, options.threads)
+        # Half the cores: a picture is encoded beside the decode loop's passes, and on all of them it
+        # would stall the other streams (on 2 cores: their largest gap 420 ms, against 288 ms on one
+        # and 115 ms with no pictures; a lone picture's first token 1.5 s against 2.5 s; docs/benchmarks.md).
+        threads = max(1, (options.threads or os.cpu_count() or 2) // 2)
+        encoder = Graph(self.folder / vision["graph"]["file"], self.provider, threads)
         encoder.check_names(vision["graph"]["inputs"], vision["graph"]["outputs"])
         pixels_type = encoder.input_dtype("pixel_values")
 

@@ -15,6 +15,7 @@ from .sampling import Sampler, TokenLogprob
 from .settings import GenerationConfig
 from .stopping import StopStrings
 from .tokenizer import Detokenizer, Tokenizer
+from .vision import PICTURE_BASE
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Piece:
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
     cached_tokens: int = 0
+    image_tokens: int = 0
     error: Exception | None = None  # the last piece of a row that failed alone (finish_reason "error")
 
 
@@ -44,7 +46,8 @@ class GenerationResult:
     `finish_reason` is "eos", "stop" or "length", or "error" for a row of a batch that failed
     alone (its constraint reached a dead end: `error` says so; the other rows went on). `prompt_tokens` were read; `truncated_tokens`
     were dropped from the prompt's start (`truncate="left"`); `cached_tokens` of the prompt came
-    from the prefix cache instead of being prefilled. With `logprobs`, one TokenLogprob per
+    from the prefix cache instead of being prefilled; `image_tokens` of the prompt stood for its
+    images (sdk/vision.py). With `logprobs`, one TokenLogprob per
     token of `token_ids`. Under a constraint, `complete` says whether the text matches it as it
     stands (False where `max_new_tokens` or a stop string cut it short of a match); None without one."""
 
@@ -60,6 +63,7 @@ class GenerationResult:
     proposed_tokens: int | None = None
     accepted_tokens: int | None = None
     cached_tokens: int = 0
+    image_tokens: int = 0
     tool_calls: list | None = None  # chat with tools: the ToolCalls made (tools.py); None without tools
     tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
     reasoning: str | None = None  # a reasoning model's thinking (reasoning.py), split from `text`
@@ -83,6 +87,7 @@ class GenerationResult:
             proposed_tokens=last.proposed_tokens,
             accepted_tokens=last.accepted_tokens,
             cached_tokens=last.cached_tokens,
+            image_tokens=last.image_tokens,
             error=last.error,
         )
 
@@ -102,7 +107,7 @@ class Sequence:
     ):
         self.prompt_ids = prompt_ids
         self.num_truncated = num_truncated
-        self.history = list(prompt_ids)  # what the repetition penalty looks at
+        self.history = [t for t in prompt_ids if t < PICTURE_BASE]  # what the repetition penalty looks at (not images)
         self.generated: list[int] = []  # what the presence and frequency penalties look at
         self.max_new_tokens = max_new_tokens  # this sequence's, within the room the context leaves
         self.end_ids = {t: "stop" for t in config.stop_token_ids} | ({} if config.ignore_eos else {t: "eos" for t in eos_ids})
@@ -200,6 +205,7 @@ class Sequence:
             _rate(self.times),
         )
         piece.prompt_tokens, piece.truncated_tokens, piece.cached_tokens = len(self.prompt_ids), self.num_truncated, self.num_cached
+        piece.image_tokens = sum(1 for t in self.prompt_ids if t >= PICTURE_BASE)
         if self.constraint is not None:
             piece.complete = self.constraint.is_complete and not stopped  # a stop string cut the text
         if self.speculation is not None:

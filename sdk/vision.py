@@ -54,9 +54,10 @@ def picture_key(picture_id: int) -> tuple[int, int]:
     return offset >> INDEX_BITS, offset & ((1 << INDEX_BITS) - 1)
 
 
-def open_image(source, param: str = "messages"):
+def open_image(source, param: str = "messages", media_type: str | None = None):
     """A Pillow RGB image from a path, bytes or a Pillow image; SettingsError naming `param` for
-    what cannot be one (not an image, a format it does not take, too many pixels, truncated)."""
+    what cannot be one (not an image, a format it does not take, too many pixels, truncated, or
+    other than the `media_type` it was sent as)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -68,14 +69,29 @@ def open_image(source, param: str = "messages"):
             image = Image.open(io.BytesIO(data))
             if image.format not in FORMATS:
                 raise SettingsError(f"an image in {image.format} is not taken: send {', '.join(FORMATS)}", param)
+            _check_media_type(image, media_type, param)
             _checked_size(image, param).load()
             return image.convert("RGB")
     except SettingsError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise SettingsError(f"the image has more than {MAX_PIXELS:,} pixels: send a smaller one", param) from None
+    except Image.UnidentifiedImageError:
+        raise SettingsError(
+            "the image cannot be decoded (no picture format recognized): send a PNG, JPEG, WebP, GIF or BMP file", param
+        ) from None
     except (OSError, ValueError, SyntaxError) as error:  # Pillow's words for bytes it cannot decode
         raise SettingsError(f"the image cannot be decoded ({error}): send a whole PNG, JPEG, WebP, GIF or BMP file", param) from None
+
+
+def _check_media_type(image, media_type: str | None, param: str) -> None:
+    from PIL import Image
+
+    said = {"image/jpg": "image/jpeg"}.get((media_type or "").lower(), (media_type or "").lower())
+    if said and Image.MIME.get(image.format) != said:
+        raise SettingsError(
+            f"the image is {image.format} but was sent as {media_type}: send it as {Image.MIME.get(image.format)}", param
+        )
 
 
 def _image_bytes(source, param: str) -> bytes:
@@ -107,9 +123,9 @@ def _checked_size(image, param: str):
 _RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, "hamming": 5}  # Pillow's numbers
 
 
-def picture(source, vision: dict, param: str = "messages") -> Picture:
+def picture(source, vision: dict, param: str = "messages", media_type: str | None = None) -> Picture:
     """An image made into the vision graph's input by the manifest's steps, with its text."""
-    image = open_image(source, param)
+    image = open_image(source, param, media_type)
     resample = _RESAMPLE[vision["resample"]]
     for step in vision["steps"]:
         image = image.resize(_size(image.size, step), resample=resample)
@@ -147,7 +163,7 @@ class ImageStore:
     made once (the vision graph), kept while there is room (the least recently used go first),
     and given to the language model's passes in the place of its picture ids."""
 
-    def __init__(self, encode, hidden_size: int, dtype: str, max_bytes: int = 256 << 20):
+    def __init__(self, encode, hidden_size: int, dtype: str, max_bytes: int = 64 << 20):
         self._encode, self._hidden, self._dtype, self._max = encode, hidden_size, np.dtype(dtype), max_bytes
         self._features: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
@@ -199,6 +215,13 @@ class ImageStore:
 # A conversation's images, in the prompt.
 
 
+def user_message(text: str, images=()) -> dict:
+    """A user's message: `text` after the pictures `images` (paths, bytes or PIL images), where there are some."""
+    if not images:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]}
+
+
 def take_pictures(messages: list, vision: dict | None) -> tuple[list, list[Picture]]:
     """`messages` as the chat template takes them, and their pictures in order: an image part
     ({"type": "image", "image": a path, bytes or PIL image}) becomes {"type": "image"}, which
@@ -227,7 +250,7 @@ def _message_parts(message, vision: dict | None, pictures: list[Picture]):
                     "export (edgeinfer export of a model such as SmolVLM), or leave the image out",
                     "messages",
                 )
-            pictures.append(picture(part.get("image"), vision))
+            pictures.append(picture(part.get("image"), vision, media_type=part.get("media_type")))
             parts.append({"type": "image"})
         else:
             raise SettingsError(

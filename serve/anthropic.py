@@ -9,7 +9,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
@@ -18,6 +18,7 @@ from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .api import Api, Event, Served
 from .checks import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .images import base64_data, content_of, image_part
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking.budget_tokens"}  # SDK settings named otherwise here
@@ -41,6 +42,40 @@ class ToolUseBlock(_Strict):
     name: StrictStr
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
+
+
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: StrictStr
+    data: StrictStr
+
+
+class URLSource(_Strict):
+    type: Literal["url"]
+    url: StrictStr
+
+
+class ImageBlock(_Strict):
+    """An image: base64 data, or a URL fetched only where the server runs with --allow-image-urls."""
+
+    type: Literal["image"]
+    source: Base64Source | URLSource
+    cache_control: dict[str, Any] | None = None
+    _part: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _read(self):
+        source = self.source
+        if isinstance(source, URLSource):
+            self._part = image_part(source.url)
+        elif not source.media_type.startswith("image/"):
+            raise ValueError(f"an image block's media_type is {source.media_type}: send image/png, jpeg, webp or gif")
+        else:
+            self._part = {"type": "image", "image": base64_data(source.data), "media_type": source.media_type}
+        return self
+
+    def sdk_part(self) -> dict:
+        return self._part
 
 
 class ThinkingBlock(_Strict):
@@ -77,13 +112,12 @@ class ToolResultBlock(_Strict):
 
 class Message(_Strict):
     role: Literal["user", "assistant"]
-    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImagePart]
+    content: StrictStr | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImageBlock]
 
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
-        refuse_images(self.content)
         if isinstance(self.content, list):
-            wrong = ("tool_result",) if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
+            wrong = ("tool_result", "image") if self.role == "assistant" else ("tool_use", "thinking", "redacted_thinking")
             found = next((block.type for block in self.content if block.type in wrong), None)
             if found is not None:
                 raise ValueError(f"a {found} block cannot be in a {self.role} message")
@@ -93,7 +127,13 @@ class Message(_Strict):
         """The SDK's messages: tool results become tool messages, tool uses an assistant's tool_calls."""
         if isinstance(self.content, str):
             return [{"role": self.role, "content": self.content}]
-        text = "".join(b.text for b in self.content if b.type == "text")
+        text = content_of(
+            [
+                b.sdk_part() if b.type == "image" else {"type": "text", "text": b.text}
+                for b in self.content
+                if b.type in ("text", "image")
+            ]
+        )
         results = [
             {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in self.content if b.type == "tool_result"
         ]

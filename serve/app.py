@@ -37,6 +37,7 @@ from .apis import APIS, api_of
 from .backend import Backend
 from .checks import RequestError, check_room, error_body, fingerprint, from_edgeinfer
 from .guard import Guard, answer, refusal
+from .images import fetched
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelSet, adapter_entries, folder_of, held_bytes, model_fields, with_adapter
 
@@ -86,15 +87,17 @@ def create_app(
     body_timeout: float = 30.0,
     ui: bool = True,
     responses_store: responses.StoreLimits = responses.StoreLimits(),
+    allow_image_urls: bool = False,
 ) -> FastAPI:
     """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
     in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
     server stops on it). A request's `response_headers` go on its response. `api_key` guards /v1/,
     `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
     within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui).
-    `responses_store` bounds the Responses API's stored responses."""
+    `responses_store` bounds the Responses API's stored responses; with `allow_image_urls` an http(s)
+    image a request names is fetched (else refused: a data: URL is the image itself)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
-    routes = _Routes(loaded, metrics, model_name, responses_store)
+    routes = _Routes(loaded, metrics, model_name, responses_store, allow_image_urls)
 
     async def lifespan(app):
         loaded._thread.start()
@@ -310,8 +313,11 @@ async def _in_thread(call, *args):
 class _Routes:
     """What the generation routes share: the backend once loaded, the metrics, the model's name."""
 
-    def __init__(self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits):
+    def __init__(
+        self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits, allow_image_urls: bool = False
+    ):
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
+        self.allow_image_urls = allow_image_urls  # fetch the http(s) images a request names (images.py)
         self.stored = responses.Store(store)  # the Responses API's stored responses, for previous_response_id and GET
         self.embedding = backends.EmbeddingWork()
 
@@ -351,7 +357,7 @@ class _Routes:
         """(text, ids) of the prompt a chat turn of `conversation`, with `body`'s tools and the
         template variables `kwargs`, would prefill, rendered as the chat routes render it (on a
         worker thread): what the counting routes count."""
-        turn = await _turn(backend, conversation, body.tool_request(), kwargs)
+        turn = await _turn(backend, conversation, body.tool_request(), kwargs, allow_urls=self.allow_image_urls)
         return turn.text, turn.ids
 
     def check_model(self, model: str) -> None:
@@ -390,7 +396,7 @@ class _Routes:
         whole or streamed. An error raised is answered by the app's handler in the API's shape."""
         backend, model_name = await self.served(body.model)
         if api.conversation is not None:
-            turn, requests = await _submit_turn(backend, body, api.conversation(body, self.stored))
+            turn, requests = await _submit_turn(backend, body, api.conversation(body, self.stored), self.allow_image_urls)
             streams, prompt_tokens = [turn.stream() for _ in requests], len(turn.ids)
         else:
             requests = await backends.submit_all(backend, _completion_work(backend, body, body.prompts(), body.choice_settings()))
@@ -612,24 +618,32 @@ def _form(tag: str) -> str:
     return _FORMS.get(tag, tag)
 
 
-async def _turn(backend: Backend, conversation: list[dict], request, kwargs: dict, asked: int | None = None) -> ChatTurn:
+async def _turn(
+    backend: Backend, conversation: list[dict], request, kwargs: dict, asked: int | None = None, allow_urls: bool = False
+) -> ChatTurn:
     """The chat turn of `conversation` with the tools `request` asks for and the template
-    variables `kwargs` (sdk/chat.py), with room for `asked` tokens: on a worker thread, as the
-    template and the tokenizer take time on long prompts."""
+    variables `kwargs` (sdk/chat.py), with room for `asked` tokens, its images fetched where
+    `allow_urls` (images.py): on a worker thread, as the template, the tokenizer and the images
+    take time."""
 
     def made() -> ChatTurn:
-        turn = chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs)
+        vision = backend.manifest.vision or None
+        turn = chat_turn(backend.tokenizer, backend.max_context, fetched(conversation, allow_urls), request, kwargs, vision)
         check_room(len(turn.ids), asked, backend.max_context)
         return turn
 
     return await _in_thread(made)
 
 
-async def _submit_turn(backend: Backend, body, conversation: list[dict]) -> tuple[ChatTurn, list]:
+async def _submit_turn(backend: Backend, body, conversation: list[dict], allow_urls: bool) -> tuple[ChatTurn, list]:
     """A chat request's turn (`_turn`, with its body's tools, template variables and tokens
-    asked), and its choices submitted, each with the turn's constraint (ChatTurn.settings)."""
-    turn = await _turn(backend, conversation, body.tool_request(), body.template_kwargs(), body.asked_tokens)
-    return turn, await backends.submit_all(backend, lambda: [(turn.ids, turn.settings(c)) for c in body.choice_settings()])
+    asked), and its choices submitted, each with the turn's constraint (ChatTurn.settings) and
+    its pictures (encoded by the backend where it does not hold them yet)."""
+    turn = await _turn(backend, conversation, body.tool_request(), body.template_kwargs(), body.asked_tokens, allow_urls)
+    pictures = {"pictures": turn.pictures} if turn.pictures else {}
+    return turn, await backends.submit_all(
+        backend, lambda: [(turn.ids, {**turn.settings(c), **pictures}) for c in body.choice_settings()]
+    )
 
 
 def _completion_work(backend: Backend, body, prompts: list, choices: list[dict]) -> Callable:

@@ -41,20 +41,18 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class ImagePart(BaseModel):
-    """An image in a message (OpenAI's image_url and input_image parts, Anthropic's image block),
-    read only so that it is refused by name: the models served read text."""
+    """An image in a tool result (Anthropic's image block there), read only so that it is refused
+    by name: a tool result is given to the template as text."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["image_url", "input_image", "image"]
 
 
 def refuse_images(content) -> None:
-    """ValueError naming the first image part of a message's content, with the way out."""
+    """ValueError naming the first image part of a tool result's content, with the way out."""
     image = next((part for part in content if isinstance(part, ImagePart)), None) if isinstance(content, list) else None
     if image is not None:
-        raise ValueError(
-            f"an {image.type} part: this model reads text only and cannot be sent images; describe the image in a text part"
-        )
+        raise ValueError(f"an {image.type} block in a tool result: a tool result is text; send the image in a user message after it")
 
 
 def check_json(value, where: str = "", depth: int = 0) -> None:

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
@@ -23,7 +23,8 @@ from edgeinfer.sdk.tool_parser import CallOpened, Part, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .api import Api, Event, Served
-from .checks import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .checks import SEED_MAX, Real, RequestError, check_answers, check_json
+from .images import content_of, image_part
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
 NOT_YET = ("functions", "function_call", "suffix", "echo", "best_of")
@@ -121,6 +122,27 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class ImageURL(_Strict):
+    url: StrictStr
+    detail: Literal["auto", "low", "high"] | None = None  # taken; the model's processor decides the resolution
+
+
+class ImageURLPart(_Strict):
+    """An image: a data: URL (base64), or an http(s) URL the server fetches only with --allow-image-urls."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+    _part: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _read(self):
+        self._part = image_part(self.image_url.url)
+        return self
+
+    def sdk_part(self) -> dict:
+        return self._part
+
+
 class FunctionCall(_Strict):
     name: StrictStr
     arguments: StrictStr
@@ -139,7 +161,7 @@ class Message(_Strict):
     (`tool_call_id`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart | ImagePart] | None = None
+    content: StrictStr | list[TextPart | ImageURLPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
@@ -147,7 +169,8 @@ class Message(_Strict):
 
     @model_validator(mode="after")
     def _has_content(self):
-        refuse_images(self.content)
+        if isinstance(self.content, list) and self.role != "user" and any(p.type == "image_url" for p in self.content):
+            raise ValueError(f"an image_url part belongs to a user message, not to a {self.role} message")
         if self.reasoning_content is not None and self.role != "assistant":
             raise ValueError(f"reasoning_content belongs to assistant messages, not to a {self.role} message")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -159,8 +182,10 @@ class Message(_Strict):
         return self
 
     def as_dict(self) -> dict:
-        text = self.content if self.content is None or isinstance(self.content, str) else "".join(p.text for p in self.content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        content = self.content
+        if isinstance(content, list):
+            content = content_of([p.sdk_part() if p.type == "image_url" else {"type": "text", "text": p.text} for p in content])
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -445,6 +470,9 @@ class Reply:
             "total_tokens": prompt + made,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
         }
+        images = sum(r.image_tokens for r in firsts)
+        if images:  # the prompt's tokens that stood for its images
+            counts["prompt_tokens_details"]["image_tokens"] = images
         details = {}
         if any(r.reasoning is not None for r in results):
             details["reasoning_tokens"] = sum(r.reasoning_tokens for r in results)

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
@@ -23,7 +23,8 @@ from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
 
 from .api import Api, Event, Served
-from .checks import ImagePart, Real, RequestError, check_answers, check_json, refuse_images
+from .checks import Real, RequestError, check_answers, check_json
+from .images import content_of, image_part
 
 API_NAMES = {"max_new_tokens": "max_output_tokens", "reasoning_budget": "thinking_token_budget"}  # SDK settings named otherwise here
 STORED = 256  # responses kept for previous_response_id, least recently used out first
@@ -41,21 +42,44 @@ class ContentPart(_Strict):
     annotations: list[Any] | None = None
 
 
+class InputImagePart(_Strict):
+    """An image: `image_url` a data: URL (base64), or an http(s) URL fetched only with --allow-image-urls."""
+
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None
+    file_id: StrictStr | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+    _part: dict = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _read(self):
+        if self.image_url is None:
+            raise ValueError("an input_image needs image_url (a data: URL): this server keeps no files, so file_id is not taken")
+        self._part = image_part(self.image_url)
+        return self
+
+    def sdk_part(self) -> dict:
+        return self._part
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[ContentPart | ImagePart]
+    content: StrictStr | list[ContentPart | InputImagePart]
     id: StrictStr | None = None
     status: StrictStr | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        refuse_images(self.content)
+    def _images_from_the_user(self):
+        if isinstance(self.content, list) and self.role != "user" and any(p.type == "input_image" for p in self.content):
+            raise ValueError(f"an input_image belongs to a user message, not to a {self.role} message")
         return self
 
     def as_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        content = self.content
+        if isinstance(content, list):
+            content = content_of([p.sdk_part() if p.type == "input_image" else {"type": "text", "text": p.text} for p in content])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class FunctionCallItem(_Strict):
@@ -511,7 +535,10 @@ def _call_item(call_id: str, name: str, arguments: str) -> dict:
 def _usage(result: GenerationResult) -> dict:
     return {
         "input_tokens": result.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": result.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": result.cached_tokens,
+            **({"image_tokens": result.image_tokens} if result.image_tokens else {}),
+        },
         "output_tokens": len(result.token_ids),
         "output_tokens_details": {"reasoning_tokens": result.reasoning_tokens},
         "total_tokens": result.prompt_tokens + len(result.token_ids),

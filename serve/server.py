@@ -41,6 +41,7 @@ class ServerOptions:
     grace: float = 30.0
     ui: bool = True  # the chat page at / (serve/ui)
     responses_store: StoreLimits = StoreLimits()  # the Responses API's stored responses
+    allow_image_urls: bool = False  # fetch the http(s) images requests name (else: data: URLs only)
 
 
 class _Server(uvicorn.Server):
@@ -80,6 +81,7 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         options.body_timeout,
         options.ui,
         options.responses_store,
+        options.allow_image_urls,
     )
     config = uvicorn.Config(
         app,

@@ -74,11 +74,27 @@ RICH_EXPECTED = {
 MARKUP = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2"> **bold**'
 
 
-def api_answer(url: str, model: str, text: str, **settings) -> str:
-    """The server's own reply to one user message, through the openai client."""
+# a picture given to the page as `kind` ("paste" on the message box, "drop" on the composer),
+# from its base64 bytes and media type, as a browser's clipboard or drag would give it
+GIVE_PICTURE = """([kind, data, type]) => {
+  const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+  const transfer = new DataTransfer();
+  transfer.items.add(new File([bytes], 'given.' + type.split('/')[1], { type }));
+  const init = { bubbles: true, cancelable: true };
+  if (kind === 'paste') {
+    document.getElementById('input').dispatchEvent(new ClipboardEvent('paste', { ...init, clipboardData: transfer }));
+  } else {
+    document.getElementById('composer').dispatchEvent(new DragEvent('drop', { ...init, dataTransfer: transfer }));
+  }
+}"""
+
+
+def api_answer(url: str, model: str, text: str, images: tuple[str, ...] = (), **settings) -> str:
+    """The server's own reply to one user message (after the pictures `images`, data: URLs), through the openai client."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    content = [*({"type": "image_url", "image_url": {"url": u}} for u in images), {"type": "text", "text": text}] if images else text
     return (
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], **settings)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **settings)
         .choices[0]
         .message.content
     )

@@ -29,7 +29,7 @@ FILES = [
 # The suite's own `slow` tests load real models from the Hugging Face hub: left out as a group.
 # Each test (or node-id prefix) below is left out for the reason given; docs/serving.md lists them.
 STORIES = "asserts the text or token counts of llama.cpp's own tiny model"
-IMAGES = "sends images: the models served here read text only (a 400 naming the image part)"
+IMAGES = "sends images to the suite's text-only model (a 400 saying it reads text only); images on a vision-language model: tests/test_vision_serve.py"
 LLAMA_INPUTS = "llama.cpp's own embedding input forms (content objects, strings and token lists mixed in a list, an empty string)"
 SKIPPED: dict[str, str] = {
     "unit/test_compat_oai_responses.py::test_responses_with_openai_library": STORIES,

@@ -213,12 +213,12 @@ def test_the_store_keeps_its_byte_bound_and_forgets_after_its_ttl():
     assert store.stats()["responses_stored"] == 0 and store.bytes == 0
 
 
-def test_an_image_part_is_refused_by_name_on_every_api(served, client):
-    model, way = served[1].name, "this model reads text only and cannot be sent images"
+def test_an_image_part_is_refused_by_a_text_only_model_on_every_api(served, client):
+    model, way = served[1].name, "this model reads text only, and a message holds an image: send the image to a vision-language export"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     with pytest.raises(openai.BadRequestError, match=way) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "What?"}, image]}])
-    assert refused.value.body["param"] == "messages[0]"
+    assert refused.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError, match=way):
         parts = [{"type": "input_text", "text": "What?"}, {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]
         client.responses.create(model=model, input=[{"type": "message", "role": "user", "content": parts}])

@@ -5,18 +5,21 @@ and screenshots at desktop and phone size."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
 import signal
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from chat_page import KEY, MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
+from chat_page import GIVE_PICTURE, KEY, MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
 from conftest import linked_copy
 from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
+from test_vision import idefics3, png  # noqa: F401 - idefics3 is a fixture
 
 pytestmark = pytest.mark.browser
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[test]'")
@@ -345,3 +348,36 @@ def test_a_loading_model_is_said_and_the_notice_goes_once_it_has_loaded(browser,
     context.unroute("**/health")
     page.wait_for_selector("#notice", state="hidden", timeout=10_000)  # polled each second until it has loaded
     context.close()
+
+
+@pytest.fixture(scope="module")
+def seeing(idefics3):
+    """A server of the tiny vision-language model, and its model's name."""
+    process, url = serving(idefics3[2], "--provider", "cpu")
+    yield url, httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    stop_server(process)
+
+
+def test_a_picture_attached_pasted_or_dropped_goes_with_the_message(browser, seeing, tmp_path):
+    url, model = seeing
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(5))
+    as_url = "data:image/png;base64," + base64.b64encode(png(5)).decode()
+    page = Page(browser, url)
+    page.page.wait_for_selector("#model option", state="attached")
+    page.page.set_input_files("#picture", str(picture))  # the + button's file picker
+    page.page.wait_for_selector("#attached img")
+    page.setting("max_tokens", "8")
+    reply = page.send("What is it?")
+    sent = page.conversations()[0]["messages"][0]
+    assert sent == {"role": "user", "content": "What is it?", "images": [as_url]}
+    assert reply["content"] == api_answer(url, model, "What is it?", (as_url,), max_tokens=8)
+    assert page.page.locator(".message.user .pictures img").count() == 1 and page.page.locator("#attached img").count() == 0
+    for kind in ("paste", "drop"):
+        page.page.evaluate(GIVE_PICTURE, [kind, base64.b64encode(png(6)).decode(), "image/png"])
+    page.page.wait_for_function("() => document.querySelectorAll('#attached img').length === 2")
+    page.page.locator("#attached .remove").first.click()
+    assert page.page.locator("#attached img").count() == 1
+    page.page.evaluate(GIVE_PICTURE, ["drop", base64.b64encode(b"just text").decode(), "text/plain"])
+    assert page.page.inner_text("#attach-error") == "given.plain is not a picture this page sends: PNG, JPEG, WebP, GIF or BMP."
+    page.close()

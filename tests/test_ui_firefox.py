@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from chat_page import MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
+from chat_page import GIVE_PICTURE, MARKDOWN, MARKUP, REPLY_DONE, RICH, RICH_EXPECTED, RICH_SHOWN, STORE_REPLY, api_answer
 from conftest import linked_copy
 from test_serve import long_export, metric, poll, start  # noqa: F401 - long_export is a fixture
+from test_vision import idefics3, png  # noqa: F401 - idefics3 is a fixture
 
 pytestmark = pytest.mark.browser
 marionette = pytest.importorskip("marionette_driver.marionette", reason="marionette-driver is not installed: pip install -e '.[test]'")
@@ -208,3 +209,27 @@ def test_edit_regenerate_delete_the_drawer_and_the_theme(firefox, served, size):
         firefox.find_element("css selector", "#theme").click()  # back to auto
     finally:
         firefox.set_window_rect(width=1280, height=800)
+
+
+@pytest.fixture(scope="module")
+def seeing(idefics3):
+    process, url = start(idefics3[2], "--provider", "cpu")
+    yield url
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def test_a_dropped_picture_goes_with_the_message(firefox, seeing):
+    """Dropped on the composer (Firefox gives a script's paste event no files of its own: the paste
+    is driven in Chromium, tests/test_ui.py)."""
+    fresh(firefox, seeing)
+    setting(firefox, "max_tokens", "8")
+    data = base64.b64encode(png(5)).decode()
+    firefox.execute_script(f"return ({GIVE_PICTURE})(arguments[0]);", script_args=[["drop", data, "image/png"]])
+    wait(firefox, "() => document.querySelectorAll('#attached img').length === 1")
+    reply = send(firefox, "What is it?")
+    as_url = "data:image/png;base64," + data
+    assert conversations(firefox)[0]["messages"][0] == {"role": "user", "content": "What is it?", "images": [as_url]}
+    model = conversations(firefox)[0]["model"]
+    assert reply["content"] == api_answer(seeing, model, "What is it?", (as_url,), max_tokens=8)
+    assert firefox.execute_script("return document.querySelectorAll('.message.user .pictures img').length;") == 1

@@ -149,3 +149,53 @@ def test_an_image_sent_to_a_text_only_model_says_what_takes_one(tiny_llama):
         engine.chat(parts, max_new_tokens=4, ignore_eos=True).token_ids
         == engine.chat([{"role": "user", "content": "Hello there"}], max_new_tokens=4, ignore_eos=True).token_ids
     )
+
+
+def _cli(*args: str, lines: list[str] | None = None):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "edgeinfer.cli", *args]
+    stdin = "".join(f"{line}\n" for line in lines) if lines is not None else None
+    return subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_run_image_and_chat_image_send_the_picture_with_the_message(idefics3, tmp_path):
+    import json
+
+    _, _, export = idefics3
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(4))
+    engine = Engine.load(export, provider="cpu")
+    expected = engine.chat(asked("What is it?", png(4))[0], max_new_tokens=6)
+    done = _cli(
+        "run", "-m", str(export), "--provider", "cpu", "--image", str(picture), "What is it?", "--max-new-tokens", "6", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert (
+        result["token_ids"] == expected.token_ids and result["prompt_tokens"] == expected.prompt_tokens and result["image_tokens"] == 9
+    )
+    raw = _cli("run", "-m", str(export), "--image", str(picture), "--raw", "x")
+    assert raw.returncode == 2 and "--image goes with a chat turn (the template places the picture): leave out --raw" in raw.stderr
+    lines = [f"/image {tmp_path / 'missing.png'}", f"/image {picture}", "What is it?", "/bye"]
+    chatted = _cli("chat", "-m", str(export), "--provider", "cpu", "--max-new-tokens", "6", lines=lines)
+    assert chatted.returncode == 0 and chatted.stdout == expected.text + "\n", chatted.stderr
+    assert (
+        f"cannot read the image {tmp_path / 'missing.png'}" in chatted.stderr
+        and "(p.png goes with your next message)" in chatted.stderr
+    )
+
+
+def test_the_memory_plan_counts_the_vision_graph_and_the_manifest_says_what_an_image_becomes(idefics3):
+    from edgeinfer.sdk.manifest import VISION_FORMAT_VERSION, load_manifest
+    from edgeinfer.sdk.memory import MemoryPlan
+
+    _, processor, export = idefics3
+    manifest = load_manifest(export)
+    graphs = ("model.onnx", "model.onnx.data", "vision.onnx", "vision.onnx.data")
+    assert MemoryPlan.of(manifest, 64, 1).weights == sum((export / name).stat().st_size for name in graphs)
+    assert manifest.format_version == VISION_FORMAT_VERSION and manifest.vision["tokens_per_image"] == processor.image_seq_len
+    assert manifest.vision["steps"] == [{"op": "longest_edge", "size": 96}, {"op": "resize", "height": 48, "width": 48}]
+    checked = manifest.validation["vision"]
+    assert checked["ids_equal"] and checked["tokens_equal"] and checked["max_abs_diff_pixels"] < 1e-6

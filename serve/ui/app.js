@@ -28,8 +28,67 @@ let modelsLoading = false; // /health said the model is still loading
 const SERVER_DOWN = "The server is not answering: is edgeinfer serve still running? Start it again, then resend.";
 
 function save() {
-  store.set("conversations", conversations);
-  store.set("current", currentId);
+  try {
+    store.set("conversations", conversations);
+    store.set("current", currentId);
+  } catch {
+    // the browser's storage is full (pictures take room): the page goes on, this change is not kept
+    attachError("This browser's storage for the page is full: delete old conversations (pictures take the most room).");
+  }
+}
+
+// Pictures for the next message: read in the browser as data: URLs, sent as the API's image_url
+// parts, and kept with the message. Attached with the + button, pasted, or dropped on the page.
+const MAX_PICTURE_BYTES = 3 * 1024 * 1024; // base64 makes it 4 MiB: the server's limit for a request
+let attached = [];
+
+function attach(files) {
+  attachError(null);
+  for (const file of files) {
+    if (!/^image\/(png|jpeg|webp|gif|bmp)$/.test(file.type)) {
+      attachError(`${file.name} is not a picture this page sends: PNG, JPEG, WebP, GIF or BMP.`);
+    } else if (file.size > MAX_PICTURE_BYTES) {
+      attachError(`${file.name} is over 3 MB: send a smaller picture.`);
+    } else {
+      const reader = new FileReader();
+      reader.addEventListener("load", () => {
+        attached.push(reader.result);
+        showAttached();
+      });
+      reader.readAsDataURL(file);
+    }
+  }
+}
+
+function attachError(message) {
+  $("attach-error").textContent = message || "";
+  $("attach-error").hidden = !message;
+}
+
+function showAttached() {
+  $("attached").replaceChildren(
+    ...attached.map((url, index) => {
+      const figure = element("figure");
+      const remove = element("button", "remove");
+      remove.type = "button";
+      remove.textContent = "×";
+      remove.setAttribute("aria-label", "Remove the picture");
+      remove.addEventListener("click", () => {
+        attached.splice(index, 1);
+        showAttached();
+      });
+      figure.append(picture(url), remove);
+      return figure;
+    }),
+  );
+  $("attached").hidden = attached.length === 0;
+}
+
+function picture(url) {
+  const image = element("img");
+  image.src = url;
+  image.alt = "a picture sent with the message";
+  return image;
 }
 
 function current() {
@@ -202,6 +261,11 @@ function renderMessage(message, index) {
   const role = element("div", "role");
   role.textContent = message.role === "user" ? "You" : message.model || "assistant";
   const body = element("div", "body");
+  if (message.images && message.images.length) {
+    const pictures = element("div", "pictures");
+    pictures.append(...message.images.map(picture));
+    box.append(pictures);
+  }
   renderMarkdown(message.content, body, message.pending);
   for (const pre of body.querySelectorAll("pre")) {
     pre.append(copyButton(() => pre.querySelector("code").textContent, "Copy code"));
@@ -270,6 +334,8 @@ function actions(message, index) {
   if (message.role === "user") {
     button("Edit", () => {
       $("input").value = message.content;
+      attached = (message.images || []).slice();
+      showAttached();
       conversation.messages.splice(index);
       save();
       render();
@@ -318,8 +384,16 @@ function readSettings() {
   return settings;
 }
 
+// A message's content as the API takes it: its pictures (image_url parts) before its text.
+function content(message) {
+  if (!message.images || !message.images.length) {
+    return message.content;
+  }
+  return [...message.images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text: message.content }];
+}
+
 function requestBody(conversation, settings) {
-  const history = conversation.messages.filter((m) => !m.error && !m.pending).map((m) => ({ role: m.role, content: m.content }));
+  const history = conversation.messages.filter((m) => !m.error && !m.pending).map((m) => ({ role: m.role, content: content(m) }));
   const body = { model: conversation.model, messages: settings.system.trim() ? [{ role: "system", content: settings.system }, ...history] : history };
   Object.assign(body, { stream: true, stream_options: { include_usage: true } });
   for (const [name, parse] of [["temperature", Number], ["top_p", Number], ["max_tokens", (v) => parseInt(v, 10)]]) {
@@ -342,13 +416,13 @@ function requestBody(conversation, settings) {
 async function send(event) {
   event.preventDefault();
   const text = $("input").value;
-  if (!text.trim() || running) {
+  if ((!text.trim() && !attached.length) || running) {
     return;
   }
   let body;
   const conversation = current() || newConversation();
   conversation.model = $("model").value;
-  conversation.messages.push({ role: "user", content: text });
+  conversation.messages.push(attached.length ? { role: "user", content: text, images: attached.slice() } : { role: "user", content: text });
   try {
     body = requestBody(conversation, readSettings());
     $("settings-error").hidden = true;
@@ -359,8 +433,10 @@ async function send(event) {
     $("settings").hidden = false;
     return;
   }
-  conversation.title = conversation.title || text.slice(0, 48);
+  conversation.title = conversation.title || text.slice(0, 48) || "A picture";
   $("input").value = "";
+  attached = [];
+  showAttached();
   const reply = { role: "assistant", content: "", model: conversation.model, pending: true };
   conversation.messages.push(reply);
   save();
@@ -507,6 +583,25 @@ function start() {
     }
   });
   $("stop").addEventListener("click", stop);
+  $("attach").addEventListener("click", () => $("picture").click());
+  $("picture").addEventListener("change", () => {
+    attach([...$("picture").files]);
+    $("picture").value = "";
+  });
+  $("input").addEventListener("paste", (event) => {
+    const files = [...event.clipboardData.files];
+    if (files.length) {
+      event.preventDefault();
+      attach(files);
+    }
+  });
+  for (const target of [$("messages"), $("composer")]) {
+    target.addEventListener("dragover", (event) => event.preventDefault());
+    target.addEventListener("drop", (event) => {
+      event.preventDefault();
+      attach([...event.dataTransfer.files]);
+    });
+  }
   $("new-chat").addEventListener("click", () => {
     if (!running) {
       currentId = null;

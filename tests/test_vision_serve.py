@@ -1,0 +1,236 @@
+"""Images through every API of a real `edgeinfer serve` of the tiny Idefics3, driven by the real
+openai and anthropic clients: OpenAI Chat's image_url data: URLs, Responses' input_image and
+Anthropic's base64 image blocks give the SDK's own reply; a remote URL is refused unless the server
+was started with --allow-image-urls; and the hostile images (truncated, huge, nested, empty, of the
+wrong type, 4 MB of junk), each answered with a 4xx in the API's own error shape, the server unharmed."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import os
+import signal
+import struct
+import threading
+import zlib
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from test_serve import start
+from test_vision import idefics3, png  # noqa: F401 - idefics3 is a fixture
+
+from edgeinfer import Engine
+
+QUESTION = "What is in the picture?"
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def stop(process) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(idefics3):
+    process, url = start(idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}")
+    yield url
+    stop(process)
+
+
+@pytest.fixture(scope="module")
+def expected(idefics3):
+    """The SDK's own greedy reply to QUESTION about png(3), and its prompt's tokens."""
+    engine = Engine.load(idefics3[2], provider="cpu")
+    messages = [{"role": "user", "content": [{"type": "image", "image": png(3)}, {"type": "text", "text": QUESTION}]}]
+    result = engine.chat(messages, max_new_tokens=8, temperature=0)
+    return result.text, result.prompt_tokens
+
+
+def test_chat_completions_take_an_image_url_data_url_and_count_its_tokens(served, expected):
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(
+        model="vlm",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(png(3))}}, {"type": "text", "text": QUESTION}],
+            }
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content == expected[0]
+    assert reply.usage.prompt_tokens == expected[1] and reply.usage.prompt_tokens_details.image_tokens == 9
+
+
+def test_responses_take_an_input_image(served, expected):
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="x", max_retries=0)
+    reply = client.responses.create(
+        model="vlm",
+        input=[
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": data_url(png(3))}, {"type": "input_text", "text": QUESTION}],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert reply.output_text == expected[0] and reply.usage.input_tokens == expected[1]
+
+
+def test_anthropic_messages_take_a_base64_image_block(served, expected):
+    client = anthropic.Anthropic(base_url=served, api_key="x", max_retries=0)
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(3)).decode()}
+    reply = client.messages.create(
+        model="vlm",
+        messages=[{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}],
+        max_tokens=8,  # greedy: the model's generation config does not sample
+    )
+    assert reply.content[0].text == expected[0] and reply.usage.input_tokens == expected[1]
+
+
+@pytest.fixture(scope="module")
+def picture_site():
+    """A web server on 127.0.0.1 serving png(3) at /p.png, and the paths asked for."""
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            body = png(3)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}/p.png", asked
+    site.shutdown()
+    site.server_close()
+
+
+def test_a_remote_image_url_is_refused_unless_the_server_allows_them(served, idefics3, expected, picture_site):
+    url, asked = picture_site
+    body = {
+        "model": "vlm",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}
+        ],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    refused = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and asked == []  # nothing was fetched
+    error = refused.json()["error"]
+    assert (
+        "does not fetch image URLs" in error["message"] and "--allow-image-urls" in error["message"] and error["param"] == "messages"
+    )
+    process, allowing = start(idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}", "--allow-image-urls")
+    try:
+        fetched = httpx.post(f"{allowing}/v1/chat/completions", json=body, timeout=60)
+        assert fetched.status_code == 200 and asked == ["/p.png"]
+        assert fetched.json()["choices"][0]["message"]["content"] == expected[0]
+    finally:
+        stop(process)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (a decompression bomb's shape: small on the wire)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))  # noqa: E731
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+
+
+def _tiff() -> bytes:
+    from io import BytesIO
+
+    from PIL import Image
+
+    out = BytesIO()
+    Image.new("RGB", (8, 8)).save(out, format="TIFF")
+    return out.getvalue()
+
+
+HOSTILE = {
+    "truncated": (data_url(png(3)[:100]), 400, "cannot be decoded"),
+    "huge": (data_url(_png_claiming(100_000, 100_000)), 400, "more than 40,000,000 pixels"),
+    "nested": (data_url(data_url(png(3)).encode()), 400, "cannot be decoded"),
+    "zero-size": ("data:image/png;base64,", 400, "the image is empty"),
+    "zero-pixels": (data_url(_png_claiming(0, 5)), 400, None),
+    "wrong MIME (text)": (data_url(png(3), "text/plain"), 400, "says its data is text/plain"),
+    "wrong MIME (jpeg for png)": (data_url(png(3), "image/jpeg"), 400, "the image is PNG but was sent as image/jpeg"),
+    "unsupported format": (data_url(_tiff(), "image/tiff"), 400, "is not taken"),
+    "not base64": ("data:image/png;base64,@@@not base64@@@", 400, "does not decode"),
+    "not a URL": ("ftp://example.invalid/a.png", 400, "a data: URL (base64) or an http(s) URL"),
+    "4 MB of junk": (data_url(os.urandom(3 * 2**20)), 413, "over"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_image_gets_a_4xx_in_each_apis_shape_and_the_server_goes_on(served, expected, name):
+    url, status, words = HOSTILE[name]
+    chat = {
+        "model": "vlm",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}
+        ],
+        "max_tokens": 4,
+    }
+    answered = httpx.post(f"{served}/v1/chat/completions", json=chat, timeout=60)
+    assert answered.status_code == status, answered.text
+    error = answered.json()["error"]
+    assert error["type"] in ("invalid_request_error", "request_too_large") and (words is None or words in error["message"])
+    if url.startswith("data:image/") and ";base64," in url and status == 400:  # the same bytes as an Anthropic block
+        media, data = url[5:].split(";base64,")
+        block = {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+        messages = {
+            "model": "vlm",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [block, {"type": "text", "text": QUESTION}]}],
+        }
+        refused = httpx.post(f"{served}/v1/messages", json=messages, timeout=60)
+        assert (
+            refused.status_code == 400
+            and refused.json()["type"] == "error"
+            and refused.json()["error"]["type"] == "invalid_request_error"
+        )
+    # unharmed: a good request right after is answered as before
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="x", max_retries=0)
+    good = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(png(3))}}, {"type": "text", "text": QUESTION}],
+        }
+    ]
+    assert (
+        client.chat.completions.create(model="vlm", messages=good, max_tokens=8, temperature=0).choices[0].message.content
+        == expected[0]
+    )
+
+
+def test_an_image_sent_to_a_text_only_model_is_a_400_saying_so(tiny_llama):
+    process, url = start(tiny_llama[1], "--provider", "cpu")
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        chat = {
+            "model": model,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(3))}}]}],
+            "max_tokens": 4,
+        }
+        answered = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert answered.status_code == 400 and "reads text only" in answered.json()["error"]["message"]
+        assert answered.json()["error"]["param"] == "messages"
+    finally:
+        stop(process)
