@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import itertools
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 QUESTION = "What is in this picture? Describe it."
+_RUNS = itertools.count(1)
 
 
 def picture(seed: int) -> bytes:
@@ -80,7 +82,7 @@ def ttft_rounds(export: Path, rounds: int, threads: int | None) -> dict:
         start = time.perf_counter()
         engine.runner.images.add([item])
         times["encode"].append(time.perf_counter() - start)
-        times["text alone"].append(first_token_s(engine, [{"role": "user", "content": QUESTION}]))
+        times["text alone"].append(first_token_s(engine, [{"role": "user", "content": f"{n + 1}. {QUESTION}"}]))  # new each round
         times["new picture"].append(first_token_s(engine, [user_message(QUESTION, [picture(200 + n)])]))
         times["same picture again"].append(first_token_s(engine, [user_message(QUESTION, [picture(200 + n)])]))
     return {name: statistics.median(values) for name, values in times.items()}
@@ -101,7 +103,7 @@ def streaming_gaps(url: str, seconds: float = 40.0, picture_clients: int = 2) ->
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-    stop_at, lock = time.monotonic() + seconds, threading.Lock()
+    stop_at, lock, run = time.monotonic() + seconds, threading.Lock(), next(_RUNS)
     found = {"text": [], "picture": [], "requests": 0, "errors": [], "ttft": {"text": [], "picture": []}}
 
     def client_loop(kind: str, index: int) -> None:
@@ -109,7 +111,7 @@ def streaming_gaps(url: str, seconds: float = 40.0, picture_clients: int = 2) ->
         while time.monotonic() < stop_at:
             n += 1
             if kind == "picture":
-                url = "data:image/png;base64," + base64.b64encode(picture(1000 * index + n)).decode()
+                url = "data:image/png;base64," + base64.b64encode(picture(100_000 * run + 1000 * index + n)).decode()  # never seen
                 content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
             else:
                 content = f"{QUESTION} (client {index}, question {n})"
