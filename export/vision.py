@@ -53,26 +53,33 @@ def _idefics3_encode(model, pixel_values):
 
 
 def _idefics3_describe(processor) -> dict:
-    """Idefics3 and SmolVLM: the longest side to `size`, then the square the encoder takes; an
-    image's tokens between <fake_token_around_image><global-img> and <fake_token_around_image>."""
+    """Idefics3 and SmolVLM: the longest side to `size`; then either the square the encoder takes
+    (one picture, its tokens between <fake_token_around_image><global-img> and
+    <fake_token_around_image>), or (do_image_splitting) each side up to whole tiles, cut into tiles
+    named by row and column, and the whole picture as one tile after them."""
     images = processor.image_processor
-    if images.do_image_splitting:
-        raise ExportError(
-            "this model's processor splits each image into tiles (do_image_splitting), which this edgeinfer does not "
-            "export yet: set do_image_splitting to false in its preprocessor_config.json to export it with one tile per image"
-        )
     side = images.max_image_size["longest_edge"]
     steps = [{"op": "longest_edge", "size": images.size["longest_edge"]}] if images.do_resize else []
     fake, tag = processor.fake_image_token, processor.global_image_tag
-    return {
+    whole = f"{fake}{tag}{{image}}{fake}"
+    described = {
         "steps": [*steps, {"op": "resize", "height": side, "width": side}],
         "resample": _RESAMPLE_NAMES[int(images.resample)],
         "image_token": processor.image_token,
         "tokens_per_image": processor.image_seq_len,
         "marker": processor.image_token,
-        "expansion": f"{fake}{tag}{{image}}{fake}",
+        "expansion": whole,
         **_normalization(images),
     }
+    if images.do_image_splitting:
+        described["steps"] = [*steps, {"op": "multiple_of", "size": side}]
+        described["tiles"] = {
+            "size": side,
+            "tile": f"{fake}<row_{{row}}_col_{{col}}>{{image}}",
+            "row_end": "\n",
+            "whole": "\n" + whole,
+        }
+    return described
 
 
 def _normalization(images) -> dict:
@@ -95,8 +102,8 @@ def vision_section(model, processor, folder: Path) -> dict:
     """The vision graph traced into `folder`, and the manifest's `vision` section."""
     family = FAMILIES[model.config.model_type]
     described = family.describe(processor)
-    side = next(s for s in reversed(described["steps"]) if s["op"] == "resize")
-    graph = export_vision_graph(model, family, folder, side["height"], side["width"])
+    side = described["tiles"]["size"] if "tiles" in described else described["steps"][-1]["height"]
+    graph = export_vision_graph(model, family, folder, side, side)
     text = model.config.get_text_config()
     return {
         "graph": {"file": graph.file, "inputs": graph.inputs, "outputs": graph.outputs},

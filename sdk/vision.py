@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -34,14 +35,16 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 @dataclass(frozen=True)
 class Picture:
     """One image of a conversation, made into what the vision graph takes: `pixels` [tiles, 3, H,
-    W] float32, `key` its content hash, `text` what stands for it in the prompt."""
+    W] float32, `key` its content hash, `text` what stands for it in the prompt, `tokens` how many
+    image tokens that text holds (each tile's, in the order of `pixels`)."""
 
     key: int
     pixels: np.ndarray
     text: str
+    tokens: int
 
-    def ids(self, count: int) -> list[int]:
-        return [PICTURE_BASE + (self.key << INDEX_BITS) + place for place in range(count)]
+    def ids(self) -> list[int]:
+        return [PICTURE_BASE + (self.key << INDEX_BITS) + place for place in range(self.tokens)]
 
 
 def is_picture(ids: np.ndarray) -> np.ndarray:
@@ -124,17 +127,42 @@ _RESAMPLE = {"nearest": 0, "lanczos": 1, "bilinear": 2, "bicubic": 3, "box": 4, 
 
 
 def picture(source, vision: dict, param: str = "messages", media_type: str | None = None) -> Picture:
-    """An image made into the vision graph's input by the manifest's steps, with its text."""
+    """An image made into the vision graph's input by the manifest's steps (and tiles), with its text."""
     image = open_image(source, param, media_type)
     resample = _RESAMPLE[vision["resample"]]
     for step in vision["steps"]:
         image = image.resize(_size(image.size, step), resample=resample)
-    pixels = (np.asarray(image, np.float32) * np.float32(vision["rescale"])).transpose(2, 0, 1)
-    mean, std = (np.asarray(vision[k], np.float32)[:, None, None] for k in ("mean", "std"))
-    pixels = np.ascontiguousarray(((pixels - mean) / std)[None])
+    frames, rows, cols = _tiles(image, vision.get("tiles"), resample)
+    pixels = np.stack([np.asarray(frame, np.float32) for frame in frames]) * np.float32(vision["rescale"])
+    mean, std = (np.asarray(vision[k], np.float32) for k in ("mean", "std"))
+    pixels = np.ascontiguousarray(((pixels - mean) / std).transpose(0, 3, 1, 2))
     key = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[: KEY_BITS // 8], "big")
-    image_text = vision["image_token"] * vision["tokens_per_image"]
-    return Picture(key, pixels, vision["expansion"].replace("{image}", image_text))
+    return Picture(key, pixels, _picture_text(vision, rows, cols), len(frames) * vision["tokens_per_image"])
+
+
+def _tiles(image, tiles: dict | None, resample: int) -> tuple[list, int, int]:
+    """(frames, rows, cols): an image larger than a tile cut into tiles, row by row, then the whole
+    image resized to one tile; an image that fits one tile (or a manifest without tiles) alone, 0 x 0."""
+    width, height = image.size
+    side = tiles and tiles["size"]
+    if not tiles or (width <= side and height <= side):
+        return [image], 0, 0
+    rows, cols = (height - side) // side + 1, (width - side) // side + 1
+    crops = [image.crop((c * side, r * side, (c + 1) * side, (r + 1) * side)) for r in range(rows) for c in range(cols)]
+    return [*crops, image.resize((side, side), resample=resample)], rows, cols
+
+
+def _picture_text(vision: dict, rows: int, cols: int) -> str:
+    """The text that stands for a picture: each tile's (its row and column named) and the whole
+    picture's, or the one form of a picture read whole."""
+    image = vision["image_token"] * vision["tokens_per_image"]
+    if not rows:
+        return vision["expansion"].replace("{image}", image)
+    tiles = vision["tiles"]
+    lines = [
+        "".join(tiles["tile"].format(row=r + 1, col=c + 1, image=image) for c in range(cols)) + tiles["row_end"] for r in range(rows)
+    ]
+    return "".join(lines) + tiles["whole"].replace("{image}", image)
 
 
 def _size(size: tuple[int, int], step: dict) -> tuple[int, int]:
@@ -143,6 +171,8 @@ def _size(size: tuple[int, int], step: dict) -> tuple[int, int]:
     width, height = size
     if step["op"] == "resize":
         return step["width"], step["height"]
+    if step["op"] == "multiple_of":
+        return _multiple_of(width, height, step["size"])
     if step["op"] == "longest_edge":
         longest = step["size"]
         if width >= height:
@@ -153,6 +183,18 @@ def _size(size: tuple[int, int], step: dict) -> tuple[int, int]:
             width, height = other + (other % 2), longest
         return max(width, 1), max(height, 1)
     raise SettingsError(f"this export's manifest has an image step {step['op']!r} this edgeinfer does not know: update edgeinfer")
+
+
+def _multiple_of(width: int, height: int, side: int) -> tuple[int, int]:
+    """Each side up to a whole number of tiles, the longest first and the other from it in proportion."""
+    ratio = width / height
+    if width >= height:
+        width = math.ceil(width / side) * side
+        height = math.ceil(int(width / ratio) / side) * side
+    else:
+        height = math.ceil(height / side) * side
+        width = math.ceil(int(height * ratio) / side) * side
+    return width, height
 
 
 # Features, kept by picture.
@@ -280,17 +322,18 @@ def expand(text: str, vision: dict, pictures: list[Picture]) -> str:
 
 
 def name_pictures(ids: list[int], vision: dict, pictures: list[Picture]) -> list[int]:
-    """`ids` with the image tokens made picture ids, `tokens_per_image` for each picture in order."""
-    token, count = vision["image_token_id"], vision["tokens_per_image"]
-    places = [i for i, t in enumerate(ids) if t == token]
-    if len(places) != count * len(pictures):
+    """`ids` with the image tokens made picture ids: each picture's, in order."""
+    places = [i for i, t in enumerate(ids) if t == vision["image_token_id"]]
+    made = sum(item.tokens for item in pictures)
+    if len(places) != made:
         raise SettingsError(
-            f"the prompt holds {len(places)} image tokens where its {len(pictures)} images make {count * len(pictures)}: "
+            f"the prompt holds {len(places)} image tokens where its {len(pictures)} images make {made}: "
             f"the messages' text may hold the image token {vision['image_token']!r} itself: take it out",
             "messages",
         )
-    named = list(ids)
-    for n, item in enumerate(pictures):
-        for place, picture_id in zip(places[n * count : (n + 1) * count], item.ids(count)):
+    named, start = list(ids), 0
+    for item in pictures:
+        for place, picture_id in zip(places[start : start + item.tokens], item.ids()):
             named[place] = picture_id
+        start += item.tokens
     return named

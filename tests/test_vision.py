@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from vision_models import build_idefics3
+from vision_models import TILED, build_idefics3
 
 from edgeinfer import Engine, Scheduler
 from edgeinfer.sdk.chat import chat_turn
@@ -199,3 +199,28 @@ def test_the_memory_plan_counts_the_vision_graph_and_the_manifest_says_what_an_i
     assert manifest.vision["steps"] == [{"op": "longest_edge", "size": 96}, {"op": "resize", "height": 48, "width": 48}]
     checked = manifest.validation["vision"]
     assert checked["ids_equal"] and checked["tokens_equal"] and checked["max_abs_diff_pixels"] < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiled(tmp_path_factory):
+    """The tiny Idefics3 whose processor cuts pictures into tiles (SmolVLM's published default)."""
+    from edgeinfer.export import export_model
+
+    folder = tmp_path_factory.mktemp("idefics3-tiled")
+    model, processor = build_idefics3(folder / "hf", shape=TILED)
+    export_model(str(folder / "hf"), folder / "export")
+    return model, processor, folder / "export"
+
+
+@pytest.mark.parametrize("size", [(70, 41), (30, 90), (48, 48), (200, 20)], ids=["wide", "tall", "square", "a strip"])
+def test_tiled_pictures_give_transformers_prompt_and_tokens(tiled, size):
+    """Each picture cut as the processor cuts it (rows and columns from its shape), the tiles' text
+    named by row and column, the whole picture after them."""
+    model, processor, export = tiled
+    image = png(11, size)
+    messages, theirs = asked("What is in the picture?", image)
+    ids, tokens = transformers_tokens(model, processor, theirs, [image])
+    engine = Engine.load(export, provider="cpu")
+    result = engine.chat(messages, max_new_tokens=TOKENS, ignore_eos=True)
+    assert result.token_ids == tokens and result.prompt_tokens == len(ids)
+    assert engine.manifest.vision["tiles"]["size"] == 48 and engine.manifest.validation["vision"]["ids_equal"]

@@ -24,6 +24,7 @@ TINY = {
     "longest_edge": 2 * IMAGE_SIDE,
     "context": 256,
 }
+TILED = {**TINY, "tiles": True}  # each picture cut into 48x48 tiles, and the whole picture as one more
 # SmolVLM-256M-Instruct's shape (its config.json): SmolLM2-135M's layers, a SigLIP base encoder on
 # 512x512 squares of 16x16 patches, a 4x4 pixel shuffle: 64 tokens a picture
 SMOLVLM_256M = {
@@ -71,7 +72,9 @@ def build_idefics3(folder: Path, seed: int = 0, shape: dict = TINY, dtype=None):
     torch.manual_seed(seed)
     model = Idefics3ForConditionalGeneration(config).eval()
     images = Idefics3ImageProcessorPil(
-        size={"longest_edge": shape["longest_edge"]}, max_image_size={"longest_edge": side}, do_image_splitting=False
+        size={"longest_edge": shape["longest_edge"]},
+        max_image_size={"longest_edge": side},
+        do_image_splitting=shape.get("tiles", False),
     )
     tokens = (side // patch) ** 2 // scale**2
     processor = Idefics3Processor(images, tokenizer, image_seq_len=tokens, chat_template=CHAT_TEMPLATE)
