@@ -196,6 +196,16 @@ def export(
     say(f"exported {manifest.source} ({manifest.architecture}, {_layers_text(manifest.kv)}) to {output}")
 
 
+def _pictures_text(vision: dict) -> str:
+    """What a picture becomes, in one line (the manifest's vision section)."""
+    tiles = vision.get("tiles")
+    side = f"{tiles['size']}x{tiles['size']} tiles and the whole picture as one more" if tiles else "one square"
+    return (
+        f"pictures: read as {side}, {vision['tokens_per_image']} tokens each ({vision['graph']['file']}); "
+        "--image FILE with run, /image FILE in chat, image parts through every API"
+    )
+
+
 def _layers_text(kv) -> str:
     """The layers of an export, as its last line says: how many, which keep a state or a window."""
     stateful = len({entry["layer"] for entry in kv.state})
@@ -391,6 +401,8 @@ def info(model, model_option, architectures, as_json):
         f"{size_text(plan.kv)} for the whole context of {manifest.max_context} tokens"
     )
     _describe_graphs(manifest, plan)
+    if manifest.vision:
+        click.echo(_pictures_text(manifest.vision))
     cuda = cuda_unusable_reason()
     click.echo(f"providers: cpu: usable; cuda: {'usable' if cuda is None else 'not usable (' + cuda + ')'}")
 

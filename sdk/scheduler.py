@@ -149,7 +149,8 @@ class Scheduler:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread. A chat
         turn's `pictures` (ChatTurn.pictures) are encoded here too, in the caller's thread, beside
         the step loop's passes, where the engine does not hold them yet."""
-        self.engine.runner.see(pictures)
+        if pictures:
+            self.engine.runner.see(pictures)
         (sequence,) = self.engine.prepare([prompt], config, **settings)
         slot = Slot(Request(self), sequence)
         if not self.is_batched:

@@ -224,3 +224,12 @@ def test_tiled_pictures_give_transformers_prompt_and_tokens(tiled, size):
     result = engine.chat(messages, max_new_tokens=TOKENS, ignore_eos=True)
     assert result.token_ids == tokens and result.prompt_tokens == len(ids)
     assert engine.manifest.vision["tiles"]["size"] == 48 and engine.manifest.validation["vision"]["ids_equal"]
+
+
+def test_info_says_what_a_picture_becomes(idefics3, tiled):
+    for export, words in (
+        (idefics3[2], "pictures: read as one square, 9 tokens each (vision.onnx)"),
+        (tiled[2], "pictures: read as 48x48 tiles and the whole picture as one more, 9 tokens each (vision.onnx)"),
+    ):
+        done = _cli("info", str(export))
+        assert done.returncode == 0 and words in done.stdout, done.stdout
