@@ -254,7 +254,19 @@ class Engine:
             self.tokenizer, self.max_context, messages, request, template_variables(chat_template_kwargs), self.manifest.vision or None
         )
         self.runner.see(turn.pictures)
-        return chat_deltas(turn.stream(), self.stream(turn.ids, config, **turn.settings(settings, config)))
+        try:
+            pieces = self.stream(turn.ids, config, **turn.settings(settings, config))
+        except BaseException:
+            self.runner.let_go(turn.pictures)
+            raise
+        return self._holding(chat_deltas(turn.stream(), pieces), turn.pictures)
+
+    def _holding(self, deltas, pictures):
+        """`deltas`, the pictures held in the store until they end (or are let go unfinished)."""
+        try:
+            yield from deltas
+        finally:
+            self.runner.let_go(pictures)
 
     def embed(self, texts, dimensions: int | None = None, truncate: bool = False):
         """Embeddings need an embedding export, which `Engine.load` gives as an Embedder."""

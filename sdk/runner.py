@@ -112,11 +112,16 @@ class ModelRunner:
         return ImageStore(encode, int(vision["hidden_size"]), self.graph.input_dtype(IMAGE_INPUT))
 
     def see(self, pictures) -> None:
-        """Make the features of a prompt's pictures (those not held yet), before it runs."""
+        """Make the features of a prompt's pictures (those not kept yet) before it runs, and hold
+        them until `let_go`, when the request has ended."""
         if pictures:
             if self.images is None:
                 raise GenerationError("this export reads text only: images need a vision-language export")
             self.images.add(list(pictures))
+
+    def let_go(self, pictures) -> None:
+        if pictures and self.images is not None:
+            self.images.let_go(pictures)
 
     def _feeds(self, inputs: dict) -> dict:
         """A pass's inputs with its picture ids given to the graph as the image token and their features."""

@@ -88,6 +88,7 @@ class Slot:
     state: State = State.WAITING
     row: int = -1
     num_prefilled: int = 0
+    pictures: tuple = ()  # a chat turn's pictures, held in the engine's store until the request ends
     events: Iterator | None = field(default=None, repr=False)  # one-at-a-time serving: the engine's own loop
 
 
@@ -148,11 +149,19 @@ class Scheduler:
     def submit(self, prompt, config: GenerationConfig | None = None, pictures=(), **settings) -> Request:
         """Queue a generation; bad settings or prompts raise here, in the caller's thread. A chat
         turn's `pictures` (ChatTurn.pictures) are encoded here too, in the caller's thread, beside
-        the step loop's passes, where the engine does not hold them yet."""
-        if pictures:
-            self.engine.runner.see(pictures)
+        the step loop's passes, and held in the engine's store until the request ends."""
+        if not pictures:
+            return self._queued(prompt, config, (), settings)
+        self.engine.runner.see(pictures)
+        try:
+            return self._queued(prompt, config, tuple(pictures), settings)
+        except BaseException:  # refused: nothing will let them go at its end
+            self.engine.runner.let_go(pictures)
+            raise
+
+    def _queued(self, prompt, config: GenerationConfig | None, pictures: tuple, settings: dict) -> Request:
         (sequence,) = self.engine.prepare([prompt], config, **settings)
-        slot = Slot(Request(self), sequence)
+        slot = Slot(Request(self), sequence, pictures=pictures)
         if not self.is_batched:
             slot.events = self.engine.run([sequence])
         with self._wake:
@@ -324,6 +333,8 @@ class Scheduler:
             elif slot.events is not None:
                 slot.events.close()
         slot.state = State.DONE
+        if slot.pictures:
+            self.runner.let_go(slot.pictures)
         if last is not _END:
             slot.request._put(last)
         slot.request._put(_END)

@@ -16,7 +16,7 @@ import io
 import math
 import threading
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,17 +202,32 @@ def _multiple_of(width: int, height: int, side: int) -> tuple[int, int]:
 
 class ImageStore:
     """The features of the pictures a prompt may still need, by key: an image's features are
-    made once (the vision graph), kept while there is room (the least recently used go first),
-    and given to the language model's passes in the place of its picture ids."""
+    made once (the vision graph), kept while a request that needs them is held (`add` ... `let_go`)
+    and after it while there is room (the least recently used go first), and given to the language
+    model's passes in the place of its picture ids."""
 
     def __init__(self, encode, hidden_size: int, dtype: str, max_bytes: int = 64 << 20):
-        self._encode, self._hidden, self._dtype, self._max = encode, hidden_size, np.dtype(dtype), max_bytes
+        self._encode, self._hidden, self._dtype, self.max_bytes = encode, hidden_size, np.dtype(dtype), max_bytes
         self._features: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._holds: Counter[int] = Counter()  # requests not ended that need each picture
         self._lock = threading.Lock()
         self.encoded = 0  # pictures encoded so far (the rest were found here)
 
+    @property
+    def kept(self) -> int:
+        """Pictures whose features are kept now."""
+        return len(self._features)
+
+    @property
+    def held(self) -> int:
+        """Pictures that requests not ended hold."""
+        return len(self._holds)
+
     def add(self, pictures: list[Picture]) -> None:
-        """Encode the pictures not held (the vision graph, outside the lock), and hold them."""
+        """Encode the pictures not kept yet (the vision graph, outside the lock), and hold them all
+        for a request: none of them goes until `let_go`."""
+        with self._lock:
+            self._holds.update(item.key for item in pictures)
         for item in pictures:
             with self._lock:
                 if item.key in self._features:
@@ -224,9 +239,20 @@ class ImageStore:
                 self.encoded += 1
                 self._evict()
 
+    def let_go(self, pictures) -> None:
+        """The request that held `pictures` has ended: they may go once the store is over its room."""
+        with self._lock:
+            self._holds.subtract(item.key for item in pictures)
+            self._holds += Counter()  # drops the counts that reached 0
+            self._evict()
+
     def _evict(self) -> None:
-        while len(self._features) > 1 and sum(f.nbytes for f in self._features.values()) > self._max:
-            self._features.popitem(last=False)
+        """The least recently used pictures no request holds, while the store is over its room."""
+        size = sum(f.nbytes for f in self._features.values())
+        for key in [k for k in self._features if k not in self._holds]:
+            if size <= self.max_bytes:
+                break
+            size -= self._features.pop(key).nbytes
 
     def holds(self, picture_id: int) -> bool:
         """Whether `picture_id` names a place of a picture whose features are held."""

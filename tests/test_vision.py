@@ -233,3 +233,23 @@ def test_info_says_what_a_picture_becomes(idefics3, tiled):
     ):
         done = _cli("info", str(export))
         assert done.returncode == 0 and words in done.stdout, done.stdout
+
+
+def test_pictures_of_waiting_requests_stay_until_their_requests_end_however_small_the_store(idefics3):
+    """A store with room for no picture at all: each request's pictures are held from submit to its
+    end (a 1-row scheduler makes the others wait in the queue), then let go."""
+    _, _, export = idefics3
+    engine = Engine.load(export, provider="cpu")
+    conversations = [asked("What is it?", png(20 + i))[0] for i in range(3)]
+    alone = [engine.chat(m, max_new_tokens=4, ignore_eos=True).token_ids for m in conversations]
+    store = engine.runner.images
+    assert store.held == 0
+    store.max_bytes = 1
+    turns = [chat_turn(engine.tokenizer, engine.max_context, m, vision=engine.manifest.vision) for m in conversations]
+    with Scheduler(engine, max_batch=1) as scheduler:
+        busy = scheduler.submit([5, 6, 7], max_new_tokens=200, ignore_eos=True)  # the row, while the others queue
+        requests = [scheduler.submit(t.ids, pictures=t.pictures, max_new_tokens=4, ignore_eos=True) for t in turns]
+        assert [r.result().token_ids for r in requests] == alone and len(busy.result().token_ids) == 200
+    assert store.held == 0 and store.kept == 0  # each let go at its end, and none fits the room
+    engine.chat(conversations[0], max_new_tokens=2)
+    assert store.held == 0
