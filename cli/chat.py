@@ -15,7 +15,7 @@ import click
 from edgeinfer.models import cache_root
 from edgeinfer.sdk.errors import EdgeInferError, GenerationError, SettingsError
 from edgeinfer.sdk.settings import resolve_settings
-from edgeinfer.sdk.vision import picture, user_message
+from edgeinfer.sdk.vision import open_image, user_message
 
 from .options import GENERATION_OPTIONS, MODEL_OPTIONS, generation_settings, in_flags, with_options
 from .resolve import QUIET, load_engine, say, say_timings
@@ -132,7 +132,7 @@ def _attach(path: Path, conversation: Conversation, engine) -> None:
         say(f"{engine.manifest.source} reads text only: pictures need a vision-language export")
         return
     try:
-        picture(str(path), engine.manifest.vision, "image")
+        open_image(str(path), "image")
     except SettingsError as e:
         say(f"error: {e}")
         return

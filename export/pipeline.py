@@ -285,7 +285,7 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     }
     adapters = {name: read_peft(folder) for name, folder in options.adapters}  # a bad folder is refused before any work
     source = resolve_source(model, say)
-    wanted["vision"] = wanted["images"] = _vision_not_streamed(source) is not None
+    wanted["vision"] = wanted["images"] = source_model_type(source) in VISION_LANGUAGE
     streamed = _streams(source, options)
     if streamed is not None:
         return _export_streamed(source, *streamed, work, options, say, live)

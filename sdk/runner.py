@@ -98,9 +98,8 @@ class ModelRunner:
     def _image_store(self, options: RuntimeOptions) -> ImageStore:
         """The vision graph, and the store of the features it makes (sdk/vision.py)."""
         vision = self.manifest.vision
-        # Half the cores: a picture is encoded beside the decode loop's passes, and on all of them it
-        # would stall the other streams (on 2 cores: their largest gap 420 ms, against 288 ms on one
-        # and 115 ms with no pictures; a lone picture's first token 1.5 s against 2.5 s; docs/benchmarks.md).
+        # Half the cores: a picture is encoded beside the decode loop's passes, which keep the rest,
+        # so the other streams do not stall while it runs (the trade is measured in docs/benchmarks.md).
         threads = max(1, (options.threads or os.cpu_count() or 2) // 2)
         encoder = Graph(self.folder / vision["graph"]["file"], self.provider, threads)
         encoder.check_names(vision["graph"]["inputs"], vision["graph"]["outputs"])

@@ -228,6 +228,13 @@ class ImageStore:
         for a request: none of them goes until `let_go`."""
         with self._lock:
             self._holds.update(item.key for item in pictures)
+        try:
+            self._encoded(pictures)
+        except BaseException:  # refused: nothing will let them go
+            self.let_go(pictures)
+            raise
+
+    def _encoded(self, pictures: list[Picture]) -> None:
         for item in pictures:
             with self._lock:
                 if item.key in self._features:
@@ -326,9 +333,15 @@ def _message_parts(message, vision: dict | None, pictures: list[Picture]):
                 "{'type': 'image', 'image': a path, bytes or PIL image}",
                 "messages",
             )
+    return {**message, "content": content_of(parts)}
+
+
+def content_of(parts: list[dict]) -> str | list[dict]:
+    """A message's content from its parts in order: one text where there is no image (text-only
+    templates take a string), else the parts."""
     if all(p["type"] == "text" for p in parts):
-        return {**message, "content": "".join(p["text"] for p in parts)}
-    return {**message, "content": parts}
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def expand(text: str, vision: dict, pictures: list[Picture]) -> str:

@@ -9,16 +9,17 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
+from edgeinfer.sdk.vision import content_of
 
 from .api import Api, Event, Served
 from .checks import SEED_MAX, ImagePart, Real, RequestError, check_answers, check_json, refuse_images
-from .images import base64_data, content_of, image_part
+from .images import ImagePartModel, image_data, image_part
 
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "tool_calls": "tool_use"}
 API_NAMES = {"max_new_tokens": "max_tokens", "reasoning_budget": "thinking.budget_tokens"}  # SDK settings named otherwise here
@@ -55,27 +56,18 @@ class URLSource(_Strict):
     url: StrictStr
 
 
-class ImageBlock(_Strict):
+class ImageBlock(ImagePartModel):
     """An image: base64 data, or a URL fetched only where the server runs with --allow-image-urls."""
 
     type: Literal["image"]
     source: Base64Source | URLSource
     cache_control: dict[str, Any] | None = None
-    _part: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _read(self):
         source = self.source
-        if isinstance(source, URLSource):
-            self._part = image_part(source.url)
-        elif not source.media_type.startswith("image/"):
-            raise ValueError(f"an image block's media_type is {source.media_type}: send image/png, jpeg, webp or gif")
-        else:
-            self._part = {"type": "image", "image": base64_data(source.data), "media_type": source.media_type}
+        self._part = image_part(source.url) if isinstance(source, URLSource) else image_data(source.media_type, source.data)
         return self
-
-    def sdk_part(self) -> dict:
-        return self._part
 
 
 class ThinkingBlock(_Strict):

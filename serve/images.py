@@ -13,6 +13,8 @@ import re
 import urllib.error
 import urllib.request
 
+from pydantic import BaseModel, ConfigDict, PrivateAttr
+
 from .checks import RequestError
 
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<base64>;base64)?,(?P<data>.*)", re.S)
@@ -26,17 +28,30 @@ def data_url(url: str) -> dict:
     match = _DATA_URL.fullmatch(url)
     if match is None or not match["base64"]:
         raise ValueError("an image data URL is data:image/TYPE;base64,DATA: this one is not")
-    media_type = (match["type"] or "").lower()
-    if not media_type.startswith("image/"):
-        raise ValueError(f"an image data URL says its data is {media_type or 'of no type'}: send data:image/png, jpeg, webp or gif")
-    return {"type": "image", "image": base64_data(match["data"]), "media_type": media_type}
+    return image_data(match["type"] or "", match["data"])
 
 
-def base64_data(data: str) -> bytes:
+def image_data(media_type: str, data: str) -> dict:
+    """The SDK's image part of base64 `data` said to be of `media_type` (a data: URL's, an
+    Anthropic block's); ValueError for a type that is not an image's, or data that does not decode."""
+    if not media_type.lower().startswith("image/"):
+        raise ValueError(f"the image says its data is {media_type or 'of no type'}: send image/png, jpeg, webp or gif")
     try:
-        return base64.b64decode(data.strip(), validate=True)
+        image = base64.b64decode(data.strip(), validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("the image's base64 data does not decode: send it base64-encoded, without line breaks") from None
+    return {"type": "image", "image": image, "media_type": media_type.lower()}
+
+
+class ImagePartModel(BaseModel):
+    """What every API's image part is once read (strict, as the APIs' models are): `sdk_part()`,
+    the SDK's image part its validator made (`_part`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    _part: dict = PrivateAttr(default_factory=dict)
+
+    def sdk_part(self) -> dict:
+        return self._part
 
 
 def image_part(url: str) -> dict:
@@ -79,11 +94,3 @@ def _part_fetched(part: dict, allow_urls: bool) -> dict:
     if len(data) > MAX_FETCHED:
         raise RequestError(f"the image at {url[:60]} is over {MAX_FETCHED} bytes: send a smaller one", "messages")
     return {"type": "image", "image": data, "media_type": media_type if media_type.startswith("image/") else None}
-
-
-def content_of(parts: list[dict]) -> str | list[dict]:
-    """A message's content from the SDK's parts in order: one text where there is no image (as
-    text-only templates take it), else the parts."""
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sampling import TokenLogprob
@@ -21,10 +21,11 @@ from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tool_parser import CallOpened, Part, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
+from edgeinfer.sdk.vision import content_of
 
 from .api import Api, Event, Served
 from .checks import SEED_MAX, Real, RequestError, check_answers, check_json
-from .images import content_of, image_part
+from .images import ImagePartModel, image_part
 
 # Fields OpenAI defines that edgeinfer does not serve yet: a 400 naming the field, never ignored.
 NOT_YET = ("functions", "function_call", "suffix", "echo", "best_of")
@@ -127,20 +128,16 @@ class ImageURL(_Strict):
     detail: Literal["auto", "low", "high"] | None = None  # taken; the model's processor decides the resolution
 
 
-class ImageURLPart(_Strict):
+class ImageURLPart(ImagePartModel):
     """An image: a data: URL (base64), or an http(s) URL the server fetches only with --allow-image-urls."""
 
     type: Literal["image_url"]
     image_url: ImageURL
-    _part: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _read(self):
         self._part = image_part(self.image_url.url)
         return self
-
-    def sdk_part(self) -> dict:
-        return self._part
 
 
 class FunctionCall(_Strict):

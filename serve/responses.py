@@ -14,17 +14,18 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from edgeinfer.sdk.chat_stream import ChatDelta
 from edgeinfer.sdk.sequence import GenerationResult
 from edgeinfer.sdk.tokenizer import template_variables
 from edgeinfer.sdk.tool_parser import CallOpened, Said
 from edgeinfer.sdk.tools import ToolRequest, tool_request
+from edgeinfer.sdk.vision import content_of
 
 from .api import Api, Event, Served
 from .checks import Real, RequestError, check_answers, check_json
-from .images import content_of, image_part
+from .images import ImagePartModel, image_part
 
 API_NAMES = {"max_new_tokens": "max_output_tokens", "reasoning_budget": "thinking_token_budget"}  # SDK settings named otherwise here
 STORED = 256  # responses kept for previous_response_id, least recently used out first
@@ -42,14 +43,13 @@ class ContentPart(_Strict):
     annotations: list[Any] | None = None
 
 
-class InputImagePart(_Strict):
+class InputImagePart(ImagePartModel):
     """An image: `image_url` a data: URL (base64), or an http(s) URL fetched only with --allow-image-urls."""
 
     type: Literal["input_image"]
     image_url: StrictStr | None = None
     file_id: StrictStr | None = None
     detail: Literal["auto", "low", "high"] | None = None
-    _part: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _read(self):
@@ -57,9 +57,6 @@ class InputImagePart(_Strict):
             raise ValueError("an input_image needs image_url (a data: URL): this server keeps no files, so file_id is not taken")
         self._part = image_part(self.image_url)
         return self
-
-    def sdk_part(self) -> dict:
-        return self._part
 
 
 class MessageItem(_Strict):

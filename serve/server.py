@@ -20,7 +20,8 @@ import uvicorn
 
 from edgeinfer.sdk.errors import EdgeInferError
 
-from .app import create_app, page_libraries
+from . import ui_vendor
+from .app import create_app
 from .checks import error_body
 from .responses import StoreLimits
 
@@ -103,7 +104,7 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
 
 
 def _page_line(where: str) -> str:
-    if page_libraries():
+    if ui_vendor.present(ui_vendor.VENDOR):
         return f"the chat page at {where}/, "
     return (
         f"the chat page at {where}/ (showing replies as plain text: its Markdown libraries were not fetched when "

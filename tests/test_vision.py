@@ -253,3 +253,18 @@ def test_pictures_of_waiting_requests_stay_until_their_requests_end_however_smal
     assert store.held == 0 and store.kept == 0  # each let go at its end, and none fits the room
     engine.chat(conversations[0], max_new_tokens=2)
     assert store.held == 0
+
+
+def test_pictures_a_failed_encoding_held_are_let_go(idefics3):
+    """The vision graph failing on a picture (here: pixels of the wrong shape for it) leaves no hold behind."""
+    import dataclasses
+
+    from edgeinfer.sdk.errors import EdgeInferError
+    from edgeinfer.sdk.vision import picture
+
+    engine = Engine.load(idefics3[2], provider="cpu")
+    item = picture(png(30), engine.manifest.vision)
+    wrong = dataclasses.replace(item, key=item.key + 1, pixels=item.pixels[:, :, :7, :7])
+    with pytest.raises(EdgeInferError):
+        engine.runner.see([item, wrong])
+    assert engine.runner.images.held == 0 and engine.runner.images.kept == 1  # the good one kept, neither held
