@@ -108,6 +108,11 @@ def _fused_like(folder: Path, optimized, rewritten, why_not: str | None, manifes
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
     """A copy of the optimizer's graph with GroupQueryAttention and the MatMuls that share an input
     packed (pack.py), or None and why not (the weights it packs are read from `folder`'s data file)."""
+    if manifest.vision and manifest.vision.get("attention") == "bidirectional":
+        return (
+            None,
+            "attention kept as exported: a picture's tokens attend to each other both ways, which GroupQueryAttention does not do",
+        )
     rewritten = _copy(optimized)
     try:
         num_heads = getattr(config, "num_attention_heads", None)

@@ -24,7 +24,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from .families import VISION_LANGUAGE
+from .families import IMAGES_ATTEND_BOTH_WAYS, VISION_LANGUAGE
 from .patches import constant_repeat_interleave, traceable_falcon_alibi, traceable_linear_attention
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
@@ -67,7 +67,7 @@ def trace(model, path: Path) -> None:
     with torch.no_grad(), traceable_experts(model.config):
         kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
     image_token = model.config.image_token_id if model.config.model_type in VISION_LANGUAGE else None
-    decoder = Decoder(model, kinds, image_token).eval()
+    decoder = Decoder(model, kinds, image_token, model.config.model_type in IMAGES_ATTEND_BOTH_WAYS).eval()
     inputs = {"input_ids": ids[:, _PAST:]}
     if image_token is not None:
         inputs["image_features"] = torch.randn(_PAST, text.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -206,9 +206,10 @@ def _decoder_class():
         """The model as a function of plain tensors: (input_ids[, image_features], attention_mask[,
         position_ids], past...) -> (logits, present...)."""
 
-        def __init__(self, model, kinds: list[tuple[str, ...]], image_token: int | None = None):
+        def __init__(self, model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False):
             super().__init__()
             self.model, self.kinds, self.positions, self.image_token = model, kinds, takes_positions(model), image_token
+            self.blocks = blocks
 
         def forward(self, input_ids, *rest):
             tokens = {"input_ids": input_ids}
@@ -219,8 +220,33 @@ def _decoder_class():
             positions = {"position_ids": rest[0]} if self.positions else {}
             past = rest[1:] if self.positions else rest
             cache = full_length_cache(past, self.kinds)
-            out = self.model(**tokens, attention_mask=attention_mask, cache=cache, use_cache=True, **positions)
+            mask = (
+                self._block_masks(input_ids, tokens["inputs_embeds"], attention_mask, cache, positions)
+                if self.blocks
+                else attention_mask
+            )
+            out = self.model(**tokens, attention_mask=mask, cache=cache, use_cache=True, **positions)
             return out.logits, *_present(out.cache)
+
+        def _block_masks(self, input_ids, embeds, attention_mask, cache, positions) -> dict:
+            """The causal masks (full and sliding) with each run of image tokens among the pass's
+            own tokens a block that attends to itself both ways, as transformers builds them from
+            token_type_ids. The past's tokens are all before the pass's, so the causal part
+            already lets a picture's later tokens see its earlier ones there: a picture split
+            between the past and the pass is right wherever its first part was prefilled whole."""
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+            is_image = input_ids == self.image_token
+            starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0))[:, :-1]
+            groups = torch.where(is_image, starts.to(torch.int64).cumsum(1) - 1, -1)
+            past = groups.new_full((groups.shape[0], attention_mask.shape[1] - groups.shape[1]), -1)
+            text = self.model.config.get_text_config()
+            masks = {"config": text, "inputs_embeds": embeds, "attention_mask": attention_mask, "cache": cache}
+            masks.update(position_ids=positions.get("position_ids"), block_sequence_ids=torch.cat([past, groups], 1))
+            built = {"full_attention": create_causal_mask(**masks)}
+            if "sliding_attention" in (getattr(text, "layer_types", None) or ()):
+                built["sliding_attention"] = create_sliding_window_causal_mask(**masks)
+            return built
 
         def _with_images(self, input_ids, features):
             """The token embeddings, the k-th image token's replaced by the k-th row of `features`
@@ -269,8 +295,8 @@ def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
     return ((), ()) if layer.keys is None else (("key", "value"), (layer.keys, layer.values))
 
 
-def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None):  # noqa: N802 - builds the class on first use
-    return _decoder_class()(model, kinds, image_token)
+def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False):  # noqa: N802 - builds the class on first use
+    return _decoder_class()(model, kinds, image_token, blocks)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.manifest import VISION_FORMAT_VERSION, GraphSpec, Manifest
+from edgeinfer.sdk.manifest import BLOCKS_FORMAT_VERSION, VISION_FORMAT_VERSION, GraphSpec, Manifest
 
 from .families import VISION_LANGUAGE
 from .trace import OPSET
@@ -82,6 +82,36 @@ def _idefics3_describe(processor) -> dict:
     return described
 
 
+def _gemma3_encode(model, pixel_values):
+    """SigLIP on the fixed square, its patches average-pooled to the picture's tokens and projected."""
+    hidden = model.model.vision_tower(pixel_values=pixel_values).last_hidden_state
+    return model.model.multi_modal_projector(hidden)
+
+
+def _gemma3_describe(processor) -> dict:
+    """Gemma 3: every picture resized to the encoder's square, its tokens between
+    <start_of_image> and <end_of_image>, a blank line either side, in the place of the
+    <start_of_image> the chat template writes; the tokens of one picture attend to each other both
+    ways. Pan and scan (crops of a long picture, off in Gemma 3's own processor) is not followed."""
+    images, tokenizer = processor.image_processor, processor.tokenizer
+    if getattr(images, "do_pan_and_scan", False):
+        raise ExportError(
+            "this Gemma 3 processor crops long pictures (do_pan_and_scan), which edgeinfer's runtime does not do: "
+            "set do_pan_and_scan to false in the model's preprocessor_config.json and export again"
+        )
+    size = images.size
+    return {
+        "steps": [{"op": "resize", "height": int(size["height"]), "width": int(size["width"])}],
+        "resample": _RESAMPLE_NAMES[int(images.resample)],
+        "image_token": tokenizer.image_token,
+        "tokens_per_image": int(processor.image_seq_length),
+        "marker": processor.boi_token,
+        "expansion": f"\n\n{processor.boi_token}{{image}}{tokenizer.eoi_token}\n\n",
+        "attention": "bidirectional",
+        **_normalization(images),
+    }
+
+
 def _normalization(images) -> dict:
     return {
         "rescale": float(images.rescale_factor) if images.do_rescale else 1.0,
@@ -90,7 +120,11 @@ def _normalization(images) -> dict:
     }
 
 
-FAMILIES = {"idefics3": Family(_idefics3_encode, _idefics3_describe), "smolvlm": Family(_idefics3_encode, _idefics3_describe)}
+FAMILIES = {
+    "gemma3": Family(_gemma3_encode, _gemma3_describe),
+    "idefics3": Family(_idefics3_encode, _idefics3_describe),
+    "smolvlm": Family(_idefics3_encode, _idefics3_describe),
+}
 assert set(FAMILIES) == set(VISION_LANGUAGE), "export/families.py's VISION_LANGUAGE and this table name the same families"
 
 
@@ -155,7 +189,9 @@ def with_vision(manifest: Manifest, model, source_path: str, folder: Path) -> Ma
     from transformers import AutoProcessor
 
     section = vision_section(model, AutoProcessor.from_pretrained(source_path), folder)
-    return dataclasses.replace(manifest, vision=section, format_version=max(manifest.format_version, VISION_FORMAT_VERSION))
+    # an older runtime would cut a picture between prefill passes: it must refuse such an export
+    needs = BLOCKS_FORMAT_VERSION if section.get("attention") == "bidirectional" else VISION_FORMAT_VERSION
+    return dataclasses.replace(manifest, vision=section, format_version=max(manifest.format_version, needs))
 
 
 # The check: one image and a question, as transformers' processor and model see them, against the

@@ -22,10 +22,12 @@ from .errors import ManifestError, ModelNotFoundError, NotAnExportError
 # Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports; 6:
 # sliding layers whose cache keeps only their window (`kv.windows`), written only for such exports;
 # 7: a vision-language model (`vision`: its vision graph, and what an image becomes), written only
-# for such exports. So exports stay readable by the edgeinfer versions that read what they use.
+# for such exports; 8: one whose pictures' tokens attend to each other both ways (`vision.attention`,
+# Gemma 3), which a runtime must prefill whole. So exports stay readable by the edgeinfer versions that read what they use.
 WINDOWS_FORMAT_VERSION, LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 6, 5, 4, 3, 2
 VISION_FORMAT_VERSION = 7
-FORMAT_VERSION = VISION_FORMAT_VERSION  # the newest this edgeinfer reads
+BLOCKS_FORMAT_VERSION = 8  # a vision section whose pictures' tokens attend to each other both ways
+FORMAT_VERSION = BLOCKS_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -146,7 +148,9 @@ class Manifest:
     # 3, H, W] -> image_features [images, tokens, hidden]), the image token's id and text, the
     # resize `steps`, `resample`, `rescale`, `mean` and `std` that make an image's pixels, and the
     # `expansion` that stands for an image in a prompt where the template writes its `marker`
-    # ({image}: `tokens_per_image` image tokens). The graph then takes `image_features`.
+    # ({image}: `tokens_per_image` image tokens). The graph then takes `image_features`. `attention`
+    # "bidirectional" (format 8): a picture's tokens see each other both ways, so a prefill pass
+    # never ends inside a picture; absent, they attend causally as text does.
     vision: dict = field(default_factory=dict)
 
     @property

@@ -31,7 +31,7 @@ from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
 from .sequence import Sequence
-from .vision import ImageStore
+from .vision import ImageStore, whole_pictures
 
 STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
 IMAGE_INPUT = "image_features"  # a vision-language graph's: the features of the pass's image tokens
@@ -284,7 +284,7 @@ class ModelRunner:
         logits of the last pass (None where nothing ran), and how many came from the cache. The
         split layout's prefill graph serves a batch's only row (`alone`)."""
         logits, num_cached = None, self.restore(batch, row, ids)
-        for start, stop in self.spans(num_cached, end, alone):
+        for start, stop in self._passes(self.spans(num_cached, end, alone), [ids[:end]]):
             if start == 0 and alone and self.prefill_graph is not None:
                 logits = self._prefill_together(batch, [ids], stop)
             else:
@@ -304,6 +304,14 @@ class ModelRunner:
         step = 1 if self.is_static else self.prefill_chunk
         for begin in range(start, end, step):
             yield begin, min(begin + step, end)
+
+    def _passes(self, spans: Iterator[tuple[int, int]], prompts: list[list[int]], width: int | None = None):
+        """The prefill passes: `spans`, or, where a picture's tokens attend to each other both ways,
+        spans joined so that no picture is cut between two passes."""
+        vision = self.manifest.vision
+        if vision and vision.get("attention") == "bidirectional":
+            return whole_pictures(spans, prompts, width)
+        return spans
 
     def prefill_span(self, batch: Batch, row: int, ids: list[int], start: int, end: int) -> Value:
         """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
@@ -358,7 +366,8 @@ class ModelRunner:
         buffers.update({name: value[None] for name, value in blocks.items()})
         cache.buffers, batch.num_cached = buffers, [num_cached] + [0] * (len(prompts) - 1)
         cache.fill(num_cached, np.full(len(prompts), num_cached, np.int64))
-        for start, end, inputs in prepare_left_padded(cache, prompts, width, self.spans(num_cached, width)):
+        spans = self._passes(self.spans(num_cached, width), prompts, width)
+        for start, end, inputs in prepare_left_padded(cache, prompts, width, iter(spans)):
             graph = self.prefill_graph if start == 0 and self.prefill_graph else self.graph
             logits = self._run_growing(batch, inputs, graph)
         if self._prefix_on and len(prompts) == 1:

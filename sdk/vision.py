@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SettingsError
+from .kv_cache import PAD_ID
 
 PICTURE_BASE = 1 << 32  # picture ids start here, above every vocabulary
 INDEX_BITS, KEY_BITS = 16, 40  # a picture id: PICTURE_BASE + (key << INDEX_BITS) + the token's place
@@ -271,7 +272,10 @@ class ImageStore:
 
     def feeds(self, ids: np.ndarray, image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, image_features) of a pass: picture ids become the image token, and their
-        features come in the order the graph reads them (row by row, position by position)."""
+        features come in the order the graph reads them (row by row, position by position). The
+        image token itself, which only a sampled token can be here (a prompt's are named), has no
+        picture: it goes as padding (PAD_ID), where the graph would read a feature row that is not there."""
+        ids = np.where(ids == image_token_id, PAD_ID, ids)
         mask = is_picture(ids)
         if not mask.any():
             return ids, np.zeros((0, self._hidden), self._dtype)
@@ -358,6 +362,23 @@ def expand(text: str, vision: dict, pictures: list[Picture]) -> str:
     for item, piece in zip(pictures, pieces[1:]):
         out += [item.text, piece]
     return "".join(out)
+
+
+def whole_pictures(spans, prompts: list[list[int]], width: int | None = None) -> list[tuple[int, int]]:
+    """(start, stop) spans of prefill passes joined where a cut between two would fall inside a
+    picture of one of `prompts` (left-padded to `width` where given): between two of its ids."""
+    inside = set()
+    for prompt in prompts:
+        ids = is_picture(np.asarray(prompt, np.int64))
+        offset = width - len(prompt) if width is not None else 0
+        inside.update((np.flatnonzero(ids[1:] & ids[:-1]) + 1 + offset).tolist())
+    joined: list[tuple[int, int]] = []
+    for start, stop in spans:
+        if joined and joined[-1][1] in inside:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined
 
 
 def name_pictures(ids: list[int], vision: dict, pictures: list[Picture]) -> list[int]:

@@ -5,65 +5,21 @@ twice encoded once; bad images refused in SDK words."""
 
 from __future__ import annotations
 
-import io
 import threading
 
-import numpy as np
 import pytest
 
-from vision_models import TILED, build_idefics3
+from vision_models import TILED, TOKENS, asked, build_idefics3, built_and_exported, png, transformers_tokens
 
 from edgeinfer import Engine, Scheduler
 from edgeinfer.sdk.chat import chat_turn
 from edgeinfer.sdk.errors import SettingsError
 
-TOKENS = 8
-
-
-def png(seed: int, size=(70, 41)) -> bytes:
-    """A random picture of `size` (width, height), as PNG bytes."""
-    from PIL import Image
-
-    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
 
 @pytest.fixture(scope="module")
 def idefics3(tmp_path_factory):
     """(transformers model, processor, export folder) of the tiny Idefics3."""
-    from edgeinfer.export import export_model
-
-    folder = tmp_path_factory.mktemp("idefics3")
-    model, processor = build_idefics3(folder / "hf")
-    export_model(str(folder / "hf"), folder / "export")
-    return model, processor, folder / "export"
-
-
-def transformers_tokens(model, processor, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy tokens) of transformers' processor and model: forward passes with its
-    own cache, the largest logit each step (TOKENS of them, EOS or not)."""
-    import torch
-    from PIL import Image
-
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images] or None
-    inputs = dict(processor(text=text, images=pictures, return_tensors="pt"))
-    tokens, past = [], None
-    with torch.no_grad():
-        for _ in range(TOKENS):
-            out = model(**inputs, cache=past, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-            past, inputs = out.cache, {"input_ids": torch.tensor([[tokens[-1]]])}
-    return processor(text=text, images=pictures)["input_ids"][0], tokens
-
-
-def asked(question: str, *images: bytes, as_parts: bool = True) -> tuple[list[dict], list[dict]]:
-    """(the SDK's messages, transformers' messages) of one user turn: the images, then the question."""
-    sdk = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": question}]
-    hf = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-    return [{"role": "user", "content": sdk}], [{"role": "user", "content": hf}]
+    return built_and_exported(tmp_path_factory.mktemp("idefics3"), build_idefics3)
 
 
 @pytest.mark.parametrize("images", [1, 2, 0], ids=["one image", "two images", "text only"])
@@ -204,12 +160,7 @@ def test_the_memory_plan_counts_the_vision_graph_and_the_manifest_says_what_an_i
 @pytest.fixture(scope="module")
 def tiled(tmp_path_factory):
     """The tiny Idefics3 whose processor cuts pictures into tiles (SmolVLM's published default)."""
-    from edgeinfer.export import export_model
-
-    folder = tmp_path_factory.mktemp("idefics3-tiled")
-    model, processor = build_idefics3(folder / "hf", shape=TILED)
-    export_model(str(folder / "hf"), folder / "export")
-    return model, processor, folder / "export"
+    return built_and_exported(tmp_path_factory.mktemp("idefics3-tiled"), build_idefics3, shape=TILED)
 
 
 @pytest.mark.parametrize("size", [(70, 41), (30, 90), (48, 48), (200, 20)], ids=["wide", "tall", "square", "a strip"])

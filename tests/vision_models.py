@@ -1,12 +1,64 @@
 """Tiny random-weight vision-language models from transformers' own config classes, saved with a
 processor (the test tokenizer with the family's image tokens, and its image processor) as a Hugging
-Face folder: what tests/test_vision.py exports and checks against transformers."""
+Face folder: what tests/test_vision.py and tests/test_vision_gemma3.py export and check against
+transformers."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
+import numpy as np
+
 from conftest import build_tokenizer
+
+TOKENS = 8  # greedy tokens compared with transformers'
+
+
+def png(seed: int, size=(70, 41)) -> bytes:
+    """A random picture of `size` (width, height), as PNG bytes."""
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def transformers_tokens(model, processor, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of transformers' processor and model: forward passes with its
+    own cache, the largest logit each step (TOKENS of them, EOS or not)."""
+    import torch
+    from PIL import Image
+
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images] or None
+    inputs = dict(processor(text=text, images=pictures, return_tensors="pt"))
+    tokens, past = [], None
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            out = model(**inputs, cache=past, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+            past, inputs = out.cache, {"input_ids": torch.tensor([[tokens[-1]]])}
+    return processor(text=text, images=pictures)["input_ids"][0], tokens
+
+
+def built_and_exported(folder: Path, build, **shape) -> tuple:
+    """(transformers model, processor, export folder): `build` (build_idefics3, build_gemma3) into
+    `folder`/hf, exported to `folder`/export."""
+    from edgeinfer.export import export_model
+
+    model, processor = build(folder / "hf", **shape)
+    export_model(str(folder / "hf"), folder / "export")
+    return model, processor, folder / "export"
+
+
+def asked(question: str, *images: bytes, as_parts: bool = True) -> tuple[list[dict], list[dict]]:
+    """(the SDK's messages, transformers' messages) of one user turn: the images, then the question."""
+    sdk = [{"type": "image", "image": data} for data in images] + [{"type": "text", "text": question}]
+    hf = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    return [{"role": "user", "content": sdk}], [{"role": "user", "content": hf}]
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -79,5 +131,68 @@ def build_idefics3(folder: Path, seed: int = 0, shape: dict = TINY, dtype=None):
     tokens = (side // patch) ** 2 // scale**2
     processor = Idefics3Processor(images, tokenizer, image_seq_len=tokens, chat_template=CHAT_TEMPLATE)
     (model if dtype is None else model.to(dtype)).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+GEMMA3_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+GEMMA3_TINY = {
+    "text": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 24,
+        "max_position_embeddings": 256,
+    },
+    "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2},
+    "side": 48,
+    "patch": 8,
+    "tokens": 9,  # 6x6 patches pooled 2x2
+}
+
+
+def build_gemma3(folder: Path, seed: int = 0, shape: dict = GEMMA3_TINY):
+    """(model, processor) of a Gemma 3 vision-language model of `shape` with random weights, saved in
+    `folder`: images resized to the encoder's square, each picture's tokens attending to each other
+    both ways (the tiny one's sliding window, 24, holds a picture's 9), its projector random."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(GEMMA3_IMAGE_TOKENS.values())})
+    tokenizer.save_pretrained(folder)
+    written = json.loads((folder / "tokenizer_config.json").read_text())
+    written.update(extra_special_tokens=GEMMA3_IMAGE_TOKENS, chat_template=GEMMA3_TEMPLATE)
+    (folder / "tokenizer_config.json").write_text(json.dumps(written))
+    tokenizer = AutoTokenizer.from_pretrained(folder)  # the named image tokens are read from the file
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA3_IMAGE_TOKENS.items()}
+    config = Gemma3Config(
+        text_config={"vocab_size": len(tokenizer), **shape["text"]},
+        vision_config={**shape["vision"], "image_size": shape["side"], "patch_size": shape["patch"]},
+        mm_tokens_per_image=shape["tokens"],
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # transformers starts the projector at zeros, which would make every picture the same
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.1)
+    images = Gemma3ImageProcessorPil(size={"height": shape["side"], "width": shape["side"]})
+    processor = Gemma3Processor(images, tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=shape["tokens"])
+    model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model, processor
