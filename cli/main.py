@@ -198,11 +198,15 @@ def export(
 
 def _pictures_text(vision: dict) -> str:
     """What a picture becomes, in one line (the manifest's vision section)."""
-    tiles = vision.get("tiles")
-    side = f"{tiles['size']}x{tiles['size']} tiles and the whole picture as one more" if tiles else "one square"
+    tiles, grid = vision.get("tiles"), vision.get("grid")
+    if grid:
+        step = vision["steps"][-1]
+        read = f"at their own shape, {step['min_pixels']:,} to {step['max_pixels']:,} pixels, a token each {grid}x{grid} square"
+    else:
+        side = f"{tiles['size']}x{tiles['size']} tiles and the whole picture as one more" if tiles else "one square"
+        read = f"as {side}, {vision['tokens_per_image']} tokens each"
     return (
-        f"pictures: read as {side}, {vision['tokens_per_image']} tokens each ({vision['graph']['file']}); "
-        "--image FILE with run, /image FILE in chat, image parts through every API"
+        f"pictures: read {read} ({vision['graph']['file']}); --image FILE with run, /image FILE in chat, image parts through every API"
     )
 
 

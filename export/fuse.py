@@ -108,11 +108,9 @@ def _fused_like(folder: Path, optimized, rewritten, why_not: str | None, manifes
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
     """A copy of the optimizer's graph with GroupQueryAttention and the MatMuls that share an input
     packed (pack.py), or None and why not (the weights it packs are read from `folder`'s data file)."""
-    if manifest.vision and manifest.vision.get("attention") == "bidirectional":
-        return (
-            None,
-            "attention kept as exported: a picture's tokens attend to each other both ways, which GroupQueryAttention does not do",
-        )
+    why_traced = _kept_as_traced(manifest.vision)
+    if why_traced:
+        return None, f"attention kept as exported: {why_traced}"
     rewritten = _copy(optimized)
     try:
         num_heads = getattr(config, "num_attention_heads", None)
@@ -125,6 +123,16 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
     except PatternError as e:
         return None, f"attention kept as exported: {first_line(e)}"
     return rewritten, None
+
+
+def _kept_as_traced(vision: dict) -> str | None:
+    """Why a vision-language model's attention cannot be GroupQueryAttention, which is causal and
+    takes one position a token; None where it can."""
+    if vision.get("attention") == "bidirectional":
+        return "a picture's tokens attend to each other both ways, which GroupQueryAttention does not do"
+    if vision.get("rotary") == "3d":
+        return "its rotary positions are three numbers a token, which GroupQueryAttention does not take"
+    return None
 
 
 def _try(folder: Path, graph: onnx.ModelProto, reference: Reference | None, manifest: Manifest) -> str | None:

@@ -24,7 +24,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from .families import IMAGES_ATTEND_BOTH_WAYS, VISION_LANGUAGE
+from .families import IMAGES_ATTEND_BOTH_WAYS, ROTARY_3D, VISION_LANGUAGE
 from .patches import constant_repeat_interleave, traceable_falcon_alibi, traceable_linear_attention
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
@@ -72,14 +72,16 @@ def trace(model, path: Path) -> None:
     if image_token is not None:
         inputs["image_features"] = torch.randn(_PAST, text.hidden_size, generator=torch.Generator().manual_seed(0))
     inputs["attention_mask"] = torch.ones(_BATCH, _PAST + _NEW, dtype=torch.int64)
+    rotary_3d = model.config.model_type in ROTARY_3D  # position_ids [3, batch, sequence]: time, row, column
     if decoder.positions:
-        inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(_BATCH, _NEW).contiguous()
+        shape = (3, _BATCH, _NEW) if rotary_3d else (_BATCH, _NEW)
+        inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(shape).contiguous()
     past_names, present_names = cache_names(kinds)
     axes = {
         "input_ids": {0: _AXES["batch"], 1: _AXES["new"]},
         "image_features": {0: "image_tokens"},
         "attention_mask": {0: _AXES["batch"], 1: _AXES["total"]},
-        "position_ids": {0: _AXES["batch"], 1: _AXES["new"]},
+        "position_ids": {int(rotary_3d): _AXES["batch"], 1 + rotary_3d: _AXES["new"]},
         "logits": {0: _AXES["batch"], 1: _AXES["new"]},
         **{name: _cache_axes(name, _AXES["past"]) for name in past_names},
         **{name: _cache_axes(name, _AXES["total"]) for name in present_names},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,8 +21,9 @@ from typing import Callable
 import numpy as np
 
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.manifest import BLOCKS_FORMAT_VERSION, VISION_FORMAT_VERSION, GraphSpec, Manifest
+from edgeinfer.sdk.manifest import PICTURES_FORMAT_VERSION, VISION_FORMAT_VERSION, GraphSpec, Manifest
 
+from . import qwen_vision
 from .families import VISION_LANGUAGE
 from .trace import OPSET
 
@@ -32,10 +34,13 @@ _RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "
 @dataclass(frozen=True)
 class Family:
     """`encode(model, pixel_values)`: the projected features [images, tokens, hidden] of images
-    [images, 3, H, W]; `describe(processor)`: the manifest's steps and text of an image."""
+    [images, 3, H, W]; `describe(processor)`: the manifest's steps and text of an image;
+    `layout(processor)`, where the processor's pixel values are not pictures [images, 3, H, W]: a
+    function that lays the runtime's pixels out as the processor does (the check compares them)."""
 
     encode: Callable
     describe: Callable
+    layout: Callable | None = None
 
 
 def _idefics3_encode(model, pixel_values):
@@ -112,6 +117,36 @@ def _gemma3_describe(processor) -> dict:
     }
 
 
+def _qwen2_5_vl_describe(processor) -> dict:
+    """Qwen2.5-VL: each picture resized to whole tokens (a token is `grid` pixels square: patches
+    merged 2x2) within the processor's pixel bounds, keeping its shape as near as that allows; its
+    tokens in the place of the <|image_pad|> the chat template writes, placed by their row and
+    column (rotary "3d")."""
+    images = processor.image_processor
+    grid = int(images.patch_size * images.merge_size)
+    bounds = {"min_pixels": int(images.size["shortest_edge"]), "max_pixels": int(images.size["longest_edge"])}
+    return {
+        "steps": [{"op": "fit_pixels", "multiple": grid, **bounds}],
+        "resample": _RESAMPLE_NAMES[int(images.resample)],
+        "image_token": processor.image_token,
+        "grid": grid,
+        "marker": processor.image_token,
+        "expansion": "{image}",
+        "rotary": "3d",
+        **_normalization(images),
+    }
+
+
+def _qwen2_5_vl_layout(processor) -> Callable:
+    import torch
+
+    from .qwen_vision import patches
+
+    images = processor.image_processor
+    sizes = (images.patch_size, images.merge_size, images.temporal_patch_size)
+    return lambda pixels: patches(torch.from_numpy(pixels), *sizes)[0].numpy()
+
+
 def _normalization(images) -> dict:
     return {
         "rescale": float(images.rescale_factor) if images.do_rescale else 1.0,
@@ -123,9 +158,54 @@ def _normalization(images) -> dict:
 FAMILIES = {
     "gemma3": Family(_gemma3_encode, _gemma3_describe),
     "idefics3": Family(_idefics3_encode, _idefics3_describe),
+    "qwen2_5_vl": Family(qwen_vision.encode, _qwen2_5_vl_describe, _qwen2_5_vl_layout),
     "smolvlm": Family(_idefics3_encode, _idefics3_describe),
 }
 assert set(FAMILIES) == set(VISION_LANGUAGE), "export/families.py's VISION_LANGUAGE and this table name the same families"
+
+
+@contextmanager
+def images_only():
+    """Processors built meanwhile may go without their video processor: transformers checks each
+    part's class by name, and the video processors' base class exists only with torchvision,
+    which edgeinfer does not install. edgeinfer reads images only."""
+    from transformers import processing_utils
+
+    check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, name, part):
+        return None if name == "video_processor" and part is None else check(self, name, part)
+
+    processing_utils.ProcessorMixin.check_argument_for_proper_class = lenient
+    try:
+        yield
+    finally:
+        processing_utils.ProcessorMixin.check_argument_for_proper_class = check
+
+
+def load_processor(source_path: str):
+    """The model's processor as transformers loads it; where its video processor needs torchvision
+    (Qwen2.5-VL's), the same processor class built from its image processor and tokenizer alone."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    try:
+        return AutoProcessor.from_pretrained(source_path)
+    except ImportError as needs:
+        if "Torchvision" not in str(needs):
+            raise
+    import transformers
+
+    model_type = AutoConfig.from_pretrained(source_path).model_type
+    processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+    tokenizer = AutoTokenizer.from_pretrained(source_path)
+    with images_only():
+        return processor_class(
+            image_processor=AutoImageProcessor.from_pretrained(source_path),
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=tokenizer.chat_template,
+        )
 
 
 def is_vision(config) -> bool:
@@ -136,8 +216,7 @@ def vision_section(model, processor, folder: Path) -> dict:
     """The vision graph traced into `folder`, and the manifest's `vision` section."""
     family = FAMILIES[model.config.model_type]
     described = family.describe(processor)
-    side = described["tiles"]["size"] if "tiles" in described else described["steps"][-1]["height"]
-    graph = export_vision_graph(model, family, folder, side, side)
+    graph = export_vision_graph(model, family, folder, _trace_shape(model, described))
     text = model.config.get_text_config()
     return {
         "graph": {"file": graph.file, "inputs": graph.inputs, "outputs": graph.outputs},
@@ -147,7 +226,17 @@ def vision_section(model, processor, folder: Path) -> dict:
     }
 
 
-def export_vision_graph(model, family: Family, folder: Path, height: int, width: int) -> GraphSpec:
+def _trace_shape(model, described: dict) -> tuple[int, ...]:
+    """The pixels to trace with: two squares of the size the encoder takes; or, where a picture
+    keeps its own size (`grid`), one picture of a window and a part high, two and a part wide."""
+    if "grid" in described:
+        window, grid = model.config.vision_config.window_size, described["grid"]
+        return (1, 3, window + grid, 2 * window + grid)
+    side = described["tiles"]["size"] if "tiles" in described else described["steps"][-1]["height"]
+    return (2, 3, side, side)
+
+
+def export_vision_graph(model, family: Family, folder: Path, shape: tuple[int, ...]) -> GraphSpec:
     import torch
 
     class Encoder(torch.nn.Module):
@@ -158,7 +247,16 @@ def export_vision_graph(model, family: Family, folder: Path, height: int, width:
         def forward(self, pixel_values):
             return family.encode(self.model, pixel_values)
 
-    pixels = torch.randn(2, 3, height, width, generator=torch.Generator().manual_seed(0))
+    pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    sized = shape[0] == 1  # one picture of any size a pass, its tokens out
+    axes = (
+        {"pixel_values": {2: "height", 3: "width"}, "image_features": {0: "image_tokens"}}
+        if sized
+        else {
+            "pixel_values": {0: "images"},
+            "image_features": {0: "images"},
+        }
+    )
     path = folder / VISION_FILE
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -169,7 +267,7 @@ def export_vision_graph(model, family: Family, folder: Path, height: int, width:
             dynamo=False,
             input_names=["pixel_values"],
             output_names=["image_features"],
-            dynamic_axes={"pixel_values": {0: "images"}, "image_features": {0: "images"}},
+            dynamic_axes=axes,
             opset_version=OPSET,
         )
     _weights_apart(path)
@@ -186,11 +284,9 @@ def _weights_apart(path: Path) -> None:
 
 def with_vision(manifest: Manifest, model, source_path: str, folder: Path) -> Manifest:
     """`manifest` with its `vision` section, the vision graph traced into `folder`."""
-    from transformers import AutoProcessor
-
-    section = vision_section(model, AutoProcessor.from_pretrained(source_path), folder)
-    # an older runtime would cut a picture between prefill passes: it must refuse such an export
-    needs = BLOCKS_FORMAT_VERSION if section.get("attention") == "bidirectional" else VISION_FORMAT_VERSION
+    section = vision_section(model, load_processor(source_path), folder)
+    # an older runtime would cut a picture between prefill passes, or not place its tokens: it must refuse such an export
+    needs = PICTURES_FORMAT_VERSION if {"attention", "grid", "rotary"} & set(section) else VISION_FORMAT_VERSION
     return dataclasses.replace(manifest, vision=section, format_version=max(manifest.format_version, needs))
 
 
@@ -209,6 +305,7 @@ class VisionReference:
     pixels: np.ndarray  # the processor's pixel values
     logits: np.ndarray  # at the prompt's last position
     greedy: list[int]
+    layout: Callable | None = None  # the runtime's pixels laid out as `pixels` are (Family.layout)
 
 
 def check_image() -> bytes:
@@ -227,9 +324,8 @@ def vision_reference(model, source_path: str) -> VisionReference:
     """transformers' side of the check, computed while the model is loaded."""
     import torch
     from PIL import Image
-    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(source_path)
+    processor = load_processor(source_path)
     image = check_image()
     text = _check_prompt(processor)
     inputs = processor(text=text, images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
@@ -241,7 +337,10 @@ def vision_reference(model, source_path: str) -> VisionReference:
                 logits = out.logits[0, -1].float().numpy().copy()
             greedy.append(int(out.logits[0, -1].argmax()))
             past, step = out.cache, {"input_ids": torch.tensor([[greedy[-1]]])}
-    return VisionReference(text, image, inputs["input_ids"][0].tolist(), inputs["pixel_values"].float().numpy(), logits, greedy)
+    family = FAMILIES[model.config.model_type]
+    layout = family.layout(processor) if family.layout else None
+    pixels = inputs["pixel_values"].float().numpy()
+    return VisionReference(text, image, inputs["input_ids"][0].tolist(), pixels, logits, greedy, layout)
 
 
 def _check_prompt(processor) -> str:
@@ -266,7 +365,7 @@ def check_vision(reference: VisionReference, folder: Path, gate: bool = True) ->
     engine.runner.see([item])
     logits, greedy = _runtime_greedy(engine, name_pictures(ids, vision, [item]))
     result = {
-        "max_abs_diff_pixels": float(np.abs(item.pixels - reference.pixels.reshape(item.pixels.shape)).max()),
+        "max_abs_diff_pixels": _pixels_difference(item.pixels, reference),
         "ids_equal": ids == reference.ids,
         "max_abs_diff_logits": float(np.abs(logits - reference.logits).max()),
         "tokens_equal": greedy == reference.greedy,
@@ -278,6 +377,13 @@ def check_vision(reference: VisionReference, folder: Path, gate: bool = True) ->
             f"logits by {result['max_abs_diff_logits']:.3g}, tolerance {result['tolerance']:.3g}): the export is not valid"
         )
     return result
+
+
+def _pixels_difference(pixels: np.ndarray, reference: VisionReference) -> float:
+    ours = reference.layout(pixels) if reference.layout else pixels
+    if ours.size != reference.pixels.size:
+        return float("inf")  # another size: the prompt ids differ too, which the check reports
+    return float(np.abs(ours - reference.pixels.reshape(ours.shape)).max())
 
 
 def _runtime_greedy(engine, ids: list[int]) -> tuple[np.ndarray, list[int]]:

@@ -52,6 +52,9 @@ class GrowingCache:
         self.spec, self.buffers = spec, buffers
         self.lengths = np.array(lengths, np.int64)
         self.width = int(self.lengths.max(initial=0))
+        # per row, its next token's rotary position less its count of tokens: 0 but where a
+        # picture placed by rows and columns took fewer positions than tokens (sdk/vision.py)
+        self.shifts = np.zeros(len(lengths), np.int64)
 
     def append(self, rows: list[int] | None = None, count: int = 1) -> None:
         """`count` more slots for every row (the past is one array: every row grows)."""

@@ -22,12 +22,13 @@ from .errors import ManifestError, ModelNotFoundError, NotAnExportError
 # Gemma 4) or that keep a recurrent state (`kv.state`, Qwen 3.5), written only for such exports; 6:
 # sliding layers whose cache keeps only their window (`kv.windows`), written only for such exports;
 # 7: a vision-language model (`vision`: its vision graph, and what an image becomes), written only
-# for such exports; 8: one whose pictures' tokens attend to each other both ways (`vision.attention`,
-# Gemma 3), which a runtime must prefill whole. So exports stay readable by the edgeinfer versions that read what they use.
+# for such exports; 8: one whose pictures need more of the runtime: tokens that attend to each other
+# both ways (`vision.attention`, Gemma 3), or pictures at their own shape placed by 3-D rotary
+# positions (`vision.grid`, `vision.rotary`, Qwen2.5-VL). So exports stay readable by the edgeinfer versions that read what they use.
 WINDOWS_FORMAT_VERSION, LAYERS_FORMAT_VERSION, ADAPTERS_FORMAT_VERSION, SPLIT_FORMAT_VERSION, SINGLE_FORMAT_VERSION = 6, 5, 4, 3, 2
 VISION_FORMAT_VERSION = 7
-BLOCKS_FORMAT_VERSION = 8  # a vision section whose pictures' tokens attend to each other both ways
-FORMAT_VERSION = BLOCKS_FORMAT_VERSION  # the newest this edgeinfer reads
+PICTURES_FORMAT_VERSION = 8  # a vision section with `attention`, `grid` or `rotary`
+FORMAT_VERSION = PICTURES_FORMAT_VERSION  # the newest this edgeinfer reads
 MANIFEST_NAME = "edgeinfer.json"
 
 
@@ -150,7 +151,9 @@ class Manifest:
     # `expansion` that stands for an image in a prompt where the template writes its `marker`
     # ({image}: `tokens_per_image` image tokens). The graph then takes `image_features`. `attention`
     # "bidirectional" (format 8): a picture's tokens see each other both ways, so a prefill pass
-    # never ends inside a picture; absent, they attend causally as text does.
+    # never ends inside a picture; absent, they attend causally as text does. `grid` (format 8), in
+    # place of tokens_per_image: a picture keeps its shape, a token a grid-pixel square of it;
+    # `rotary` "3d" (format 8): position_ids [3, batch, sequence], computed from the pictures.
     vision: dict = field(default_factory=dict)
 
     @property

@@ -31,7 +31,7 @@ from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
 from .sequence import Sequence
-from .vision import ImageStore, whole_pictures
+from .vision import ImageStore, rotary_positions, whole_pictures
 
 STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
 IMAGE_INPUT = "image_features"  # a vision-language graph's: the features of the pass's image tokens
@@ -305,6 +305,17 @@ class ModelRunner:
         for begin in range(start, end, step):
             yield begin, min(begin + step, end)
 
+    def _rotary_3d(self, cache: GrowingCache, prompts: list[list[int]], width: int) -> np.ndarray | None:
+        """Where the model's rotary positions are three numbers a token: those of the prompts
+        left-padded to `width` [3, rows, width], each row's shift kept in the cache's books for
+        the tokens after it; else None."""
+        if not self.manifest.vision or self.manifest.vision.get("rotary") != "3d":
+            return None
+        positions, cache.shifts = np.zeros((3, len(prompts), width), np.int64), np.zeros(len(prompts), np.int64)
+        for row, prompt in enumerate(prompts):
+            positions[:, row, width - len(prompt) :], cache.shifts[row] = rotary_positions(prompt, self.images.grids)
+        return positions
+
     def _passes(self, spans: Iterator[tuple[int, int]], prompts: list[list[int]], width: int | None = None):
         """The prefill passes: `spans`, or, where a picture's tokens attend to each other both ways,
         spans joined so that no picture is cut between two passes."""
@@ -367,7 +378,10 @@ class ModelRunner:
         cache.buffers, batch.num_cached = buffers, [num_cached] + [0] * (len(prompts) - 1)
         cache.fill(num_cached, np.full(len(prompts), num_cached, np.int64))
         spans = self._passes(self.spans(num_cached, width), prompts, width)
+        positions = self._rotary_3d(cache, prompts, width)
         for start, end, inputs in prepare_left_padded(cache, prompts, width, iter(spans)):
+            if positions is not None:
+                inputs["position_ids"] = positions[:, :, start:end]
             graph = self.prefill_graph if start == 0 and self.prefill_graph else self.graph
             logits = self._run_growing(batch, inputs, graph)
         if self._prefix_on and len(prompts) == 1:
@@ -500,6 +514,8 @@ class ModelRunner:
         adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
         inputs = {**self._feeds(inputs), **adapters}
         inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
+        if self.manifest.vision.get("rotary") == "3d" and inputs["position_ids"].ndim == 2:  # text after the prompt
+            inputs["position_ids"] = np.repeat((inputs["position_ids"] + cache.shifts[:, None])[None], 3, axis=0)
         past = cache.buffers if graph is self.graph else {}
         presents = [present for _, present in cache_pairs(self.kv)]
         outputs, _ = graph.run({**inputs, **past}, on_device=[*presents, "logits"], to_host=[])

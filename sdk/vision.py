@@ -43,6 +43,7 @@ class Picture:
     pixels: np.ndarray
     text: str
     tokens: int
+    grid: tuple[int, int] | None = None  # its tokens' rows and columns, where the model places them by row and column
 
     def ids(self) -> list[int]:
         return [PICTURE_BASE + (self.key << INDEX_BITS) + place for place in range(self.tokens)]
@@ -138,7 +139,11 @@ def picture(source, vision: dict, param: str = "messages", media_type: str | Non
     mean, std = (np.asarray(vision[k], np.float32) for k in ("mean", "std"))
     pixels = np.ascontiguousarray(((pixels - mean) / std).transpose(0, 3, 1, 2))
     key = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[: KEY_BITS // 8], "big")
-    return Picture(key, pixels, _picture_text(vision, rows, cols), len(frames) * vision["tokens_per_image"])
+    if "grid" in vision:  # a token a `grid`-pixel square of the picture as it was resized
+        grid = (pixels.shape[2] // vision["grid"], pixels.shape[3] // vision["grid"])
+        return Picture(key, pixels, _picture_text(vision, 0, 0, grid[0] * grid[1]), grid[0] * grid[1], grid)
+    tokens = vision["tokens_per_image"]
+    return Picture(key, pixels, _picture_text(vision, rows, cols, tokens), len(frames) * tokens)
 
 
 def _tiles(image, tiles: dict | None, resample: int) -> tuple[list, int, int]:
@@ -153,10 +158,10 @@ def _tiles(image, tiles: dict | None, resample: int) -> tuple[list, int, int]:
     return [*crops, image.resize((side, side), resample=resample)], rows, cols
 
 
-def _picture_text(vision: dict, rows: int, cols: int) -> str:
+def _picture_text(vision: dict, rows: int, cols: int, tokens: int) -> str:
     """The text that stands for a picture: each tile's (its row and column named) and the whole
-    picture's, or the one form of a picture read whole."""
-    image = vision["image_token"] * vision["tokens_per_image"]
+    picture's, or the one form of a picture read whole; `tokens` image tokens a tile."""
+    image = vision["image_token"] * tokens
     if not rows:
         return vision["expansion"].replace("{image}", image)
     tiles = vision["tiles"]
@@ -174,6 +179,8 @@ def _size(size: tuple[int, int], step: dict) -> tuple[int, int]:
         return step["width"], step["height"]
     if step["op"] == "multiple_of":
         return _multiple_of(width, height, step["size"])
+    if step["op"] == "fit_pixels":
+        return _fit_pixels(width, height, step["multiple"], step["min_pixels"], step["max_pixels"])
     if step["op"] == "longest_edge":
         longest = step["size"]
         if width >= height:
@@ -198,6 +205,46 @@ def _multiple_of(width: int, height: int, side: int) -> tuple[int, int]:
     return width, height
 
 
+def _fit_pixels(width: int, height: int, multiple: int, least: int, most: int) -> tuple[int, int]:
+    """Each side to the nearest whole number of `multiple`, then both scaled alike into [least,
+    most] pixels where they fall outside (Qwen2-VL's processor's rule)."""
+    if max(width, height) > 200 * min(width, height):
+        raise SettingsError(
+            f"a picture of {width} x {height} pixels is more than 200 times as long as it is wide, which this model does "
+            "not read: crop it",
+            "messages",
+        )
+    w, h = round(width / multiple) * multiple, round(height / multiple) * multiple
+    if w * h > most:
+        scale = math.sqrt(height * width / most)
+        w, h = (max(multiple, math.floor(side / scale / multiple) * multiple) for side in (width, height))
+    elif w * h < least:
+        scale = math.sqrt(least / (height * width))
+        w, h = (math.ceil(side * scale / multiple) * multiple for side in (width, height))
+    return w, h
+
+
+def rotary_positions(ids, grids: dict) -> tuple[np.ndarray, int]:
+    """The 3-D rotary positions [3, len(ids)] (time, row, column) of a prompt, and its shift (the
+    position of the token after it, less its index). Text counts on one a token, all three alike; a
+    picture's tokens (`grids`: key -> its tokens' rows and columns) all take the time of its first,
+    their rows and columns counted from there, and the text after it goes on past the larger."""
+    ids = np.asarray(ids, np.int64)
+    positions, shift, done = np.empty((3, len(ids)), np.int64), 0, 0
+    for start in np.flatnonzero(is_picture(ids)):
+        key, place = picture_key(ids[start])
+        if place:
+            continue
+        positions[:, done:start] = np.arange(done, start) + shift  # the text before it
+        rows, cols = grids[key]
+        first, (row, col) = start + shift, divmod(np.arange(rows * cols), cols)
+        positions[:, start : start + rows * cols] = np.stack([np.full(rows * cols, first), first + row, first + col])
+        shift += max(rows, cols) - rows * cols
+        done = start + rows * cols
+    positions[:, done:] = np.arange(done, len(ids)) + shift
+    return positions, shift
+
+
 # Features, kept by picture.
 
 
@@ -211,6 +258,7 @@ class ImageStore:
         self._encode, self._hidden, self._dtype, self.max_bytes = encode, hidden_size, np.dtype(dtype), max_bytes
         self._features: OrderedDict[int, np.ndarray] = OrderedDict()
         self._holds: Counter[int] = Counter()  # requests not ended that need each picture
+        self.grids: dict[int, tuple[int, int]] = {}  # the rows and columns of the pictures placed by them, by key
         self._lock = threading.Lock()
         self.encoded = 0  # pictures encoded so far (the rest were found here)
 
@@ -244,6 +292,8 @@ class ImageStore:
             features = np.asarray(self._encode(item.pixels), self._dtype).reshape(-1, self._hidden)
             with self._lock:
                 self._features[item.key] = features
+                if item.grid:
+                    self.grids[item.key] = item.grid
                 self.encoded += 1
                 self._evict()
 
@@ -261,6 +311,7 @@ class ImageStore:
             if size <= self.max_bytes:
                 break
             size -= self._features.pop(key).nbytes
+            self.grids.pop(key, None)
 
     def holds(self, picture_id: int) -> bool:
         """Whether `picture_id` names a place of a picture whose features are held."""

@@ -1,6 +1,6 @@
 """Tiny random-weight vision-language models from transformers' own config classes, saved with a
 processor (the test tokenizer with the family's image tokens, and its image processor) as a Hugging
-Face folder: what tests/test_vision.py and tests/test_vision_gemma3.py export and check against
+Face folder: what tests/test_vision.py and tests/test_vision_families.py export and check against
 transformers."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from conftest import build_tokenizer
+
+from edgeinfer.export.vision import images_only
 
 TOKENS = 8  # greedy tokens compared with transformers'
 
@@ -35,6 +37,10 @@ def transformers_tokens(model, processor, messages: list[dict], images: list[byt
     pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images] or None
     inputs = dict(processor(text=text, images=pictures, return_tensors="pt"))
     tokens, past = [], None
+    if hasattr(
+        model.model, "rope_deltas"
+    ):  # Qwen2.5-VL keeps the last prompt's position shift, which would shift a prompt without pictures
+        model.model.rope_deltas = None
     with torch.no_grad():
         for _ in range(TOKENS):
             out = model(**inputs, cache=past, use_cache=True)
@@ -195,4 +201,73 @@ def build_gemma3(folder: Path, seed: int = 0, shape: dict = GEMMA3_TINY):
     processor = Gemma3Processor(images, tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=shape["tokens"])
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
+    return model, processor
+
+
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2_5_VL_TINY = {
+    "text": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    },
+    # 4x4 patches merged 2x2: a token is an 8x8 square; windows of 2x2 tokens, the second block's attention whole
+    "vision": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 4,
+        "window_size": 16,
+        "fullatt_block_indexes": [1],
+        "out_hidden_size": 64,
+    },
+    "min_pixels": 8 * 8 * 4,
+    "max_pixels": 96 * 96,
+}
+
+
+def build_qwen2_5_vl(folder: Path, seed: int = 0, shape: dict = QWEN2_5_VL_TINY):
+    """(model, processor) of a Qwen2.5-VL of `shape` with random weights, saved in `folder`: a picture
+    resized to whole 8x8 tokens within the pixel bounds, its tokens placed by 3-D rotary positions."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN_TOKENS]
+    config = Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), **shape["text"]},
+        vision_config=shape["vision"],
+        vision_start_token_id=ids[0],
+        vision_end_token_id=ids[1],
+        image_token_id=ids[2],
+        video_token_id=ids[3],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    images = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": shape["min_pixels"], "longest_edge": shape["max_pixels"]},
+        patch_size=shape["vision"]["patch_size"],
+        merge_size=2,
+    )
+    model.save_pretrained(folder)
+    # saved as a checkpoint has it (the processor's save needs its video processor, which needs torchvision)
+    images.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "processor_config.json").write_text('{"processor_class": "Qwen2_5_VLProcessor"}')
+    with images_only():
+        processor = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
     return model, processor
