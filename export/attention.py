@@ -81,10 +81,14 @@ def cached_windows(model: onnx.ModelProto, past: list[str]) -> list[int]:
     return windows if any(w > 0 for w in windows) else []
 
 
-def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int], positions: int, weights_from=None) -> int:
+def rewrite_attention(
+    model: onnx.ModelProto, num_heads: int, windows: list[int], positions: int, weights_from=None, rotary_outside: bool = False
+) -> int:
     """Rewrite every layer's attention in place, for contexts of up to `positions` tokens; returns
     the number of layers rewritten. Raises PatternError, before changing anything, where a layer
-    does not match. Weights the model keeps in a data file are read from the folder `weights_from`."""
+    does not match. Weights the model keeps in a data file are read from the folder `weights_from`.
+    `rotary_outside`: the rotations stay in the graph (positions GroupQueryAttention does not
+    compute: three numbers a token), its query and key fed as they come out rotated."""
     graph = model.graph
     view = GraphView(graph, weights_from)
     if "attention_mask" not in view.inputs:
@@ -94,7 +98,7 @@ def rewrite_attention(model: onnx.ModelProto, num_heads: int, windows: list[int]
     pairs = key_value_pairs(graph)
     if len(windows) != len(pairs):
         raise PatternError(f"{len(windows)} sliding windows given for {len(pairs)} layers")
-    layers = [find_layer(view, past_key, past_value) for past_key, past_value in pairs]
+    layers = [find_layer(view, past_key, past_value, rotary_outside) for past_key, past_value in pairs]
     layers = _with_evaluated_caches(model, view, layers, positions)
     _add_lengths(graph)
     for index, (layer, window) in enumerate(zip(layers, windows)):

@@ -189,8 +189,9 @@ def key_value_pairs(graph) -> list[tuple[str, str]]:
     return [(pasts[k], pasts[k + 1]) for k in range(0, len(pasts), 2)]
 
 
-def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttention:
-    """The attention fed by one layer's past key and value."""
+def find_layer(view: GraphView, past_key: str, past_value: str, rotary_outside: bool = False) -> LayerAttention:
+    """The attention fed by one layer's past key and value; with `rotary_outside`, its query and
+    key taken as rotated (a rotation GroupQueryAttention cannot do stays where it is)."""
     present_key = PRESENT_PREFIX + past_key[len(PAST_PREFIX) :]
     present_value = PRESENT_PREFIX + past_value[len(PAST_PREFIX) :]
     key_concat, value_concat = _cache_concat(view, past_key, present_key), _cache_concat(view, past_value, present_value)
@@ -203,7 +204,10 @@ def find_layer(view: GraphView, past_key: str, past_value: str) -> LayerAttentio
     if view.fixed_dim(past_value, 3, "head size") != head_size:
         raise PatternError("keys and values have different head sizes, which GroupQueryAttention does not take")
     key, value = key_concat.input[1], value_concat.input[1]
-    projections, rotary, head_norms = _projections(view, query, key, value, head_size)
+    if rotary_outside:
+        projections, rotary, head_norms = [_projection(view, t) for t in (query, key, value)], None, None
+    else:
+        projections, rotary, head_norms = _projections(view, query, key, value, head_size)
     return LayerAttention(
         past_key,
         past_value,

@@ -117,7 +117,12 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
         if not num_heads:
             raise PatternError(f"the {config.model_type} config names no num_attention_heads")
         rewrite_attention(
-            rewritten, num_heads, layer_windows(config, manifest.kv.num_layers), manifest.max_context, weights_from=folder
+            rewritten,
+            num_heads,
+            layer_windows(config, manifest.kv.num_layers),
+            manifest.max_context,
+            weights_from=folder,
+            rotary_outside=manifest.vision.get("rotary") == "3d",
         )
         pack_shared_inputs(rewritten, weights_from=folder)
     except PatternError as e:
@@ -126,12 +131,10 @@ def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Pat
 
 
 def _kept_as_traced(vision: dict) -> str | None:
-    """Why a vision-language model's attention cannot be GroupQueryAttention, which is causal and
-    takes one position a token; None where it can."""
+    """Why a vision-language model's attention cannot be GroupQueryAttention, which is causal; None
+    where it can (3-D rotary positions stay in the graph: rewrite_attention's rotary_outside)."""
     if vision.get("attention") == "bidirectional":
         return "a picture's tokens attend to each other both ways, which GroupQueryAttention does not do"
-    if vision.get("rotary") == "3d":
-        return "its rotary positions are three numbers a token, which GroupQueryAttention does not take"
     return None
 
 

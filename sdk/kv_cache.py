@@ -99,6 +99,7 @@ class SlotCache:
         self.spec, self.buffers, self.num_rows, self.capacity = spec, buffers, num_rows, capacity
         self.windows = windows or {}
         self.lengths = np.zeros(self.num_rows, np.int64)
+        self.shifts = np.zeros(self.num_rows, np.int64)  # as GrowingCache.shifts
         self._free = list(range(self.num_rows))
 
     def acquire(self) -> int | None:
@@ -109,7 +110,7 @@ class SlotCache:
         return self._free.pop(0)
 
     def release(self, row: int) -> None:
-        self.lengths[row] = 0
+        self.lengths[row] = self.shifts[row] = 0
         self._free.append(row)
 
     @property

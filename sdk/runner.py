@@ -305,16 +305,40 @@ class ModelRunner:
         for begin in range(start, end, step):
             yield begin, min(begin + step, end)
 
+    # Rotary positions of three numbers a token (the manifest's vision.rotary "3d"): a prompt's come
+    # from its pictures (sdk/vision.py), and each row's shift is kept in the cache's books for the
+    # tokens after it, whose positions are their count plus that shift.
+
+    @property
+    def _rotary_3d_on(self) -> bool:
+        return self.manifest.vision.get("rotary") == "3d"
+
     def _rotary_3d(self, cache: GrowingCache, prompts: list[list[int]], width: int) -> np.ndarray | None:
-        """Where the model's rotary positions are three numbers a token: those of the prompts
-        left-padded to `width` [3, rows, width], each row's shift kept in the cache's books for
-        the tokens after it; else None."""
-        if not self.manifest.vision or self.manifest.vision.get("rotary") != "3d":
+        """Those of the prompts left-padded to `width` [3, rows, width]; None where positions are one number."""
+        if not self._rotary_3d_on:
             return None
         positions, cache.shifts = np.zeros((3, len(prompts), width), np.int64), np.zeros(len(prompts), np.int64)
         for row, prompt in enumerate(prompts):
             positions[:, row, width - len(prompt) :], cache.shifts[row] = rotary_positions(prompt, self.images.grids)
         return positions
+
+    def _prompt_positions(self, inputs: dict, cache: SlotCache, rows: list[int], prompts: list[list[int]], start: int = 0) -> dict:
+        """`inputs` of a pass over positions start.. of the prompts in `rows` (right-padded), with their 3-D positions."""
+        if not self._rotary_3d_on:
+            return inputs
+        placed = np.zeros((3, *inputs["position_ids"].shape), np.int64)
+        for index, (row, prompt) in enumerate(zip(rows, prompts)):
+            positions, cache.shifts[row] = rotary_positions(prompt, self.images.grids)
+            part = positions[:, start : start + placed.shape[2]]
+            placed[:, index, : part.shape[1]] = part
+        return {**inputs, "position_ids": placed}
+
+    def _text_positions(self, inputs: dict, cache, rows: slice) -> dict:
+        """`inputs` of a pass over tokens after the prompts (position_ids [rows, n]), with their 3-D positions."""
+        if not self._rotary_3d_on or inputs["position_ids"].ndim == 3:
+            return inputs
+        shifted = inputs["position_ids"] + cache.shifts[rows][:, None]
+        return {**inputs, "position_ids": np.repeat(shifted[None], 3, axis=0)}
 
     def _passes(self, spans: Iterator[tuple[int, int]], prompts: list[list[int]], width: int | None = None):
         """The prefill passes: `spans`, or, where a picture's tokens attend to each other both ways,
@@ -330,9 +354,8 @@ class ModelRunner:
         batch of one); returns the last position's logits [1, 1, vocab]."""
         if start == 0:
             self._reset_state(batch, row)
-        return self._run_row(
-            batch, row, {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
-        )
+        inputs = {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
+        return self._run_row(batch, row, self._prompt_positions(inputs, batch.cache, [row], [ids], start))
 
     def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> Value:
         """The first `length` tokens of every prompt into empty rows 0.. of a slot cache in one
@@ -345,7 +368,8 @@ class ModelRunner:
                 f"{fixed} positions of this export's prefill graph, which a batch must fit: run such prompts "
                 "one at a time, or export with a larger --prefill-length"
             )
-        inputs = self._feeds(prepare_together(batch.cache, prompts, length, width))
+        inputs = prepare_together(batch.cache, prompts, length, width)
+        inputs = self._feeds(self._prompt_positions(inputs, batch.cache, list(range(len(prompts))), prompts))
         lengths = batch.cache.lengths[: len(prompts)]
         if self.prefill_graph is None:
             binding = self._bind_rows(batch, 0, len(prompts))
@@ -398,7 +422,7 @@ class ModelRunner:
         inputs = prepare_decode(batch.cache, tokens, self.is_static)
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
-        inputs = self._feeds(inputs)
+        inputs = self._feeds(self._text_positions(inputs, batch.cache, slice(0, len(tokens))))
         binding, logits = self._decode_binding(batch, len(tokens))
         idle = {row: self.row_state(batch, row, 1) for row, token in enumerate(tokens) if token is None}
         binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
@@ -475,7 +499,7 @@ class ModelRunner:
         if binding is None:
             binding = batch.bindings.rows[row] = self._bind_rows(batch, row, 1)
         self._bind_adapters(binding, batch, row, 1)
-        binding.run(self._feeds(inputs), fresh=("logits",))
+        binding.run(self._feeds(self._text_positions(inputs, batch.cache, slice(row, row + 1))), fresh=("logits",))
         return binding.outputs()[-1]
 
     def _decode_binding(self, batch: Batch, num_rows: int):
@@ -514,8 +538,7 @@ class ModelRunner:
         adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
         inputs = {**self._feeds(inputs), **adapters}
         inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
-        if self.manifest.vision.get("rotary") == "3d" and inputs["position_ids"].ndim == 2:  # text after the prompt
-            inputs["position_ids"] = np.repeat((inputs["position_ids"] + cache.shifts[:, None])[None], 3, axis=0)
+        inputs = self._text_positions(inputs, cache, slice(None))
         past = cache.buffers if graph is self.graph else {}
         presents = [present for _, present in cache_pairs(self.kv)]
         outputs, _ = graph.run({**inputs, **past}, on_device=[*presents, "logits"], to_host=[])

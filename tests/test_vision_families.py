@@ -1,15 +1,15 @@
-"""Vision-language families whose attention stays as traced, each a tiny random-weight model from
-transformers' own config classes exported and run by the runtime against transformers' processor
-and model:
+"""Vision-language families beyond SmolVLM's, each a tiny random-weight model from transformers' own
+config classes exported and run by the runtime against transformers' processor and model:
 - Gemma 3's vision variant: its picture tokens attend to each other both ways (a block in the
-  causal mask), so beside tokens these tests pin the logits against transformers' with the block,
-  show that they differ without it, and that a picture is never cut between two prefill passes;
+  causal mask), so its attention stays as traced; beside tokens these tests pin the logits against
+  transformers' with the block, show that they differ without it, and that a picture is never cut
+  between two prefill passes;
 - Qwen2.5-VL: each picture keeps its own shape (one vision graph for every size, its windows worked
   out in the graph) and its tokens are placed by 3-D rotary positions (time, row, column) that the
-  runtime computes: these tests pin them against transformers' get_rope_index, and show that text
-  positions alone would not pass.
+  runtime computes, the rotations left in the graph before GroupQueryAttention: these tests pin
+  them against transformers' get_rope_index, and show that text positions alone would not pass.
 The tests every family shares (tokens with 0, 1 and 2 pictures, a batch, the same picture twice,
-the scheduler) run on both."""
+the scheduler, a real server) run on both."""
 
 from __future__ import annotations
 
@@ -117,14 +117,17 @@ def test_the_same_picture_asked_twice_is_encoded_once_and_found_in_the_prefix_ca
     assert first.token_ids == again.token_ids and again.cached_tokens > 0
 
 
-def test_the_scheduler_serves_picture_requests_of_this_export_one_at_a_time_with_their_tokens(family):
+def test_the_scheduler_serves_picture_requests_with_their_tokens(family):
+    """Qwen2.5-VL's attention is GroupQueryAttention: its requests join one continuous batch, each
+    prompt prefilled in chunks of 16 beside the others' decoding; Gemma 3's stays as traced, and its
+    requests are served one at a time."""
     _, _, export = family
-    engine = Engine.load(export, provider="cpu")
-    conversations = [asked("What is it?", png(1))[0], [{"role": "user", "content": "Say something."}]]
+    engine = Engine.load(export, provider="cpu", max_batch=3, prefill_chunk=16)
+    conversations = [asked("What is it?", png(1))[0], [{"role": "user", "content": "Say something."}], asked("And this?", png(4))[0]]
     alone = [engine.chat(m, max_new_tokens=TOKENS, ignore_eos=True).token_ids for m in conversations]
     turns = [chat_turn(engine.tokenizer, engine.max_context, m, vision=engine.manifest.vision) for m in conversations]
-    with Scheduler(engine, max_batch=2) as scheduler:
-        assert not scheduler.is_batched
+    with Scheduler(engine, max_batch=3) as scheduler:
+        assert scheduler.is_batched == engine.manifest.kv.in_place == ("rotary" in engine.manifest.vision)
         requests = [scheduler.submit(turn.ids, pictures=turn.pictures, max_new_tokens=TOKENS, ignore_eos=True) for turn in turns]
         assert [request.result().token_ids for request in requests] == alone
 
@@ -232,7 +235,7 @@ def test_a_sampled_image_token_goes_as_padding_and_pictures_keep_their_features(
 # Qwen2.5-VL: pictures at their own shape, placed by row and column.
 
 
-def test_the_manifest_places_pictures_by_row_and_column_and_the_attention_stays_as_traced(qwen):
+def test_the_manifest_places_pictures_by_row_and_column_and_the_attention_is_fused(qwen):
     _, _, export = qwen
     manifest = Engine.load(export, provider="cpu").manifest
     vision = manifest.vision
@@ -240,8 +243,8 @@ def test_the_manifest_places_pictures_by_row_and_column_and_the_attention_stays_
     assert vision["rotary"] == "3d" and vision["grid"] == 8 and "tokens_per_image" not in vision
     assert vision["steps"] == [{"op": "fit_pixels", "multiple": 8, "min_pixels": 256, "max_pixels": 9216}]
     assert vision["marker"] == "<|image_pad|>" and vision["expansion"] == "{image}" and vision["resample"] == "bicubic"
-    fusion = manifest.validation["fusion"]
-    assert "GroupQueryAttention" not in fusion["fused"] and "three numbers a token" in fusion["attention"]
+    fusion = manifest.validation["fusion"]  # the rotations stay in the graph, fed to GroupQueryAttention rotated
+    assert fusion["fused"]["GroupQueryAttention"] == 2 and manifest.kv.in_place
     checked = manifest.validation["vision"]
     assert checked["ids_equal"] and checked["tokens_equal"] and checked["max_abs_diff_logits"] < 1e-5
     assert checked["max_abs_diff_pixels"] < 1e-5  # the runtime's pixels laid out as the processor's patches
