@@ -71,6 +71,7 @@ class ReplicaSettings:
     models: tuple[tuple[str, str], ...] = ()
     keep_alive: float | None = 300.0  # seconds an idle model stays loaded in a replica (None: always)
     pin: tuple[str, ...] = ()  # models every replica loads at start and keeps
+    allow_image_urls: bool = False  # the front deployment fetches the http(s) images requests name (else: data: URLs only)
 
 
 def application(
@@ -188,8 +189,12 @@ def _front_class():
             from .app import create_app
 
             name = self.settings.model_name or Path(self.settings.folder).name
+            settings = self.settings
             return create_app(
-                lambda: Replicas(self.engines, self.settings.folder, self.settings.max_context), name, self.settings.api_key
+                lambda: Replicas(self.engines, settings.folder, settings.max_context),
+                name,
+                settings.api_key,
+                allow_image_urls=settings.allow_image_urls,
             )
 
     return EdgeInferFront

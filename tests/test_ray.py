@@ -9,12 +9,15 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import in_threads, linked_copy
 from test_serve import free_port, long_export, start  # noqa: F401 - long_export is a fixture
+from test_vision import idefics3, png  # noqa: F401 - idefics3 is a fixture
+from test_vision_serve import QUESTION, data_url, expected, picture_site  # noqa: F401 - expected and picture_site are fixtures
 
 from edgeinfer import Engine
 
@@ -140,17 +143,17 @@ def test_rays_own_tools_see_the_cluster_the_command_started(replicas):
     assert "edgeinfer:" in serving.stdout and "HEALTHY" in serving.stdout and "RUNNING: 2" in serving.stdout
 
 
-def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama, engine):
-    """application(front=True): the same app as an ingress deployment behind Ray's HTTP proxy,
-    deployed with serve.run as a Ray user would."""
-    import openai
-
+@contextmanager
+def ingress(settings: str):
+    """application(front=True) of `settings` (a ReplicaSettings(...) expression) deployed with
+    serve.run in its own process, as a Ray user would, behind Ray's HTTP proxy: its base URL once
+    /health says 200."""
     port = free_port()
     script = (
         "import sys, ray\nfrom ray import serve\nfrom edgeinfer.serve.replicas import ReplicaSettings, application\n"
         "ray.init(address='local', num_cpus=2, include_dashboard=False, logging_level='WARNING')\n"
         f"serve.start(http_options={{'host': '127.0.0.1', 'port': {port}}})\n"
-        f"serve.run(application(ReplicaSettings({str(tiny_llama[1])!r}, provider='cpu'), front=True), route_prefix='/')\n"
+        f"serve.run(application({settings}, front=True), route_prefix='/')\n"
         "print('deployed', flush=True)\nsys.stdin.read()\nserve.shutdown()\nray.shutdown()\n"
     )
     process = subprocess.Popen(
@@ -168,6 +171,17 @@ def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama
         while httpx.get(f"{url}/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the front did not say ready within 60 s"
             time.sleep(0.2)
+        yield url
+    finally:
+        process.stdin.close()
+        assert process.wait(timeout=60) == 0
+
+
+def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama, engine):
+    """application(front=True): the same app as an ingress deployment behind Ray's HTTP proxy."""
+    import openai
+
+    with ingress(f"ReplicaSettings({str(tiny_llama[1])!r}, provider='cpu')") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         chat = client.chat.completions.create(model=tiny_llama[1].name, messages=CHAT, max_tokens=12)
         assert chat.choices[0].message.content == engine.generate(engine.chat_prompt(CHAT), max_new_tokens=12).text
@@ -177,9 +191,23 @@ def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama
         assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
         response = httpx.post(f"{url}/v1/completions", json={"model": tiny_llama[1].name, "prompt": [5], "max_tokens": 2})
         assert response.status_code == 200 and len(response.headers["x-edgeinfer-replica"]) >= 6
-    finally:
-        process.stdin.close()
-        assert process.wait(timeout=60) == 0
+
+
+def test_pictures_go_to_the_replicas_and_the_front_deployment_fetches_urls_where_allowed(idefics3, expected, picture_site):
+    """A picture travels with its request from the front to a replica, which encodes it; with
+    ReplicaSettings(allow_image_urls=True) the front fetches an http(s) image a request names."""
+    site, asked = picture_site
+
+    def body(url: str) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
+        return {"model": "vlm", "messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0}
+
+    with ingress(f"ReplicaSettings({str(idefics3[2])!r}, model_name='vlm', provider='cpu', allow_image_urls=True)") as url:
+        sent = httpx.post(f"{url}/v1/chat/completions", json=body(data_url(png(3))), timeout=120).json()
+        fetched = httpx.post(f"{url}/v1/chat/completions", json=body(site), timeout=120).json()
+    assert sent["choices"][0]["message"]["content"] == expected[0] == fetched["choices"][0]["message"]["content"]
+    assert sent["usage"]["prompt_tokens"] == expected[1] and sent["usage"]["prompt_tokens_details"]["image_tokens"] == 9
+    assert asked == ["/p.png"]
 
 
 def test_a_folder_missing_on_a_node_is_a_clear_error_not_a_hang(tmp_path):
