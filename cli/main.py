@@ -412,10 +412,12 @@ def info(model, model_option, architectures, as_json):
 
 
 def _architectures() -> None:
-    from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
+    from edgeinfer.export.families import SUPPORTED, UNSUPPORTED, VISION_LANGUAGE
 
     click.echo("supported (each proven by a parity test against transformers):")
     click.echo("  " + ", ".join(SUPPORTED))
+    click.echo("vision-language, with their vision encoder (pictures through the SDK, run --image and every API):")
+    click.echo("  " + ", ".join(VISION_LANGUAGE))
     click.echo("not supported:")
     for name, reason in UNSUPPORTED.items():
         click.echo(f"  {name}: {reason}")

@@ -61,13 +61,13 @@ SUPPORTED = (
 )
 # Vision-language families: their language model as above, taking image features (export/vision.py
 # has how each one's encoder is called and its processor read).
-VISION_LANGUAGE = ("gemma3", "idefics3", "qwen2_5_vl", "smolvlm")
+VISION_LANGUAGE = ("gemma3", "idefics3", "qwen2_5_vl", "qwen3_5", "smolvlm")
 # Of those, the families whose picture tokens attend to each other both ways (each picture a block
 # in the causal mask): their attention stays as traced, and a picture is prefilled in one pass.
 IMAGES_ATTEND_BOTH_WAYS = ("gemma3",)
 # And those whose rotary positions are three numbers (time, row, column: a picture's tokens placed
 # by their row and column), which the runtime computes from the prompt's pictures.
-ROTARY_3D = ("qwen2_5_vl",)
+ROTARY_3D = ("qwen2_5_vl", "qwen3_5")
 # Families that cannot be exported here, and why.
 UNSUPPORTED = {
     "internlm2": "transformers 5 has no internlm2 model; its checkpoints need trust_remote_code, which edgeinfer does not run",

@@ -749,14 +749,15 @@ def peak_memory() -> int | None:
 
 def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifest:
     config, generation = model.config, model.generation_config
-    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
-    bos = generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id
+    text = config.get_text_config()  # a vision-language model's (Qwen 3.5's) may name them there alone
+    eos = generation.eos_token_id if generation.eos_token_id is not None else getattr(config, "eos_token_id", text.eos_token_id)
+    bos = generation.bos_token_id if generation.bos_token_id is not None else getattr(config, "bos_token_id", text.bos_token_id)
     return Manifest(
         format_version=LAYERS_FORMAT_VERSION if kv.layers or kv.state else SINGLE_FORMAT_VERSION,
         source=source,
         architecture=config.model_type,
         dtype="float32",
-        vocab_size=config.get_text_config().vocab_size,
+        vocab_size=text.vocab_size,
         max_context=context,
         bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),

@@ -1,23 +1,26 @@
-"""Qwen2.5-VL's vision encoder as one graph of any picture size: pixels [1, 3, H, W] (H and W whole
-tokens, as the manifest's `fit_pixels` step makes them) -> features [tokens, hidden], the picture's
-tokens row by row.
+"""Qwen's vision encoders (Qwen2.5-VL's, Qwen 3.5's) as one graph of any picture size: pixels [1,
+3, H, W] (H and W whole tokens, as the manifest's `fit_pixels` step makes them) -> features
+[tokens, hidden], the picture's tokens row by row.
 
-transformers' encoder takes the processor's flattened patches with the grid size beside them, and
-works out the patches' rotary positions, the windows of its windowed blocks and their order with
-Python loops over that grid (`.tolist()`), which a trace would freeze at the traced picture's size.
-Here each of those is made of tensor ops on the pixels' own shape, so the graph serves every size:
+transformers' encoders take the processor's flattened patches with the grid size beside them, and
+work out the patches' rotary positions (and Qwen2.5-VL's windows, Qwen 3.5's resampled learned
+position table) with Python loops over that grid (`.tolist()`), which a trace would freeze at the
+traced picture's size. Here each of those is made of tensor ops on the pixels' own shape, so the
+graph serves every size:
 - the patches: the processor's reshape and transpose (each patch repeated along time, as the
   processor repeats a still picture);
-- the windows: each merged unit's window (row-major windows of `window` units a side, row-major
-  within one), the units sorted by it: the order transformers' window index gives;
-- the attention: a mask of the patches that share a window (full blocks: none), where transformers
-  splits the sequence at the windows' bounds.
-"""
+- Qwen2.5-VL's windows: each merged unit's window (row-major windows of `window` units a side,
+  row-major within one), the units sorted by it: the order transformers' window index gives; its
+  windowed blocks attend through a mask of the patches that share a window (full blocks: none),
+  where transformers splits the sequence at the windows' bounds;
+- Qwen 3.5's position table: its square grid of learned embeddings resampled bilinearly (corners
+  aligned) to the picture's rows and columns, with transformers' own taps and weights."""
 
 from __future__ import annotations
 
 
 def encode(model, pixel_values):
+    """Qwen2.5-VL's: windowed blocks, and full ones where the config says."""
     import torch
 
     visual = model.model.visual
@@ -37,6 +40,35 @@ def encode(model, pixel_values):
         hidden = hidden + block.mlp(block.norm2(hidden))
     merged = visual.merger(hidden)
     return merged[torch.argsort(order.float())]  # back to row by row
+
+
+def encode_qwen3_5(model, pixel_values):
+    """Qwen 3.5's: every block attends over the whole picture, after the learned position table
+    resampled to its grid is added to the patches."""
+    visual = model.model.visual
+    config = visual.config
+    flat, rows, cols = patches(pixel_values, config.patch_size, config.spatial_merge_size, config.temporal_patch_size)
+    positions = _positions(rows, cols, config.spatial_merge_size)
+    hidden = visual.patch_embed(flat) + _resampled_table(visual, positions)
+    cos, sin = visual.rotary_pos_emb(hidden, positions)
+    for block in visual.blocks:
+        hidden = hidden + _attention(block.attn, block.norm1(hidden), cos, sin, None)
+        hidden = hidden + block.mlp(block.norm2(hidden))
+    return visual.merger(hidden)
+
+
+def _resampled_table(visual, positions):
+    """Each patch's learned position embedding: the model's square table resampled to the grid of
+    `positions` [patches, 2] (its rows and columns counted from their largest)."""
+    from transformers.vision_utils import _interpolation_axis_taps_weights
+
+    side = visual.num_grid_per_side
+    row, col = positions[:, 0], positions[:, 1]
+    row_taps, row_weights = _interpolation_axis_taps_weights(row, row.max() + 1, side, "bilinear", align_corners=True)
+    col_taps, col_weights = _interpolation_axis_taps_weights(col, col.max() + 1, side, "bilinear", align_corners=True)
+    taps = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+    weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4)
+    return (visual.pos_embed(taps) * weights[:, :, None]).sum(1)
 
 
 def patches(pixel_values, size: int, merge: int, frames: int):
@@ -83,7 +115,7 @@ def _in_order(tensor, order, unit: int):
 
 def _attention(attention, hidden, cos, sin, mask):
     """The block's attention over all patches, or (`mask`) within each window."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import apply_rotary_pos_emb_vision  # Qwen 3.5's is the same
 
     count = hidden.shape[0]
     query, key, value = attention.qkv(hidden).reshape(count, 3, attention.num_heads, -1).permute(1, 0, 2, 3).unbind(0)

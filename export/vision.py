@@ -118,7 +118,7 @@ def _gemma3_describe(processor) -> dict:
 
 
 def _qwen2_5_vl_describe(processor) -> dict:
-    """Qwen2.5-VL: each picture resized to whole tokens (a token is `grid` pixels square: patches
+    """Qwen2.5-VL and Qwen 3.5: each picture resized to whole tokens (a token is `grid` pixels square: patches
     merged 2x2) within the processor's pixel bounds, keeping its shape as near as that allows; its
     tokens in the place of the <|image_pad|> the chat template writes, placed by their row and
     column (rotary "3d")."""
@@ -159,6 +159,7 @@ FAMILIES = {
     "gemma3": Family(_gemma3_encode, _gemma3_describe),
     "idefics3": Family(_idefics3_encode, _idefics3_describe),
     "qwen2_5_vl": Family(qwen_vision.encode, _qwen2_5_vl_describe, _qwen2_5_vl_layout),
+    "qwen3_5": Family(qwen_vision.encode_qwen3_5, _qwen2_5_vl_describe, _qwen2_5_vl_layout),
     "smolvlm": Family(_idefics3_encode, _idefics3_describe),
 }
 assert set(FAMILIES) == set(VISION_LANGUAGE), "export/families.py's VISION_LANGUAGE and this table name the same families"
@@ -230,7 +231,8 @@ def _trace_shape(model, described: dict) -> tuple[int, ...]:
     """The pixels to trace with: two squares of the size the encoder takes; or, where a picture
     keeps its own size (`grid`), one picture of a window and a part high, two and a part wide."""
     if "grid" in described:
-        window, grid = model.config.vision_config.window_size, described["grid"]
+        grid = described["grid"]
+        window = getattr(model.config.vision_config, "window_size", 2 * grid)
         return (1, 3, window + grid, 2 * window + grid)
     side = described["tiles"]["size"] if "tiles" in described else described["steps"][-1]["height"]
     return (2, 3, side, side)
@@ -330,13 +332,19 @@ def vision_reference(model, source_path: str) -> VisionReference:
     text = _check_prompt(processor)
     inputs = processor(text=text, images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")
     greedy, past, step = [], None, dict(inputs)
-    with torch.no_grad():
-        for n in range(CHECK_TOKENS):
-            out = model(**step, cache=past, use_cache=True)
-            if n == 0:
-                logits = out.logits[0, -1].float().numpy().copy()
-            greedy.append(int(out.logits[0, -1].argmax()))
-            past, step = out.cache, {"input_ids": torch.tensor([[greedy[-1]]])}
+    try:
+        with torch.no_grad():
+            for n in range(CHECK_TOKENS):
+                out = model(**step, cache=past, use_cache=True)
+                if n == 0:
+                    logits = out.logits[0, -1].float().numpy().copy()
+                greedy.append(int(out.logits[0, -1].argmax()))
+                past, step = out.cache, {"input_ids": torch.tensor([[greedy[-1]]])}
+    finally:
+        # Qwen's models keep the prompt's position shift for the next call, which would shift the
+        # decode positions of the text-only references computed after this one
+        if hasattr(model.model, "rope_deltas"):
+            model.model.rope_deltas = None
     family = FAMILIES[model.config.model_type]
     layout = family.layout(processor) if family.layout else None
     pixels = inputs["pixel_values"].float().numpy()

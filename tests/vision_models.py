@@ -211,6 +211,7 @@ QWEN_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4, "out_hidden_size": 64}
 QWEN2_5_VL_TINY = {
     "text": {
         "hidden_size": 64,
@@ -222,16 +223,32 @@ QWEN2_5_VL_TINY = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     },
     # 4x4 patches merged 2x2: a token is an 8x8 square; windows of 2x2 tokens, the second block's attention whole
-    "vision": {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 4,
-        "window_size": 16,
-        "fullatt_block_indexes": [1],
-        "out_hidden_size": 64,
+    "vision": {**QWEN_VISION, "window_size": 16, "fullatt_block_indexes": [1]},
+    "min_pixels": 8 * 8 * 4,
+    "max_pixels": 96 * 96,
+}
+
+
+QWEN3_5_TINY = {
+    # Qwen 3.5's hybrid: three gated-DeltaNet layers and one of attention, rotary on half of each head
+    "text": {
+        **QWEN2_5_VL_TINY["text"],
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {
+            **QWEN2_5_VL_TINY["text"]["rope_parameters"],
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
     },
+    # 4x4 patches merged 2x2, a learned 4x4 position table resampled to each picture
+    "vision": {**QWEN_VISION, "num_position_embeddings": 16},
     "min_pixels": 8 * 8 * 4,
     "max_pixels": 96 * 96,
 }
@@ -240,15 +257,28 @@ QWEN2_5_VL_TINY = {
 def build_qwen2_5_vl(folder: Path, seed: int = 0, shape: dict = QWEN2_5_VL_TINY):
     """(model, processor) of a Qwen2.5-VL of `shape` with random weights, saved in `folder`: a picture
     resized to whole 8x8 tokens within the pixel bounds, its tokens placed by 3-D rotary positions."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    return _build_qwen(folder, seed, shape, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor)
+
+
+def build_qwen3_5(folder: Path, seed: int = 0, shape: dict = QWEN3_5_TINY):
+    """(model, processor) of a Qwen 3.5 (its vision-language model) of `shape` with random weights,
+    saved in `folder`: pictures as Qwen2.5-VL's, the language model a hybrid of linear attention."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor
+
+    return _build_qwen(folder, seed, shape, Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3VLProcessor)
+
+
+def _build_qwen(folder: Path, seed: int, shape: dict, config_class, model_class, processor_class):
+    import torch
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = QWEN_TEMPLATE
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
     ids = [tokenizer.convert_tokens_to_ids(t) for t in QWEN_TOKENS]
-    config = Qwen2_5_VLConfig(
+    config = config_class(
         text_config={"vocab_size": len(tokenizer), **shape["text"]},
         vision_config=shape["vision"],
         vision_start_token_id=ids[0],
@@ -257,7 +287,7 @@ def build_qwen2_5_vl(folder: Path, seed: int = 0, shape: dict = QWEN2_5_VL_TINY)
         video_token_id=ids[3],
     )
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     images = Qwen2VLImageProcessorPil(
         size={"shortest_edge": shape["min_pixels"], "longest_edge": shape["max_pixels"]},
         patch_size=shape["vision"]["patch_size"],
@@ -267,7 +297,7 @@ def build_qwen2_5_vl(folder: Path, seed: int = 0, shape: dict = QWEN2_5_VL_TINY)
     # saved as a checkpoint has it (the processor's save needs its video processor, which needs torchvision)
     images.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / "processor_config.json").write_text('{"processor_class": "Qwen2_5_VLProcessor"}')
+    (folder / "processor_config.json").write_text(f'{{"processor_class": "{processor_class.__name__}"}}')
     with images_only():
-        processor = Qwen2_5_VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
+        processor = processor_class(image_processor=images, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE)
     return model, processor
