@@ -44,6 +44,14 @@ PATCHES = (
         "sizes are dynamic",
     ),
     Patch(
+        "images_only",
+        "transformers",
+        "5.24",
+        ("tests/test_vision_families.py::test_a_qwen_processor_is_built_without_torchvision_as_transformers_builds_it",),
+        "transformers' processors check each part's class by name, and the video processors' base class exists only "
+        "with torchvision, so Qwen2.5-VL's and Qwen 3.5's processors cannot be built without it",
+    ),
+    Patch(
         "traceable_falcon_alibi",
         "transformers",
         "5.24",
@@ -202,6 +210,31 @@ def constant_repeat_interleave():
             yield
         finally:
             torch.Tensor.repeat_interleave, torch.repeat_interleave = tensor_method, function
+
+
+# --- transformers: a processor without its video processor ----------------------------------------
+
+_PROCESSORS = threading.Lock()  # the patch is process-wide
+
+
+@contextmanager
+def images_only():
+    """Processors built meanwhile may go without their video processor (None): transformers checks
+    each part's class by name, and the video processors' base class exists only with torchvision,
+    which edgeinfer does not install. edgeinfer reads images only; every other part is checked."""
+    from transformers import processing_utils
+
+    with _PROCESSORS:
+        check = processing_utils.ProcessorMixin.check_argument_for_proper_class
+
+        def lenient(self, name, part):
+            return None if name == "video_processor" and part is None else check(self, name, part)
+
+        processing_utils.ProcessorMixin.check_argument_for_proper_class = lenient
+        try:
+            yield
+        finally:
+            processing_utils.ProcessorMixin.check_argument_for_proper_class = check
 
 
 # --- transformers: falcon's ALiBi, traced -----------------------------------------------------------

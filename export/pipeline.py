@@ -54,7 +54,7 @@ from .split import split_export
 from .stream import deferring
 from . import spm_merges
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
-from .vision import check_vision, is_vision, vision_reference, with_vision
+from .vision import VISION_BLOCK, check_vision, is_vision, quantize_vision, vision_reference, with_vision
 
 STAGES = (
     "load",
@@ -562,6 +562,10 @@ def _refined(work: Path, manifest: Manifest, config, references: dict, options: 
         with stage("quantize"):
             done = quantize_graph(work, options.quantization)
             quantization = {**dataclasses.asdict(done), **_quality(work, references.get("quality"), stage, done.method)}
+            if manifest.vision:
+                stage.progress("the vision graph's MatMuls to int8")
+                quantization["vision"] = quantize_vision(work)
+                stage.say(f"vision graph: {quantization['vision']['matmuls']} MatMuls in int8 (blocks of {VISION_BLOCK})")
     if options.graphs == "split":
         with stage("split"):
             manifest, validation["split"] = _split(work, manifest, options, stage)

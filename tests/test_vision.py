@@ -219,3 +219,30 @@ def test_pictures_a_failed_encoding_held_are_let_go(idefics3):
     with pytest.raises(EdgeInferError):
         engine.runner.see([item, wrong])
     assert engine.runner.images.held == 0 and engine.runner.images.kept == 1  # the good one kept, neither held
+
+
+def test_quantize_puts_the_vision_graphs_matmuls_in_int8_and_the_check_records_the_cost(idefics3, tmp_path):
+    """--quantize int4: the language model in int4, the encoder's MatMuls in int8 (MatMulNBits, bits
+    8); its features stay near the fp32 encoder's, and the picture check is recorded, not gated."""
+    import numpy as np
+    import onnx
+
+    from edgeinfer.export import ExportOptions, Quantization, export_model
+    from edgeinfer.sdk.vision import picture
+
+    _, _, fp32 = idefics3
+    export_model(str(fp32.parent / "hf"), tmp_path / "q", ExportOptions(quantization=Quantization("int4"), quality=False))
+    graph = onnx.load(str(tmp_path / "q" / "vision.onnx"), load_external_data=False)
+    nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {8}
+    engine, plain = Engine.load(tmp_path / "q", provider="cpu"), Engine.load(fp32, provider="cpu")
+    assert engine.manifest.quantization["vision"] == {"method": "int8", "block_size": 32, "matmuls": len(nbits)}
+    checked = engine.manifest.validation["vision"]
+    assert checked["ids_equal"] and checked["max_abs_diff_pixels"] < 1e-5
+    item = picture(png(5), engine.manifest.vision)
+    engine.runner.images.add([item])
+    plain.runner.images.add([item])
+    ours, theirs = (e.runner.images._row(item.ids()[0]) for e in (engine, plain))  # the first token's features
+    difference = float(np.abs(ours - theirs).max())
+    assert 0 < difference < 0.05 * float(np.abs(theirs).max())
+    assert len(engine.chat(asked("What is it?", png(5))[0], max_new_tokens=4, ignore_eos=True).token_ids) == 4

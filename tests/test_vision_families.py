@@ -316,6 +316,28 @@ def test_the_pictures_positions_matter_text_positions_alone_would_not_pass_and_c
     assert np.abs(chunked.runner.prefill(chunked.runner.new_batch(), [turn.ids]).numpy()[0, -1] - theirs_logits).max() < 1e-5
 
 
+def test_a_qwen_processor_is_built_without_torchvision_as_transformers_builds_it(qwen_family):
+    """export/vision.py load_processor: without torchvision (as here) transformers cannot load the
+    saved Qwen processor; edgeinfer builds the same class from its image processor and tokenizer
+    (patches.images_only), and it gives the processor's own ids and pixels; the patch is undone after."""
+    from transformers import AutoProcessor, processing_utils
+
+    from edgeinfer.export.vision import load_processor
+
+    model, processor, export = qwen_family
+    folder = export.parent / "hf"
+    with pytest.raises(ImportError, match="Torchvision"):
+        AutoProcessor.from_pretrained(folder)
+    loaded = load_processor(str(folder))
+    assert type(loaded) is type(processor) and loaded.video_processor is None
+    messages = asked("What is it?", png(1))[1]
+    ours, theirs = processed(loaded, messages, [png(1)]), processed(processor, messages, [png(1)])
+    assert ours["input_ids"].tolist() == theirs["input_ids"].tolist() and (ours["pixel_values"] == theirs["pixel_values"]).all()
+    with pytest.raises(AttributeError):  # the class check is transformers' own again
+        type(processor)(image_processor=loaded.image_processor, tokenizer=loaded.tokenizer, video_processor=None)
+    assert processing_utils.ProcessorMixin.check_argument_for_proper_class.__name__ == "check_argument_for_proper_class"
+
+
 def test_info_lists_the_vision_families():
     from click.testing import CliRunner
 
@@ -332,3 +354,22 @@ def test_info_says_pictures_keep_their_shape(qwen_family):
     _, _, export = qwen_family
     text = _pictures_text(Engine.load(export, provider="cpu").manifest.vision)
     assert text.startswith("pictures: read at their own shape, 256 to 9,216 pixels, a token each 8x8 square (vision.onnx)")
+
+
+def test_quantizing_a_qwen_encoder_turns_its_linear_layers_into_int8_matmuls(qwen_family, tmp_path):
+    """Qwen's encoders trace their linear layers as Gemm, which the quantizer does not take: export
+    makes each a MatMul and an Add first, so --quantize reaches them; the features stay near fp32's."""
+    import shutil
+
+    import onnxruntime as ort
+
+    from edgeinfer.export.vision import quantize_vision
+
+    _, _, export = qwen_family
+    copy = shutil.copytree(export, tmp_path / "copy")
+    done = quantize_vision(copy)
+    assert done["method"] == "int8" and done["matmuls"] >= 10  # every linear layer of the two blocks and the merger
+    pixels = np.random.default_rng(0).standard_normal((1, 3, 40, 72)).astype(np.float32)
+    fp32, int8 = (ort.InferenceSession(str(f / "vision.onnx")).run(None, {"pixel_values": pixels})[0] for f in (export, copy))
+    assert fp32.shape == int8.shape == (45, 64)
+    assert 0 < np.abs(fp32 - int8).max() < 0.03 * np.abs(fp32).max()

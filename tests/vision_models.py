@@ -12,7 +12,7 @@ import numpy as np
 
 from conftest import build_tokenizer
 
-from edgeinfer.export.vision import images_only
+from edgeinfer.export.patches import images_only
 
 TOKENS = 8  # greedy tokens compared with transformers'
 
