@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path on a machine with an NVIDIA GPU, from a fresh clone (it has not run on one yet):
 #   bash benchmarks/gpu_check.sh
-# Installs the project, exports SmolLM2 in fp16, runs the CUDA tests (a hybrid model's LinearAttention and
+# Installs the project, exports SmolLM2 in fp16, runs the CUDA tests (pictures through three vision families, a hybrid model's LinearAttention and
 # CausalConvWithState, and a sliding layer's window in a buffer of exactly the window, among them), prints `edgeinfer bench` on
 # CUDA next to the CPU, the host-device copies per decode step (ONNX Runtime's profiler) and where
 # the KV cache lives. It fails, loudly, where CUDA cannot run: it never skips.

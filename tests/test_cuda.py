@@ -127,3 +127,38 @@ def test_cuda_keeps_a_sliding_layers_window_as_the_cpu_does(windowed):
     batch = gpu.runner.new_batch(2, 64)
     name = gpu.manifest.kv.past[0]  # the sliding layer's keys
     assert gpu.manifest.kv.windows[0] > 0 and batch.cache.buffers[name].shape()[2] == gpu.manifest.kv.windows[0]
+
+
+@pytest.fixture(scope="module", params=["idefics3", "gemma3", "qwen2_5_vl"])
+def vision_export(request, tmp_path_factory):
+    """A tiny vision-language export of each kind: SmolVLM's, Gemma 3's (picture blocks, attention
+    as traced) and Qwen2.5-VL's (3-D rotary positions beside GroupQueryAttention)."""
+    import vision_models
+
+    build = getattr(vision_models, f"build_{request.param}")
+    return vision_models.built_and_exported(tmp_path_factory.mktemp(request.param), build)[2]
+
+
+def test_cuda_reads_pictures_as_the_cpu_does(vision_export):
+    """The vision graph on the GPU, its features fed to the language model there: the CPU's tokens,
+    alone and in a batch with a row of text."""
+    from vision_models import asked, png
+
+    from edgeinfer.sdk.chat import chat_turn
+
+    gpu, cpu = Engine.load(vision_export, provider="cuda"), Engine.load(vision_export, provider="cpu")
+    messages = asked("What is in the picture?", png(1), png(2))[0]
+    assert (
+        gpu.chat(messages, max_new_tokens=8, ignore_eos=True).token_ids
+        == cpu.chat(messages, max_new_tokens=8, ignore_eos=True).token_ids
+    )
+    turns = [
+        chat_turn(gpu.tokenizer, gpu.max_context, m, vision=gpu.manifest.vision)
+        for m in (messages, [{"role": "user", "content": "Hi"}])
+    ]
+    for turn in turns:
+        gpu.runner.see(turn.pictures)
+    batched = gpu.generate_batch([turn.ids for turn in turns], max_new_tokens=8, ignore_eos=True)
+    assert [r.token_ids for r in batched] == [
+        cpu.chat(m, max_new_tokens=8, ignore_eos=True).token_ids for m in (messages, [{"role": "user", "content": "Hi"}])
+    ]
