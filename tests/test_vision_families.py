@@ -373,3 +373,16 @@ def test_quantizing_a_qwen_encoder_turns_its_linear_layers_into_int8_matmuls(qwe
     fp32, int8 = (ort.InferenceSession(str(f / "vision.onnx")).run(None, {"pixel_values": pixels})[0] for f in (export, copy))
     assert fp32.shape == int8.shape == (45, 64)
     assert 0 < np.abs(fp32 - int8).max() < 0.03 * np.abs(fp32).max()
+
+
+def test_a_picture_too_long_for_qwen_is_refused_in_sdk_words(qwen):
+    """Qwen's processor refuses a picture more than 200 times as long as it is wide; so does the
+    runtime, before any encoding, with the way out."""
+    from edgeinfer.sdk.errors import SettingsError
+
+    engine = Engine.load(qwen[2], provider="cpu")
+    with pytest.raises(
+        SettingsError, match="a picture of 402 x 2 pixels is more than 200 times as long as it is wide.*crop it"
+    ) as refused:
+        engine.chat(asked("What is it?", png(1, (402, 2)))[0], max_new_tokens=2)
+    assert refused.value.param == "messages" and engine.runner.images.encoded == 0
