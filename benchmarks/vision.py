@@ -10,7 +10,7 @@ exported once:
 - through a real `edgeinfer serve` and the openai client: 8 streaming clients, 2 of them sending a
   new picture with each request, the largest gap between two chunks of every stream, and errors.
 
-    python benchmarks/vision.py WORK [--rounds 5] [--threads N]
+    python benchmarks/vision.py WORK [--rounds 5] [--threads N] [--quantize int8]
 
 WORK keeps the checkpoint and the export between runs. Figures are printed, never asserted.
 """
@@ -45,20 +45,23 @@ def picture(seed: int) -> bytes:
     return out.getvalue()
 
 
-def exported(work: Path) -> Path:
-    """The export of the SmolVLM-256M-shaped checkpoint (made once, kept in WORK)."""
+def exported(work: Path, quantize: str | None = None) -> Path:
+    """The export of the SmolVLM-256M-shaped checkpoint (made once, kept in WORK): fp32, or with
+    `--quantize` (its vision graph's MatMuls then in int8) in WORK/export-QUANTIZE."""
     import torch
     from vision_models import SMOLVLM_256M, build_idefics3
 
-    from edgeinfer.export import export_model
+    from edgeinfer.export import ExportOptions, Quantization, export_model
 
-    if not (work / "export" / "edgeinfer.json").exists():
+    folder = work / (f"export-{quantize}" if quantize else "export")
+    if not (folder / "edgeinfer.json").exists():
         if not (work / "hf" / "config.json").exists():
             build_idefics3(work / "hf", shape=SMOLVLM_256M, dtype=torch.bfloat16)
+        options = ExportOptions(quantization=Quantization(quantize), quality=False) if quantize else ExportOptions()
         start = time.perf_counter()
-        export_model(str(work / "hf"), work / "export", say=lambda line: print("  export:", line, flush=True))
+        export_model(str(work / "hf"), folder, options, say=lambda line: print("  export:", line, flush=True))
         print(f"exported in {time.perf_counter() - start:.0f} s")
-    return work / "export"
+    return folder
 
 
 def first_token_s(engine, messages: list[dict]) -> float:
@@ -151,8 +154,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--quantize", choices=["int4", "int8"], default=None, help="export with --quantize (the encoder in int8)")
     args = parser.parse_args()
-    export = exported(args.work)
+    export = exported(args.work, args.quantize)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}, {args.rounds} rounds, medians (ms):")
     for name, seconds in ttft_rounds(export, args.rounds, args.threads).items():
