@@ -258,8 +258,7 @@ def export_vision_graph(model, family: Family, folder: Path, shape: tuple[int, .
 
 
 # Under --quantize the vision graph's MatMul weights go to int8 whatever the language model's bits:
-# on SmolVLM-256M's encoder (1 thread, a 512x512 picture) int8 encoded 1.27x faster than fp32 with
-# features within 1.7% of their largest, int4 1.14x faster within 17% (docs/benchmarks.md).
+# int4 is slower than int8 on the encoder and far further off (docs/benchmarks.md has the figures).
 VISION_BITS, VISION_BLOCK = 8, 32
 
 

@@ -343,8 +343,7 @@ class ModelRunner:
     def _passes(self, spans: Iterator[tuple[int, int]], prompts: list[list[int]], width: int | None = None):
         """The prefill passes: `spans`, or, where a picture's tokens attend to each other both ways,
         spans joined so that no picture is cut between two passes."""
-        vision = self.manifest.vision
-        if vision and vision.get("attention") == "bidirectional":
+        if self.manifest.vision.get("attention") == "bidirectional":
             return whole_pictures(spans, prompts, width)
         return spans
 

@@ -73,8 +73,9 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 IMAGE_SIDE, PATCH = 48, 8  # the encoder's square; 36 patches, 9 tokens an image after the 2x2 pixel shuffle
+TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 TINY = {
-    "text": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "text": TINY_TEXT,
     "vision": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2},
     "side": IMAGE_SIDE,
     "patch": PATCH,
@@ -150,11 +151,7 @@ GEMMA3_TEMPLATE = (
 GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
 GEMMA3_TINY = {
     "text": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **TINY_TEXT,
         "head_dim": 16,
         "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 24,
@@ -214,11 +211,7 @@ QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 QWEN_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4, "out_hidden_size": 64}
 QWEN2_5_VL_TINY = {
     "text": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **TINY_TEXT,
         "max_position_embeddings": 512,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     },
