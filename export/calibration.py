@@ -86,21 +86,25 @@ def _matmul_inputs(source: Path, target: Path, element: int) -> list[str]:
 
 def window_feeds(graph: Graph, manifest, window: list[int], logits: int = 1) -> dict[str, np.ndarray]:
     """One window from an empty cache, with the logits of its last `logits` positions: a slot cache
-    (written in place) as long as the window, or a growing cache's empty past."""
+    (written in place) as long as the window, or a growing cache's empty past, and zero states."""
     kv = manifest.kv
     feeds = {
         "input_ids": np.array([window], np.int64),
         "attention_mask": np.ones((1, len(window)), np.int64),
-        "position_ids": np.arange(len(window), dtype=np.int64)[None, :],
         "logits_to_keep": np.array(logits, np.int64),
     }
     feeds = {name: value for name, value in feeds.items() if name in graph.inputs}
+    if "position_ids" in graph.inputs:  # [1, sequence], or [3, 1, sequence] for 3-D rotary (text: three equal rows)
+        axes = len(graph.inputs["position_ids"].shape)
+        feeds["position_ids"] = np.broadcast_to(np.arange(len(window), dtype=np.int64), (3,) * (axes - 2) + (1, len(window))).copy()
     if "image_features" in graph.inputs:  # a vision-language model's text windows: no image features
         feeds["image_features"] = np.zeros((0, manifest.vision["hidden_size"]), graph.input_dtype("image_features"))
     length = len(window) if kv.in_place else 0
     dtype = np.float16 if kv.dtype == "float16" else np.float32
     for name in kv.past:
         feeds[name] = np.zeros(buffer_shape(kv, graph.inputs[name].shape, 1, length), dtype)
+    for entry in kv.state:  # linear attention's convolution and recurrent states start at zero
+        feeds[entry["past"]] = np.zeros([1, *entry["shape"]], dtype)
     return feeds
 
 

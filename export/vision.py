@@ -65,7 +65,9 @@ def _idefics3_describe(processor) -> dict:
     images = processor.image_processor
     side = images.max_image_size["longest_edge"]
     steps = [{"op": "longest_edge", "size": images.size["longest_edge"]}] if images.do_resize else []
-    fake, tag = processor.fake_image_token, processor.global_image_tag
+    # Idefics3Processor names the whole picture's tag global_image_tag, SmolVLMProcessor global_image_token
+    tag = processor.global_image_token if hasattr(processor, "global_image_token") else processor.global_image_tag
+    fake = processor.fake_image_token
     whole = f"{fake}{tag}{{image}}{fake}"
     described = {
         "steps": [*steps, {"op": "resize", "height": side, "width": side}],
@@ -181,13 +183,11 @@ def load_processor(source_path: str):
     model_type = AutoConfig.from_pretrained(source_path).model_type
     processor_class = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
     tokenizer = AutoTokenizer.from_pretrained(source_path)
+    parts = {"image_processor": AutoImageProcessor.from_pretrained(source_path), "tokenizer": tokenizer, "video_processor": None}
+    saved, _ = processor_class.get_processor_dict(source_path)  # the processor's own settings (SmolVLM's image_seq_len)
+    saved.setdefault("chat_template", tokenizer.chat_template)
     with images_only():
-        return processor_class(
-            image_processor=AutoImageProcessor.from_pretrained(source_path),
-            tokenizer=tokenizer,
-            video_processor=None,
-            chat_template=tokenizer.chat_template,
-        )
+        return processor_class.from_args_and_dict([parts[name] for name in processor_class.get_attributes()], saved)
 
 
 def is_vision(config) -> bool:
@@ -389,7 +389,11 @@ def vision_reference(model, source_path: str) -> VisionReference:
 def _check_prompt(processor) -> str:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": CHECK_QUESTION}]}]
     if getattr(processor, "chat_template", None):
-        return processor.apply_chat_template(messages, add_generation_prompt=True)
+        from transformers.processing_utils import ProcessorMixin
+
+        # SmolVLMProcessor's own apply_chat_template reads its video processor's frame rate, which a
+        # processor built for images alone has not: the base class renders the same text for images
+        return ProcessorMixin.apply_chat_template(processor, messages, add_generation_prompt=True)
     return processor.image_token + CHECK_QUESTION
 
 

@@ -118,3 +118,46 @@ def test_the_optimizer_fuses_a_hybrid_graphs_norms(hybrid):
     without it the optimizer gives up on the graph's shapes and leaves the norms as ops."""
     fused = Engine.load(hybrid[1], provider="cpu").manifest.validation["fusion"]["fused"]
     assert fused["SkipSimplifiedLayerNormalization"] == 2 * 4 and fused["GroupQueryAttention"] == 1  # two per layer
+
+
+HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "olmo_hybrid", "lfm3"]
+
+
+@pytest.mark.parametrize("name", [n if n == "qwen3_5_text" else pytest.param(n, marks=pytest.mark.slow) for n in HYBRIDS])
+def test_the_default_int4_export_of_every_hybrid_runs_its_calibration_over_zero_states(name, tmp_path):
+    """`edgeinfer export --quantize int4` (GPTQ over the calibration text, --keep-int8 auto's
+    measure) runs the fp32 graph with its convolution and recurrent states fed as zeros: the graphs
+    of linear attention take them as inputs, and an export that left them out stopped there."""
+    from conftest import build_tokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(name)).save_pretrained(tmp_path / "hf")
+    build_tokenizer().save_pretrained(tmp_path / "hf")
+    assert_default_int4_export(tmp_path / "hf", tmp_path / "int4")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("qwen2_5_vl", marks=pytest.mark.slow)])
+def test_the_default_int4_export_of_a_qwen_vision_model_calibrates_with_3d_positions(family, tmp_path):
+    """Qwen's vision-language models take position_ids [3, batch, sequence]: the calibration text
+    goes in as text, its three rows of positions equal (Qwen 3.5's language model is the hybrid)."""
+    import vision_models
+
+    getattr(vision_models, f"build_{family}")(tmp_path / "hf")
+    assert_default_int4_export(tmp_path / "hf", tmp_path / "int4")
+
+
+def assert_default_int4_export(source, out):
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "edgeinfer.cli", "export", str(source), "-o", str(out), "--quantize", "int4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    quality = json.loads((out / "edgeinfer.json").read_text())["quantization"]
+    assert quality["method"] == "int4" and quality["algorithm"] == "gptq"
+    assert quality["keep_int8"] and "auto" not in quality["keep_int8"]  # the modules the measure chose
+    assert quality["top1_agreement"] > 0.6
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    bits = collections.Counter(next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits")
+    assert bits[4] > 0 and bits[8] > 0

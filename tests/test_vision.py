@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from vision_models import TILED, TOKENS, asked, build_idefics3, built_and_exported, png, transformers_tokens
+from vision_models import TILED, TOKENS, asked, build_idefics3, build_smolvlm, built_and_exported, png, transformers_tokens
 
 from edgeinfer import Engine, Scheduler
 from edgeinfer.sdk.chat import chat_turn
@@ -246,3 +246,21 @@ def test_quantize_puts_the_vision_graphs_matmuls_in_int8_and_the_check_records_t
     difference = float(np.abs(ours - theirs).max())
     assert 0 < difference < 0.05 * float(np.abs(theirs).max())
     assert len(engine.chat(asked("What is it?", png(5))[0], max_new_tokens=4, ignore_eos=True).token_ids) == 4
+
+
+@pytest.mark.parametrize("shape", [None, TILED], ids=["whole", "tiled"])
+def test_smolvlm_in_its_own_classes_exports_from_the_command_line_and_gives_transformers_tokens(tmp_path, shape):
+    """SmolVLM's checkpoints are saved as model_type smolvlm with SmolVLMProcessor (not Idefics3's
+    classes): its processor needs num2words (the export extra), names the whole picture's tag
+    global_image_token, and keeps image_seq_len in processor_config.json."""
+    model, processor = build_smolvlm(tmp_path / "hf", **({"shape": shape} if shape else {}))
+    done = _cli("export", str(tmp_path / "hf"), "-o", str(tmp_path / "export"))
+    assert done.returncode == 0, done.stderr
+    assert "prompt ids equal, " in done.stderr and "greedy tokens equal" in done.stderr
+    engine = Engine.load(tmp_path / "export", provider="cpu")
+    assert engine.manifest.architecture == "smolvlm" and engine.manifest.vision["tokens_per_image"] == 9
+    for pictures in ([png(1, (90, 50))], [png(2), png(3)], []):
+        messages, theirs = asked("What is in the picture?", *pictures)
+        ids, tokens = transformers_tokens(model, processor, theirs, pictures)
+        result = engine.chat(messages, max_new_tokens=TOKENS, ignore_eos=True)
+        assert (result.token_ids, result.prompt_tokens) == (tokens, len(ids))

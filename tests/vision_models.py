@@ -6,6 +6,7 @@ transformers."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,10 @@ def transformers_tokens(model, processor, messages: list[dict], images: list[byt
     import torch
     from PIL import Image
 
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    from transformers.processing_utils import ProcessorMixin
+
+    # the base class's template (SmolVLMProcessor's own reads the video processor built without torchvision)
+    text = ProcessorMixin.apply_chat_template(processor, messages, add_generation_prompt=True)
     pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images] or None
     inputs = dict(processor(text=text, images=pictures, return_tensors="pt"))
     tokens, past = [], None
@@ -106,13 +110,23 @@ SMOLVLM_256M = {
 }
 
 
-def build_idefics3(folder: Path, seed: int = 0, shape: dict = TINY, dtype=None):
+def build_idefics3(folder: Path, seed: int = 0, shape: dict = TINY, dtype=None, family: str = "idefics3"):
     """(model, processor) of an Idefics3 (SmolVLM's architecture) of `shape` with random weights,
     saved in `folder` (in `dtype`, a torch dtype, where given): the tiny one by default, images
-    resized to 96 on their longest side then to the encoder's 48x48 square (no tiles)."""
+    resized to 96 on their longest side then to the encoder's 48x48 square (no tiles). `family`
+    "smolvlm": the same model in SmolVLM's own classes (model_type smolvlm, SmolVLMProcessor), as
+    SmolVLM's published checkpoints are saved."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMProcessor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+    classes = {
+        "idefics3": (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, Idefics3ImageProcessorPil),
+        "smolvlm": (SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMProcessor, SmolVLMImageProcessorPil),
+    }
+    config_class, model_class, processor_class, images_class = classes[family]
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE  # the processor's and the tokenizer's: one file in the folder
@@ -122,23 +136,30 @@ def build_idefics3(folder: Path, seed: int = 0, shape: dict = TINY, dtype=None):
     tokenizer.add_tokens([f"<w{i}>" for i in range(max(0, filler))])
     side, patch, scale = shape["side"], shape["patch"], shape["scale"]
     text = {"model_type": "llama", "vocab_size": shape.get("vocab_size", len(tokenizer)), "max_position_embeddings": shape["context"]}
-    config = Idefics3Config(
+    config = config_class(
         text_config={**text, **shape["text"]},
         vision_config={**shape["vision"], "image_size": side, "patch_size": patch},
         scale_factor=scale,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
     )
     torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config).eval()
-    images = Idefics3ImageProcessorPil(
+    model = model_class(config).eval()
+    images = images_class(
         size={"longest_edge": shape["longest_edge"]},
         max_image_size={"longest_edge": side},
         do_image_splitting=shape.get("tiles", False),
     )
     tokens = (side // patch) ** 2 // scale**2
-    processor = Idefics3Processor(images, tokenizer, image_seq_len=tokens, chat_template=CHAT_TEMPLATE)
     (model if dtype is None else model.to(dtype)).save_pretrained(folder)
-    processor.save_pretrained(folder)
+    if family == "smolvlm":  # saved as a checkpoint has it (the processor's save needs its video processor: torchvision)
+        images.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "processor_config.json").write_text(json.dumps({"processor_class": "SmolVLMProcessor", "image_seq_len": tokens}))
+    videos = {"video_processor": None} if family == "smolvlm" else {}
+    with images_only():
+        processor = processor_class(images, tokenizer, image_seq_len=tokens, chat_template=CHAT_TEMPLATE, **videos)
+    if family != "smolvlm":
+        processor.save_pretrained(folder)
     return model, processor
 
 
@@ -162,6 +183,11 @@ GEMMA3_TINY = {
     "patch": 8,
     "tokens": 9,  # 6x6 patches pooled 2x2
 }
+
+
+def build_smolvlm(folder: Path, seed: int = 0, shape: dict = TINY):
+    """(model, processor) of build_idefics3's model in SmolVLM's classes."""
+    return build_idefics3(folder, seed, shape, family="smolvlm")
 
 
 def build_gemma3(folder: Path, seed: int = 0, shape: dict = GEMMA3_TINY):
