@@ -66,7 +66,7 @@ def open_image(source, param: str = "messages", media_type: str | None = None):
     from PIL import Image
 
     if isinstance(source, Image.Image):
-        return _checked_size(source, param).convert("RGB")
+        return _upright(_checked_size(source, param)).convert("RGB")
     data = _image_bytes(source, param)
     try:
         with warnings.catch_warnings():
@@ -76,7 +76,7 @@ def open_image(source, param: str = "messages", media_type: str | None = None):
                 raise SettingsError(f"an image in {image.format} is not taken: send {', '.join(FORMATS)}", param)
             _check_media_type(image, media_type, param)
             _checked_size(image, param).load()
-            return image.convert("RGB")
+            return _upright(image).convert("RGB")
     except SettingsError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -87,6 +87,14 @@ def open_image(source, param: str = "messages", media_type: str | None = None):
         ) from None
     except (OSError, ValueError, SyntaxError) as error:  # Pillow's words for bytes it cannot decode
         raise SettingsError(f"the image cannot be decoded ({error}): send a whole PNG, JPEG, WebP, GIF or BMP file", param) from None
+
+
+def _upright(image):
+    """The image turned as its EXIF orientation says (a phone stores a photo as its sensor read it
+    and tags the turn), before any resizing: transformers' load_image does the same."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(image)
 
 
 def _check_media_type(image, media_type: str | None, param: str) -> None:

@@ -5,11 +5,12 @@ twice encoded once; bad images refused in SDK words."""
 
 from __future__ import annotations
 
+import io
 import threading
 
 import pytest
 
-from vision_models import TILED, TOKENS, asked, build_idefics3, build_smolvlm, built_and_exported, png, transformers_tokens
+from vision_models import TILED, TOKENS, asked, build_idefics3, build_smolvlm, built_and_exported, oriented, png, transformers_tokens
 
 from edgeinfer import Engine, Scheduler
 from edgeinfer.sdk.chat import chat_turn
@@ -121,7 +122,7 @@ def test_run_image_and_chat_image_send_the_picture_with_the_message(idefics3, tm
 
     _, _, export = idefics3
     picture = tmp_path / "p.png"
-    picture.write_bytes(png(4))
+    picture.write_bytes(oriented(png(4), 6))  # a phone photo: read upright, as png(4)
     engine = Engine.load(export, provider="cpu")
     expected = engine.chat(asked("What is it?", png(4))[0], max_new_tokens=6)
     done = _cli(
@@ -175,6 +176,32 @@ def test_tiled_pictures_give_transformers_prompt_and_tokens(tiled, size):
     result = engine.chat(messages, max_new_tokens=TOKENS, ignore_eos=True)
     assert result.token_ids == tokens and result.prompt_tokens == len(ids)
     assert engine.manifest.vision["tiles"]["size"] == 48 and engine.manifest.validation["vision"]["ids_equal"]
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_picture_is_turned_upright_by_its_exif_orientation_before_anything_else(tiled, orientation):
+    """A photo stored turned, with the EXIF orientation (1-8) that turns it back, reads as the upright
+    picture does in transformers: the same pixels, and, a 120x40 picture being two tiles side by
+    side upright and two stacked turned, the same prompt and tokens."""
+    import numpy as np
+
+    from edgeinfer.sdk.vision import picture
+
+    model, processor, export = tiled
+    upright = png(7, (120, 40))
+    stored = oriented(upright, orientation)
+    ids, tokens = transformers_tokens(model, processor, asked("What is it?", upright)[1], [upright])
+    engine = Engine.load(export, provider="cpu")
+    result = engine.chat(asked("What is it?", stored)[0], max_new_tokens=TOKENS, ignore_eos=True)
+    assert (result.token_ids, result.prompt_tokens) == (tokens, len(ids))
+    vision = engine.manifest.vision
+    assert np.array_equal(picture(stored, vision).pixels, picture(upright, vision).pixels)
+    if orientation == 6:  # a phone's JPEG: the tag in its APP1 segment, a PIL image keeping it
+        from PIL import Image
+
+        jpeg = oriented(upright, 6, "JPEG")
+        assert picture(jpeg, vision).pixels.shape == picture(upright, vision).pixels.shape
+        assert np.array_equal(picture(Image.open(io.BytesIO(jpeg)), vision).pixels, picture(jpeg, vision).pixels)
 
 
 def test_info_says_what_a_picture_becomes(idefics3, tiled):

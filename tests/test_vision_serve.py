@@ -7,6 +7,7 @@ wrong type, 4 MB of junk), each answered with a 4xx in the API's own error shape
 from __future__ import annotations
 
 import base64
+import io
 import http.server
 import os
 import signal
@@ -17,7 +18,9 @@ import zlib
 import anthropic
 import httpx
 import openai
+import numpy as np
 import pytest
+from PIL import Image
 
 from test_serve import start
 from test_vision import idefics3, png  # noqa: F401 - idefics3 is a fixture
@@ -94,6 +97,50 @@ def test_anthropic_messages_take_a_base64_image_block(served, expected):
         max_tokens=8,  # greedy: the model's generation config does not sample
     )
     assert reply.content[0].text == expected[0] and reply.usage.input_tokens == expected[1]
+
+
+def test_every_api_turns_a_photo_upright_by_its_exif_orientation(served, idefics3, expected):
+    """png(3) stored turned a quarter (EXIF orientation 6, as phones write it) gets the SDK's reply to
+    png(3) upright through all three APIs, not the reply to its pixels as stored."""
+    from vision_models import oriented
+
+    stored = oriented(png(3), 6)
+    engine = Engine.load(idefics3[2], provider="cpu")
+    unturned = Image.fromarray(np.asarray(Image.open(io.BytesIO(stored)).convert("RGB")))  # the pixels, no tag
+    as_stored = engine.chat(
+        [{"role": "user", "content": [{"type": "image", "image": unturned}, {"type": "text", "text": QUESTION}]}],
+        max_new_tokens=8,
+        temperature=0,
+    )
+    assert as_stored.text != expected[0]  # the test can tell a turned reading from an upright one
+    url = data_url(stored)
+    chat = openai.OpenAI(base_url=f"{served}/v1", api_key="x", max_retries=0)
+    texts = [
+        chat.chat.completions.create(
+            model="vlm",
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}
+            ],
+            max_tokens=8,
+            temperature=0,
+        )
+        .choices[0]
+        .message.content,
+        chat.responses.create(
+            model="vlm",
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": QUESTION}]}],
+            max_output_tokens=8,
+            temperature=0,
+        ).output_text,
+    ]
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(stored).decode()}
+    messages = anthropic.Anthropic(base_url=served, api_key="x", max_retries=0).messages
+    reply = messages.create(
+        model="vlm",
+        messages=[{"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}],
+        max_tokens=8,
+    )
+    assert texts + [reply.content[0].text] == [expected[0]] * 3
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,33 @@ def png(seed: int, size=(70, 41)) -> bytes:
     return out.getvalue()
 
 
+# Pillow's transposes that undo each EXIF orientation's (2-8) as ImageOps.exif_transpose applies it
+_STORED = {
+    2: "FLIP_LEFT_RIGHT",
+    3: "ROTATE_180",
+    4: "FLIP_TOP_BOTTOM",
+    5: "TRANSPOSE",
+    6: "ROTATE_90",
+    7: "TRANSVERSE",
+    8: "ROTATE_270",
+}
+
+
+def oriented(upright: bytes, orientation: int, format: str = "PNG") -> bytes:
+    """`upright` stored as a camera stores it: its pixels turned, and the EXIF orientation tag
+    (1-8) that says how to turn them back."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(upright))
+    if orientation != 1:
+        image = image.transpose(getattr(Image.Transpose, _STORED[orientation]))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    image.save(out, format=format, exif=exif.tobytes())
+    return out.getvalue()
+
+
 def transformers_tokens(model, processor, messages: list[dict], images: list[bytes]) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of transformers' processor and model: forward passes with its
     own cache, the largest logit each step (TOKENS of them, EOS or not)."""
