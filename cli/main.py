@@ -33,14 +33,6 @@ def cli(debug, verbose):
     # --debug and --verbose are read by main(): errors in one line, other libraries quiet, unless given.
 
 
-def _parsed(arguments: str):
-    """A call's arguments as JSON, or as their text where max_new_tokens cut them short."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
-
-
 @cli.command()
 @model_argument
 @click.option("-o", "--output", required=True, type=click.Path(), help="Folder to write the export to.")
@@ -362,7 +354,9 @@ def _run_with_tools(engine, messages: list[dict], tools_file: str, asked: tuple,
     if result.text:
         click.echo(result.text)
     for call in result.tool_calls:
-        click.echo(json.dumps({"name": call.name, "arguments": _parsed(call.arguments)}, ensure_ascii=False))
+        click.echo(json.dumps({"name": call.name, "arguments": json.loads(call.arguments)}, ensure_ascii=False))
+    if result.cut_tool_call is not None:
+        say(f"the reply ended inside a call to {result.cut_tool_call.name}, not printed: give a larger --max-new-tokens")
     say(f"finish: {result.finish_reason}, tool format: {result.tool_format}")
 
 

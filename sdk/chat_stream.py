@@ -104,13 +104,15 @@ class ChatStream:
         if self.plan is None:
             return replace(result, text=text, reasoning=reasoning, reasoning_tokens=self.reasoning_tokens)
         calls = self.calls.tool_calls if self.calls is not None else []
-        reason = "tool_calls" if calls and result.finish_reason != "length" else result.finish_reason
+        cut = self.calls.cut_call if self.calls is not None else None
+        reason = "tool_calls" if calls and not cut and result.finish_reason != "length" else result.finish_reason
         return replace(
             result,
             text=text,
             reasoning=reasoning,
             reasoning_tokens=self.reasoning_tokens,
             tool_calls=calls,
+            cut_tool_call=cut,
             finish_reason=reason,
             tool_format=self.plan.format.name,
         )

@@ -213,7 +213,7 @@ class Engine:
         *,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool = False,
         chat_template_kwargs: dict | None = None,
         **settings,
     ) -> GenerationResult:
@@ -240,7 +240,7 @@ class Engine:
         *,
         tools: list[dict] | None = None,
         tool_choice: str | dict | None = None,
-        parallel_tool_calls: bool = True,
+        parallel_tool_calls: bool = False,
         chat_template_kwargs: dict | None = None,
         **settings,
     ) -> Iterator[ChatDelta]:

@@ -64,7 +64,8 @@ class GenerationResult:
     accepted_tokens: int | None = None
     cached_tokens: int = 0
     image_tokens: int = 0
-    tool_calls: list | None = None  # chat with tools: the ToolCalls made (tools.py); None without tools
+    tool_calls: list | None = None  # chat with tools: the whole ToolCalls made (tools.py); None without tools
+    cut_tool_call: object | None = None  # chat with tools: the call the reply ended inside (a ToolCall as far as it came)
     tool_format: str | None = None  # chat with tools: "generic", or "template" (read off the chat template)
     reasoning: str | None = None  # a reasoning model's thinking (reasoning.py), split from `text`
     reasoning_tokens: int = 0  # chat: the tokens generated while the thought was open

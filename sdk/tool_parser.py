@@ -53,6 +53,7 @@ class _Call:
     id: str
     name: str
     arguments: list[str] = field(default_factory=list)
+    whole: bool = False  # its syntax's reader reached its end
 
 
 class CallParser:
@@ -91,7 +92,14 @@ class CallParser:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return [ToolCall(c.id, c.name, "".join(c.arguments)) for c in self.calls]
+        """The whole calls: a call cut by the end of the reply (`cut_call`) is not one."""
+        return [ToolCall(c.id, c.name, "".join(c.arguments)) for c in self.calls if c.whole]
+
+    @property
+    def cut_call(self) -> ToolCall | None:
+        """The call the reply ended inside (max_new_tokens or a stop string came first), as far as it came."""
+        last = self.calls[-1] if self.calls else None
+        return None if last is None or last.whole else ToolCall(last.id, last.name, "".join(last.arguments))
 
     def _opening(self, parts: list[Part]) -> None:
         """Text state: say what cannot be the marker's start; at the marker, go on to the calls."""
@@ -154,6 +162,8 @@ class CallParser:
                 continue
             for event in self.reader.feed(c):
                 self._said(event, parts)
+            if self.reader.done and self.calls:
+                self.calls[-1].whole = True
             if self.reader.done or self.reader.broken:
                 self.reader = None
 

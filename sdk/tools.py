@@ -88,7 +88,7 @@ class ToolRequest:
         return [t for t in self.tools if t["function"]["name"] == self.choice]
 
 
-def tool_request(tools, tool_choice=None, parallel_tool_calls: bool = True) -> ToolRequest:
+def tool_request(tools, tool_choice=None, parallel_tool_calls: bool = False) -> ToolRequest:
     """`tools` (a list of {"type": "function", "function": {"name", "description", "parameters"}})
     and `tool_choice` ("auto", "none", "required", or {"type": "function", "function": {"name": ...}})
     checked, or a SettingsError naming the one at fault."""

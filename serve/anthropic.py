@@ -229,7 +229,9 @@ class MessagesRequest(_Strict):
             "type": "function",
             "function": {"name": choice.name},
         }
-        return tool_request([t.as_openai() for t in self.tools], chosen, not choice.disable_parallel_tool_use)
+        return tool_request(
+            [t.as_openai() for t in self.tools], chosen, choice.disable_parallel_tool_use is False
+        )  # several only when asked
 
 
 class MessagesReply:
@@ -272,7 +274,7 @@ class MessagesReply:
         """The last events: the open block stopped (an empty text block where the turn said
         nothing), then the stop reason and usage."""
         out = self._stop()
-        if not result.text and not result.tool_calls:
+        if not result.text and not result.tool_calls and result.cut_tool_call is None:
             out += self._start("text") + self._stop()
         ending = {"type": "message_delta", "delta": self._ending(result), "usage": {"output_tokens": len(result.token_ids)}}
         return [*out, ("message_delta", ending), ("message_stop", {"type": "message_stop"})]
@@ -304,7 +306,11 @@ class MessagesReply:
     def _ending(self, result: GenerationResult) -> dict:
         reason = STOP_REASONS[result.finish_reason]
         said = self.decode(result.token_ids)[len(result.text) :] if reason == "stop_sequence" else ""
-        return {"stop_reason": reason, "stop_sequence": next((s for s in self.stops if said.startswith(s)), None) if said else None}
+        ending = {"stop_reason": reason, "stop_sequence": next((s for s in self.stops if said.startswith(s)), None) if said else None}
+        cut = result.cut_tool_call  # the tool use the reply ended inside: no tool_use block of the whole message
+        if cut is not None:
+            ending["cut_tool_use"] = {"id": _tool_use_id(cut.id), "name": cut.name, "partial_json": cut.arguments}
+        return ending
 
 
 def usage(prompt_tokens: int, result: GenerationResult | None = None) -> dict:
@@ -333,7 +339,7 @@ def _tool_use_id(call_id: str) -> str:
 
 
 def _input(arguments: str) -> dict:
-    """A call's arguments as a tool_use block's input: {} where they were cut short (max_tokens)."""
+    """A whole call's arguments as a tool_use block's input."""
     try:
         value = json.loads(arguments)
     except ValueError:

@@ -310,7 +310,7 @@ class ChatRequest(_Request):
             if self.tool_choice is not None:
                 raise RequestError("tool_choice needs tools: send the tools it chooses from", "tool_choice")
             return None
-        return tool_request(self.tools, self.tool_choice, True if self.parallel_tool_calls is None else self.parallel_tool_calls)
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls is True)  # several calls only when asked
 
     def logprob_settings(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:
@@ -384,6 +384,14 @@ def _message(result: GenerationResult) -> dict:
     return message if result.reasoning is None else {**message, "reasoning_content": result.reasoning}
 
 
+def _cut(result: GenerationResult) -> dict:
+    """A choice that ended inside a tool call says so, beside finish_reason "length" (or "stop"): the
+    call (its index in the stream, id, name and arguments as far as they came) is not among its
+    tool_calls, which hold whole calls only."""
+    cut = result.cut_tool_call
+    return {} if cut is None else {"cut_tool_call": {"index": len(result.tool_calls or []), **cut.as_openai()}}
+
+
 def _delta_of(part: Part) -> dict:
     if isinstance(part, Said):
         return {"content" if part.kind == "text" else "reasoning_content": part.text}
@@ -428,6 +436,7 @@ class Reply:
         choices = [
             {"index": index, "finish_reason": FINISH[result.finish_reason], "logprobs": self._logprobs(result.logprobs, index)}
             | self._output(result)
+            | _cut(result)
             for index, result in enumerate(results)
         ]
         return {**self._head(self.OBJECT), "choices": choices, "usage": self.usage(results)}
@@ -445,7 +454,9 @@ class Reply:
         return [(None, self._chunk(index, self._said(piece.text), None, logprobs))]
 
     def closing(self, index: int, result: GenerationResult) -> list[Event]:
-        return [(None, self._chunk(index, self._said(None), FINISH[result.finish_reason]))]
+        last = self._chunk(index, self._said(None), FINISH[result.finish_reason])
+        last["choices"][0] |= _cut(result)
+        return [(None, last)]
 
     def ending(self, results: list[GenerationResult]) -> list[Event]:
         usage = {**self._head(self.CHUNK_OBJECT), "choices": [], "usage": self.usage(results)}

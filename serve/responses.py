@@ -215,8 +215,7 @@ class ResponsesRequest(_Strict):
                     "tool_choice",
                 )
             choice = {"type": "function", "function": {"name": choice["name"]}}
-        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
-        return tool_request([t.as_chat() for t in self.tools], choice, parallel)
+        return tool_request([t.as_chat() for t in self.tools], choice, self.parallel_tool_calls is True)  # several only when asked
 
 
 def conversation(instructions: str | None, items: list[dict]) -> list[dict]:
@@ -383,7 +382,9 @@ class ResponsesReply:
         items = [] if result.reasoning is None else [self._reasoning_item(result.reasoning)]
         if result.text or not result.tool_calls:
             items.append(self._message_item(result.text))
-        return items + [_call_item(call.id, call.name, call.arguments) for call in result.tool_calls or []]
+        calls = [_call_item(call.id, call.name, call.arguments) for call in result.tool_calls or []]
+        cut = result.cut_tool_call  # the call the reply ended inside: an item of status "incomplete"
+        return items + calls + ([] if cut is None else [_call_item(cut.id, cut.name, cut.arguments, "incomplete")])
 
     def _reasoning_item(self, text: str, status: str = "completed") -> dict:
         content = [{"type": "reasoning_text", "text": text}]
@@ -416,7 +417,7 @@ class ResponsesReply:
             "model": self.model,
             "instructions": self.request.instructions,
             "output": [] if result is None else self.output(result),
-            "parallel_tool_calls": self.request.parallel_tool_calls is not False,
+            "parallel_tool_calls": self.request.parallel_tool_calls is True,
             "tool_choice": self.request.tool_choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in self.request.tools or []],
             "temperature": self.request.temperature,
@@ -465,8 +466,8 @@ class ResponsesReply:
     def closing(self, index: int, result: GenerationResult) -> list[Event]:
         """The last events: the open item closed (an empty message where the turn said nothing), then
         response.completed (or .incomplete) with the whole response (kept where the request asks)."""
-        out = self._close()
-        if not result.text and not result.tool_calls:
+        out = self._close(cut=result.cut_tool_call is not None)
+        if not result.text and not result.tool_calls and result.cut_tool_call is None:
             out += self._open("message") + self._close()
         whole = self._kept(self.response(result))
         return [*out, self.event("response.completed" if whole["status"] == "completed" else "response.incomplete", response=whole)]
@@ -498,12 +499,15 @@ class ResponsesReply:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=empty))
         return out
 
-    def _close(self) -> list[Event]:
+    def _close(self, cut: bool = False) -> list[Event]:
+        """The open item's closing events; `cut`: the reply ended inside it, a call left incomplete."""
         if self.open is None:
             return []
         opened, self.open = self.open, None
         where, text = {"item_id": opened["id"], "output_index": opened["index"]}, opened["text"]
-        if opened["kind"] == "function_call":
+        if opened["kind"] == "function_call" and cut:
+            item, done = _call_item(opened["call_id"], opened["name"], text, "incomplete"), []
+        elif opened["kind"] == "function_call":
             item = _call_item(opened["call_id"], opened["name"], text)
             done = [self.event("response.function_call_arguments.done", **where, arguments=text)]
         else:
@@ -518,14 +522,14 @@ class ResponsesReply:
         return [*done, self.event("response.output_item.done", output_index=opened["index"], item=item)]
 
 
-def _call_item(call_id: str, name: str, arguments: str) -> dict:
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {
         "type": "function_call",
         "id": "fc_" + call_id.removeprefix("call_"),
         "call_id": call_id,
         "name": name,
         "arguments": arguments,
-        "status": "completed",
+        "status": status,
     }
 
 
@@ -548,7 +552,7 @@ def output_items(reply: dict) -> list[dict]:
     for item in reply["output"]:
         if item["type"] == "message":
             items.append({"type": "message", "role": "assistant", "content": item["content"][0]["text"]})
-        elif item["type"] == "function_call":
+        elif item["type"] == "function_call" and item["status"] == "completed":  # a cut call is no call to answer
             items.append({k: item[k] for k in ("type", "call_id", "name", "arguments")})
     return items
 

@@ -256,3 +256,22 @@ def test_the_split_layout_of_the_real_model_equals_transformers(first_run, refer
 def test_the_default_model_calls_a_tool_in_the_generic_format(engine):
     assert engine.chat([{"role": "user", "content": "Hi"}], tools=[WEATHER_TOOL], max_new_tokens=40).tool_format == "generic"
     assert_answers_a_weather_question_with_a_valid_call(engine)
+
+
+def test_the_readmes_python_example_runs_as_written_and_prints_one_valid_call(first_run):
+    """README's "In Python" block, as a new user pastes it after the quick start (the default model
+    in the cache): it runs, and its last line prints one forced call, valid for its tool's schema."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    cache, _ = first_run
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"## In Python\n\n```python\n(.*?)```", readme, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", code], env=offline_env(cache), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    calls = re.findall(r"ToolCall\(id='call_\w+', name='get_weather', arguments='(.*?)'\)", done.stdout.splitlines()[-1])
+    assert len(calls) == 1, done.stdout
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    jsonschema.validate(json.loads(calls[0]), city)

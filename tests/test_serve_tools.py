@@ -36,7 +36,7 @@ def tool_export(root, template: str | None):
 def served(request, tmp_path_factory):
     export = tool_export(tmp_path_factory.mktemp(f"serve-tools-{request.param}"), HERMES if request.param == "hermes" else None)
     process, url = start(export, "--provider", "cpu", "--max-batch", "2")
-    yield request.param, url, export.name, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    yield request.param, url, export.name, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), export
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=30)
 
@@ -47,7 +47,7 @@ def validate(call):
 
 
 def test_a_required_call_comes_back_in_openais_shape(served):
-    _, _, model, client = served
+    _, _, model, client, _ = served
     for seed in range(5):
         reply = client.chat.completions.create(
             model=model,
@@ -67,7 +67,7 @@ def test_a_required_call_comes_back_in_openais_shape(served):
 
 
 def test_the_stream_helper_accumulates_the_same_calls(served):
-    _, _, model, client = served
+    _, _, model, client, _ = served
     asked = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=7, max_tokens=200)
     asked["tool_choice"] = {"type": "function", "function": {"name": "add"}}
     whole = client.chat.completions.create(**asked).choices[0].message.tool_calls
@@ -91,7 +91,7 @@ def test_the_stream_helper_accumulates_the_same_calls(served):
 def test_calls_as_rows_of_one_batch_each_validate_whole_and_streamed(served):
     """n choices run as rows of the scheduler's batch (--max-batch 2), each held to its own grammar
     and read by its own parser, whole and streamed."""
-    _, _, model, client = served
+    _, _, model, client, _ = served
     asked = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0)
     reply = client.chat.completions.create(**asked, n=6, seed=11, max_tokens=200)
     assert len(reply.choices) == 6 and len({c.message.tool_calls[0].function.arguments for c in reply.choices}) > 1
@@ -111,7 +111,7 @@ def test_calls_as_rows_of_one_batch_each_validate_whole_and_streamed(served):
 
 
 def test_a_tool_result_turn_is_answered(served):
-    _, _, model, client = served
+    _, _, model, client, _ = served
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
     history = [
         *ASK,
@@ -120,6 +120,58 @@ def test_a_tool_result_turn_is_answered(served):
     ]
     reply = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8)
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_call_cut_by_the_token_limit_is_no_call_and_every_api_says_so(served):
+    """max_tokens that ends the reply inside the forced call (its name whole, its arguments not):
+    no call is returned as one; the reply ends with the APIs' "length" and says which call was cut,
+    whole and streamed: chat completions' choice `cut_tool_call`, Responses' function_call item of
+    status "incomplete", Messages' `cut_tool_use` (and no tool_use block in the whole message)."""
+    import anthropic
+
+    from edgeinfer import Engine
+
+    _, url, model, client, export = served
+    engine = Engine.load(export, provider="cpu")
+    asked = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    budget, cut = next(
+        (n, r.cut_tool_call)
+        for n in range(40, 90, 4)
+        if not (r := engine.chat(ASK, max_new_tokens=n, **asked)).tool_calls and r.cut_tool_call and len(r.cut_tool_call.arguments) > 2
+    )
+    assert cut.name == "get_weather" and cut.arguments and engine.chat(ASK, max_new_tokens=budget, **asked).finish_reason == "length"
+    chat = dict(model=model, messages=ASK, max_tokens=budget, **asked)
+    choice = client.chat.completions.create(**chat).choices[0]
+    assert (choice.finish_reason, choice.message.tool_calls) == ("length", None)
+    said = choice.model_extra["cut_tool_call"]
+    assert (said["index"], said["function"]["name"], said["function"]["arguments"]) == (0, "get_weather", cut.arguments)
+    chunks = [c for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].model_extra["cut_tool_call"]["function"]["arguments"] == cut.arguments
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    responses = dict(model=model, input=ASK[0]["content"], tools=flat, tool_choice={"type": "function", "name": "get_weather"})
+    response = client.responses.create(**responses, max_output_tokens=budget, temperature=0)
+    assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert [(i.type, i.status, i.arguments) for i in response.output if i.type == "function_call"] == [
+        ("function_call", "incomplete", cut.arguments)
+    ]
+    events = list(client.responses.create(**responses, max_output_tokens=budget, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete" and not any(e.type == "response.function_call_arguments.done" for e in events)
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(i.status, i.arguments) for i in done] == [("incomplete", cut.arguments)]
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    messages = dict(model=model, messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=budget)
+    message = claude.messages.create(**messages, extra_body={"temperature": 0})
+    assert message.stop_reason == "max_tokens" and not [b for b in message.content if b.type == "tool_use"]
+    assert message.model_extra["cut_tool_use"] == {
+        "id": "toolu_" + message.model_extra["cut_tool_use"]["id"][6:],
+        "name": "get_weather",
+        "partial_json": cut.arguments,
+    }
+    with claude.messages.stream(**messages, extra_body={"temperature": 0}) as stream:
+        ending = [e for e in stream if e.type == "message_delta"][-1]
+    assert ending.delta.stop_reason == "max_tokens" and ending.delta.model_extra["cut_tool_use"]["partial_json"] == cut.arguments
 
 
 @pytest.mark.parametrize(
@@ -132,7 +184,7 @@ def test_a_tool_result_turn_is_answered(served):
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_field(served, asked, param):
-    _, url, model, _ = served
+    _, url, model, _, _ = served
     response = httpx.post(f"{url}/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": 4, **asked})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()

@@ -10,7 +10,7 @@ import pytest
 
 from edgeinfer import Engine
 from edgeinfer.sdk.errors import SettingsError
-from edgeinfer.sdk.tool_parser import parse_calls
+from edgeinfer.sdk.tool_parser import CallParser, parse_calls
 from edgeinfer.sdk.tools import GENERIC, ToolFormat, tool_format
 
 from conftest import CHATML, EOS_ID, build_llama, build_tokenizer
@@ -167,16 +167,20 @@ def test_required_calls_parse_and_validate_for_every_seed(with_template, templat
 )
 def test_parallel_calls_that_end_are_each_valid(with_template, template):
     """With parallel calls a random model may keep calling until the budget ends the turn ("length":
-    the calls made so far, the last one cut short); every turn that ends by itself holds one or
-    more valid calls."""
+    the whole calls made so far, each valid; the one it ended inside is `cut_tool_call`); every turn
+    that ends by itself holds one or more valid calls."""
     engine = with_template(template)
     ended = 0
     for seed in range(10):
-        result = engine.chat(ASK, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_new_tokens=200)
+        result = engine.chat(
+            ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True, temperature=1.0, seed=seed, max_new_tokens=200
+        )
         if result.finish_reason == "length":
-            for call in result.tool_calls[:-1]:
+            for call in result.tool_calls:
                 validate(call)
+            assert result.cut_tool_call is None or result.cut_tool_call.id not in {c.id for c in result.tool_calls}
             continue
+        assert result.cut_tool_call is None
         ended += 1
         assert result.finish_reason == "tool_calls" and result.tool_calls
         for call in result.tool_calls:
@@ -203,9 +207,9 @@ def test_auto_on_the_generic_format_is_a_reply_or_valid_calls(with_template):
     kinds = set()
     for seed in range(12):
         result = engine.chat(ASK, tools=TOOLS, temperature=1.0, seed=seed, max_new_tokens=200)
-        if result.finish_reason == "length":  # cut short: the calls so far, the last one perhaps cut
+        if result.finish_reason == "length":  # cut short: the whole calls so far, the one it ended inside left out
             assert result.text == "" or not result.tool_calls
-            for call in result.tool_calls[:-1]:
+            for call in result.tool_calls:
                 validate(call)
         elif result.tool_calls:
             kinds.add("call")
@@ -297,12 +301,19 @@ def test_calls_parse_out_of_each_format(format, text, content, calls):
     assert len({c.id for c in got}) == len(got)
 
 
-def test_a_call_cut_short_keeps_its_name_and_its_arguments_so_far():
-    """As a stream would have sent them: the name once whole, the arguments as far as they came."""
-    content, calls = parse_calls(
-        'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b', ToolFormat("template", "<tool_call>\n")
-    )
-    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b')]
+def test_a_call_cut_short_is_no_call_and_the_parser_says_how_far_it_came():
+    """A call the reply ended inside is not among the calls (its arguments are no JSON); `cut_call`
+    has it as a stream would have sent it: the name once whole, the arguments as far as they came."""
+    text = 'Sure. <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b'
+    content, calls = parse_calls(text, ToolFormat("template", "<tool_call>\n", "\n</tool_call>", "\n"))
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1}')]
+    parser = CallParser(ToolFormat("template", "<tool_call>\n", "\n</tool_call>", "\n"))
+    parser.feed(text)
+    parser.finish()
+    assert (parser.cut_call.name, parser.cut_call.arguments) == ("add", '{"a": 1, "b')
+    parser = CallParser(ToolFormat("template", "<tool_call>\n", "\n</tool_call>", "\n"))
+    parser.feed(text[: text.index("\n<tool_call>", 20)])
+    assert parser.cut_call is None and len(parser.tool_calls) == 1  # a whole call, the closing marker not yet come
     content, calls = parse_calls('{"arguments": {"a": 2}, "name": "add"}', ToolFormat("template", arguments_key="arguments"))
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 2}')]  # arguments before the name
     content, calls = parse_calls('{"name": "now"}', ToolFormat("template"))
@@ -484,7 +495,7 @@ def test_a_results_tool_calls_go_back_into_the_conversation_as_they_came(with_te
     from edgeinfer.sdk.tools import tool_request
 
     engine = with_template(HERMES)
-    first = engine.chat(ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=80)
+    first = engine.chat(ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_new_tokens=160)
     assert len(first.tool_calls) == 1
     answer = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "18 C, sunny"}
     sent = [*ASK, {"role": "assistant", "content": first.text, "tool_calls": first.tool_calls}, answer]
