@@ -24,7 +24,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeinfer import __version__
-from edgeinfer.sdk.errors import EdgeInferError
+from edgeinfer.sdk.errors import ContextLengthError, EdgeInferError
 from edgeinfer.sdk.chat import ChatTurn, chat_turn, closed_text
 from edgeinfer.sdk.chat_stream import ChatStream
 from edgeinfer.sdk.sequence import GenerationResult, Piece
@@ -280,7 +280,11 @@ def _add_llama_routes(app: FastAPI, routes: _Routes) -> None:
         if body.messages is not None:
             ids = (await routes.rendered(backend, body, body.conversation(), template_variables(body.chat_template_kwargs)))[1]
         else:
-            ids = await _in_thread(backend.tokenizer.encode, body.content or body.prompt or "", body.adds_special)
+            text, field = (body.content, "content") if body.content is not None else (body.prompt, "prompt")
+            try:  # refused before it is encoded where it cannot fit the context, as the other counting routes refuse it
+                ids = await _in_thread(backend.tokenizer.encode_within, text, backend.max_context, body.adds_special)
+            except ContextLengthError as error:
+                raise RequestError(str(error), field, code="context_length_exceeded") from None
         return llama.tokens_reply(ids, backend.tokenizer.token_bytes, backend.max_context, body.with_pieces)
 
     @app.post("/detokenize", openapi_extra=_body_of(llama.DetokenizeRequest))

@@ -193,6 +193,51 @@ def test_a_huge_prompt_beside_a_stream_does_not_stall_it(long_export):
         process.wait(timeout=30)
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), MiB."""
+    line = next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_every_route_that_reads_text_refuses_what_the_context_cannot_hold_and_memory_comes_back(tiny_llama):
+    """3.9 MB of text to each route that reads text (the counting routes and llama.cpp's /tokenize
+    among them): a 400 in the API's shape naming the field, before any encoding; three at once to
+    /tokenize, then the server's resident memory stays within 100 MiB of what it was."""
+    import concurrent.futures
+
+    process, url = start(tiny_llama[1], "--provider", "cpu")
+    text = "Edge boxes run small models. " * 135000
+    asked = {"model": tiny_llama[1].name}
+    try:
+        for path, body, param in (
+            ("/tokenize", {"content": text}, "content"),
+            ("/tokenize", {"prompt": text}, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages"),
+            ("/apply-template", {"messages": [{"role": "user", "content": text}]}, "messages"),
+            ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": text}]}, "messages"),
+            ("/v1/responses/input_tokens", {"input": text}, "input"),
+            ("/v1/completions", {"prompt": text, "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}, "messages"),
+            ("/v1/responses", {"input": text, "max_output_tokens": 2}, "input"),
+            ("/v1/messages", {"messages": [{"role": "user", "content": text}], "max_tokens": 2}, "messages"),
+        ):
+            refused = httpx.post(f"{url}{path}", json={**asked, **body}, timeout=60)
+            assert refused.status_code == 400, (path, refused.text)
+            error = refused.json()["error"]
+            assert (error["code"] if "code" in error else error["type"]) in ("context_length_exceeded", "invalid_request_error"), error
+            assert "the context is 256" in error["message"] and (error.get("param") in (param, None)), (path, error)
+        before = rss_mib(process.pid)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: httpx.post(f"{url}/tokenize", json={"content": text}, timeout=60), range(3)))
+        assert [a.status_code for a in answers] == [400] * 3
+        time.sleep(1)
+        assert rss_mib(process.pid) < before + 100, (before, rss_mib(process.pid))
+        assert httpx.post(f"{url}/tokenize", json={"content": "Hello"}, timeout=60).json()["tokens"]  # and it goes on
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def test_metrics_keep_their_size_whatever_paths_are_asked_and_need_their_key(server):
     url = server[0]
     assert httpx.get(f"{url}/metrics").status_code == 401  # --metrics-key
