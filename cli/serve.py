@@ -111,7 +111,14 @@ from .resolve import load_engine, resolve_export, say
 @click.option(
     "--allow-image-urls",
     is_flag=True,
-    help="Fetch the http(s) image URLs requests name (by default only data: URLs are taken: the box fetches nothing a client names).",
+    help="Fetch the http(s) image URLs requests name from public addresses (by default only data: URLs are taken: the box "
+    "fetches nothing a client names).",
+)
+@click.option(
+    "--allowed-image-domains",
+    default=None,
+    metavar="HOST,...",
+    help="Fetch image URLs from these hosts (and their subdomains) only, wherever they resolve (an intranet store included).",
 )
 @click.option(
     "--responses-store",
@@ -171,6 +178,7 @@ def serve(
     chat_template,
     no_ui,
     allow_image_urls,
+    allowed_image_domains,
     store_count,
     store_mib,
     store_ttl,
@@ -185,7 +193,15 @@ def serve(
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
     store = (store_count, store_mib * 2**20, None if store_ttl < 0 else store_ttl)
     options = _server_options(
-        api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui, store, allow_image_urls
+        api_key,
+        metrics_key,
+        cors_origins,
+        header_timeout,
+        body_timeout,
+        grace,
+        not no_ui,
+        store,
+        (allow_image_urls, allowed_image_domains),
     )
     from edgeinfer.serve import run_server
 
@@ -351,9 +367,12 @@ def _pool(served: dict[str, Path], settings: _PoolSettings):
     return PooledModels(pool, settings.engine["max_context"])
 
 
-def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True, store=None, image_urls=False):
+def _server_options(
+    api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, ui=True, store=None, image_urls=(False, None)
+):
     """The server's options, once the serve extra is known to be installed and the flags are sound;
-    `store`: the Responses store's (count, bytes, ttl or None)."""
+    `store`: the Responses store's (count, bytes, ttl or None); `image_urls`: --allow-image-urls
+    and --allowed-image-domains."""
     try:
         from edgeinfer.serve import ServerOptions
         from edgeinfer.serve.responses import StoreLimits
@@ -362,7 +381,33 @@ def _server_options(api_key, metrics_key, cors_origins, header_timeout, body_tim
     _check_keys(api_key, metrics_key)
     _check_origins(cors_origins)
     limits = StoreLimits() if store is None else StoreLimits(*store)
-    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui, limits, image_urls)
+    allowed, domains = image_urls[0], _domains(image_urls[1])
+    return ServerOptions(api_key, metrics_key, tuple(cors_origins), header_timeout, body_timeout, grace, ui, limits, allowed, domains)
+
+
+def _domains(text: str | None) -> tuple[str, ...]:
+    """--allowed-image-domains as hosts: names or IP addresses, comma-separated, no scheme or port."""
+    if text is None:
+        return ()
+    hosts = tuple(h.strip().lower().strip(".").strip("[]") for h in text.split(","))
+    for host in hosts:
+        if not host or any(c in host for c in "/@ ") or (":" in host and not _is_address(host)):
+            raise click.BadParameter(
+                f"{host!r} is not a host: give names or addresses, comma-separated, without scheme or port "
+                "(images.example.com,10.0.0.5)",
+                param_hint="--allowed-image-domains",
+            )
+    return hosts
+
+
+def _is_address(text: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_keys(api_key: str | None, metrics_key: str | None) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .constraints import JSON_DEFAULTS
 from .errors import SettingsError
 from .tool_syntax import SYNTAXES
-from .tool_syntax.schema import call_schema, lifted
+from .tool_syntax.schema import call_schema, dangling_ref, lifted
 
 GENERIC = "generic"
 _PROBE_NAME, _PROBE_ARGUMENTS = "edgeinfer_probe", {"edgeinfer_argument": "edgeinfer_value"}
@@ -125,6 +125,11 @@ def _checked_tool(tool, index: int) -> dict:
         raise SettingsError(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}", f"{where}.function.name")
     if not isinstance(parameters, dict):
         raise SettingsError(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+    if (ref := dangling_ref(parameters)) is not None:
+        raise SettingsError(
+            f"{where}.function.parameters refers to {ref!r}, which is not in the schema: define it (under $defs) or inline it",
+            f"{where}.function.parameters",
+        )
     return {"type": "function", "function": {**function, "parameters": parameters}}
 
 

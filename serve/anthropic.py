@@ -199,9 +199,13 @@ class MessagesRequest(_Strict):
             "top_k": self.top_k,
             "seed": self.seed,
             "stop": self.stop_sequences,
-            "reasoning_budget": self.thinking.budget_tokens if self.thinking is not None else None,
+            "reasoning_budget": self.reasoning_budget,
         }
         return {name: value for name, value in chosen.items() if value is not None}
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        return self.thinking.budget_tokens if self.thinking is not None else None
 
     def template_kwargs(self) -> dict:
         """The template's switch (enable_thinking) as `thinking` sets it."""

@@ -27,6 +27,7 @@ from edgeinfer import __version__
 from edgeinfer.sdk.errors import ContextLengthError, EdgeInferError
 from edgeinfer.sdk.chat import ChatTurn, chat_turn, closed_text
 from edgeinfer.sdk.chat_stream import ChatStream
+from edgeinfer.sdk.prepare import budget
 from edgeinfer.sdk.sequence import GenerationResult, Piece
 from edgeinfer.sdk.tokenizer import template_variables
 
@@ -37,7 +38,7 @@ from .apis import APIS, api_of
 from .backend import Backend
 from .checks import RequestError, check_room, error_body, fingerprint, from_edgeinfer
 from .guard import Guard, answer, refusal
-from .images import fetched
+from .image_urls import ImageFetcher, refuse_urls
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelSet, adapter_entries, folder_of, held_bytes, model_fields, with_adapter
 
@@ -88,6 +89,7 @@ def create_app(
     ui: bool = True,
     responses_store: responses.StoreLimits = responses.StoreLimits(),
     allow_image_urls: bool = False,
+    allowed_image_domains: tuple[str, ...] = (),
 ) -> FastAPI:
     """`load()` returns the Backend (backend.py: the SDK's Scheduler, or replicas.Replicas); it runs
     in the background from startup, and an EdgeInferError it raises goes to `on_load_error` (the
@@ -95,14 +97,18 @@ def create_app(
     `metrics_key` /metrics; browsers of `cors_origins` may call the API; a body must arrive
     within `body_timeout` seconds (guard.py). With `ui`, GET / is the chat page (serve/ui).
     `responses_store` bounds the Responses API's stored responses; with `allow_image_urls` an http(s)
-    image a request names is fetched (else refused: a data: URL is the image itself)."""
+    image a request names is fetched from a public address, with `allowed_image_domains` from those
+    hosts only (image_urls.py); else refused (a data: URL is the image itself)."""
     loaded, metrics = _Loaded(load, on_load_error), Metrics()
-    routes = _Routes(loaded, metrics, model_name, responses_store, allow_image_urls)
+    fetcher = ImageFetcher(allowed_image_domains) if allow_image_urls or allowed_image_domains else None
+    routes = _Routes(loaded, metrics, model_name, responses_store, fetcher)
 
     async def lifespan(app):
         loaded._thread.start()
         yield
         routes.embedding.close()
+        if fetcher is not None:
+            fetcher.close()
         if loaded.backend is not None:
             loaded.backend.close(grace=0)
 
@@ -250,6 +256,7 @@ def _add_counting_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, anthropic.CountTokensRequest)
         backend, _ = await routes.served(body.model)
         _, ids = await routes.rendered(backend, body, body.conversation(), body.template_kwargs())
+        budget(backend.tokenizer, ids, body.reasoning_budget)  # a thought's budget refused here as /v1/messages refuses it
         return {"input_tokens": len(ids)}
 
     @app.post("/v1/responses/input_tokens", openapi_extra=_body_of(responses.InputTokensRequest))
@@ -257,7 +264,9 @@ def _add_counting_routes(app: FastAPI, routes: _Routes) -> None:
         body = await _read(http, responses.InputTokensRequest)
         backend, _ = await routes.served(routes.named(body.model))
         items = [*routes.stored.history(body.previous_response_id), *body.items()]
-        _, ids = await routes.rendered(backend, body, responses.conversation(body.instructions, items), body.template_kwargs())
+        conversation = responses.conversation(body.instructions, items)
+        _, ids = await routes.rendered(backend, body, conversation, body.template_kwargs(), param="input")
+        budget(backend.tokenizer, ids, body.thinking_token_budget)  # refused here as /v1/responses refuses it
         return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
     @app.get("/v1/responses/{response_id}")
@@ -318,10 +327,10 @@ class _Routes:
     """What the generation routes share: the backend once loaded, the metrics, the model's name."""
 
     def __init__(
-        self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits, allow_image_urls: bool = False
+        self, loaded: _Loaded, metrics: Metrics, model_name: str, store: responses.StoreLimits, images: ImageFetcher | None = None
     ):
         self.loaded, self.metrics, self.model_name = loaded, metrics, model_name
-        self.allow_image_urls = allow_image_urls  # fetch the http(s) images a request names (images.py)
+        self.images = images  # fetches the http(s) images a request names (None: refused)
         self.stored = responses.Store(store)  # the Responses API's stored responses, for previous_response_id and GET
         self.embedding = backends.EmbeddingWork()
 
@@ -357,12 +366,24 @@ class _Routes:
             raise RequestError(f"model is required: this server serves {', '.join(repr(n) for n in served.names)}", "model")
         return self.model_name if model is None else model
 
-    async def rendered(self, backend: Backend, body, conversation: list[dict], kwargs: dict) -> tuple[str, list[int]]:
+    async def rendered(
+        self, backend: Backend, body, conversation: list[dict], kwargs: dict, param: str = "messages"
+    ) -> tuple[str, list[int]]:
         """(text, ids) of the prompt a chat turn of `conversation`, with `body`'s tools and the
         template variables `kwargs`, would prefill, rendered as the chat routes render it (on a
-        worker thread): what the counting routes count."""
-        turn = await _turn(backend, conversation, body.tool_request(), kwargs, allow_urls=self.allow_image_urls)
+        worker thread): what the counting routes count. `param`: the field that holds the conversation."""
+        turn = await _turn(backend, await self.pictured(backend, conversation, param), body.tool_request(), kwargs)
         return turn.text, turn.ids
+
+    async def pictured(self, backend: Backend, conversation: list[dict], param: str) -> list[dict]:
+        """`conversation` with its remote images fetched where this server fetches them (else a
+        RequestError naming `param`); a text-only model's as it is (the SDK refuses its pictures)."""
+        if not backend.manifest.vision:
+            return conversation
+        if self.images is None:
+            refuse_urls(conversation, param)
+            return conversation
+        return await self.images.fetched(conversation, param)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -400,7 +421,8 @@ class _Routes:
         whole or streamed. An error raised is answered by the app's handler in the API's shape."""
         backend, model_name = await self.served(body.model)
         if api.conversation is not None:
-            turn, requests = await _submit_turn(backend, body, api.conversation(body, self.stored), self.allow_image_urls)
+            conversation = await self.pictured(backend, api.conversation(body, self.stored), api.prompt_field)
+            turn, requests = await _submit_turn(backend, body, conversation)
             streams, prompt_tokens = [turn.stream() for _ in requests], len(turn.ids)
         else:
             requests = await backends.submit_all(backend, _completion_work(backend, body, body.prompts(), body.choice_settings()))
@@ -536,19 +558,33 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def not_here(request: HTTPRequest, error: StarletteHTTPException):
         where = f"{request.method} {request.url.path}"
+        headers = error.headers
+        if error.status_code == 405:  # every method of the path's routes, not only the first route's
+            allow = ", ".join([*_methods_at(request.app, request.url.path), "OPTIONS"])
+            if request.method == "OPTIONS":  # what may be asked here (a browser's preflight is guard.py's)
+                return Response(status_code=204, headers={"allow": allow})
+            headers = {**{k: v for k, v in (headers or {}).items() if k.lower() != "allow"}, "allow": allow}
         if error.status_code == 404:
             message, code = f"Invalid URL ({where}): the API is {', '.join(_api_paths(request.app))}", "unknown_url"
         elif error.status_code == 405:
-            message, code = f"{where}: the method is not allowed here", "method_not_allowed"
+            message, code = f"{where}: the method is not allowed here: use {allow}", "method_not_allowed"
         else:  # the body could not be read as JSON (nested too deep for the parser, say)
             message, code = f"{where}: {error.detail}: send a JSON object", None
-        return answer(request.url.path, error_body(message, code=code), error.status_code, error.headers)
+        return answer(request.url.path, error_body(message, code=code), error.status_code, headers)
 
     @app.exception_handler(EdgeInferError)
     async def engine_error(request: HTTPRequest, error: EdgeInferError):
         api = api_of(request.url.path) or openai.CHAT  # llama.cpp's routes word errors as chat's
         status, body, headers = from_edgeinfer(error, api.prompt_field, api.names)
         return answer(request.url.path, body, status, headers)
+
+
+def _methods_at(app: FastAPI, path: str) -> list[str]:
+    """The methods the app's routes take at `path` (HEAD left out)."""
+    methods = {
+        m for route in app.routes if getattr(route, "path_regex", None) and route.path_regex.match(path) for m in route.methods or ()
+    }
+    return sorted(methods - {"HEAD"})
 
 
 def _api_paths(app: FastAPI) -> list[str]:
@@ -622,28 +658,25 @@ def _form(tag: str) -> str:
     return _FORMS.get(tag, tag)
 
 
-async def _turn(
-    backend: Backend, conversation: list[dict], request, kwargs: dict, asked: int | None = None, allow_urls: bool = False
-) -> ChatTurn:
-    """The chat turn of `conversation` with the tools `request` asks for and the template
-    variables `kwargs` (sdk/chat.py), with room for `asked` tokens, its images fetched where
-    `allow_urls` (images.py): on a worker thread, as the template, the tokenizer and the images
-    take time."""
+async def _turn(backend: Backend, conversation: list[dict], request, kwargs: dict, asked: int | None = None) -> ChatTurn:
+    """The chat turn of `conversation` (its images fetched: _Routes.pictured) with the tools
+    `request` asks for and the template variables `kwargs` (sdk/chat.py), with room for `asked`
+    tokens: on a worker thread, as the template, the tokenizer and the images take time."""
 
     def made() -> ChatTurn:
         vision = backend.manifest.vision or None
-        turn = chat_turn(backend.tokenizer, backend.max_context, fetched(conversation, allow_urls), request, kwargs, vision)
+        turn = chat_turn(backend.tokenizer, backend.max_context, conversation, request, kwargs, vision)
         check_room(len(turn.ids), asked, backend.max_context)
         return turn
 
     return await _in_thread(made)
 
 
-async def _submit_turn(backend: Backend, body, conversation: list[dict], allow_urls: bool) -> tuple[ChatTurn, list]:
+async def _submit_turn(backend: Backend, body, conversation: list[dict]) -> tuple[ChatTurn, list]:
     """A chat request's turn (`_turn`, with its body's tools, template variables and tokens
     asked), and its choices submitted, each with the turn's constraint (ChatTurn.settings) and
     its pictures (encoded by the backend where it does not hold them yet)."""
-    turn = await _turn(backend, conversation, body.tool_request(), body.template_kwargs(), body.asked_tokens, allow_urls)
+    turn = await _turn(backend, conversation, body.tool_request(), body.template_kwargs(), body.asked_tokens)
     pictures = {"pictures": turn.pictures} if turn.pictures else {}
     return turn, await backends.submit_all(
         backend, lambda: [(turn.ids, {**turn.settings(c), **pictures}) for c in body.choice_settings()]

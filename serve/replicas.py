@@ -72,6 +72,7 @@ class ReplicaSettings:
     keep_alive: float | None = 300.0  # seconds an idle model stays loaded in a replica (None: always)
     pin: tuple[str, ...] = ()  # models every replica loads at start and keeps
     allow_image_urls: bool = False  # the front deployment fetches the http(s) images requests name (else: data: URLs only)
+    allowed_image_domains: tuple[str, ...] = ()  # ... from these hosts only (serve/image_urls.py)
 
 
 def application(
@@ -195,6 +196,7 @@ def _front_class():
                 name,
                 settings.api_key,
                 allow_image_urls=settings.allow_image_urls,
+                allowed_image_domains=tuple(settings.allowed_image_domains),
             )
 
     return EdgeInferFront

@@ -27,7 +27,11 @@ from .api import Api, Event, Served
 from .checks import Real, RequestError, check_answers, check_json
 from .images import ImagePartModel, image_part
 
-API_NAMES = {"max_new_tokens": "max_output_tokens", "reasoning_budget": "thinking_token_budget"}  # SDK settings named otherwise here
+API_NAMES = {
+    "max_new_tokens": "max_output_tokens",
+    "reasoning_budget": "thinking_token_budget",
+    "messages": "input",
+}  # SDK names, named otherwise here
 STORED = 256  # responses kept for previous_response_id, least recently used out first
 STORED_BYTES = 64 * 2**20  # ...and the bytes of their JSON
 STORED_TTL_S = 3600.0  # ...each for this long after its last use

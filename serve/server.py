@@ -42,7 +42,8 @@ class ServerOptions:
     grace: float = 30.0
     ui: bool = True  # the chat page at / (serve/ui)
     responses_store: StoreLimits = StoreLimits()  # the Responses API's stored responses
-    allow_image_urls: bool = False  # fetch the http(s) images requests name (else: data: URLs only)
+    allow_image_urls: bool = False  # fetch the http(s) images requests name from public addresses (else: data: URLs only)
+    allowed_image_domains: tuple[str, ...] = ()  # fetch them from these hosts only (serve/image_urls.py)
 
 
 class _Server(uvicorn.Server):
@@ -83,6 +84,7 @@ def run_server(load, model_name: str, host: str = "127.0.0.1", port: int = 8000,
         options.ui,
         options.responses_store,
         options.allow_image_urls,
+        options.allowed_image_domains,
     )
     config = uvicorn.Config(
         app,

@@ -939,3 +939,10 @@ def test_a_hub_id_is_exported_into_the_cache_at_its_first_use_and_found_there_af
     assert json.loads(edgeinfer("list", "--json").stdout)["name"] == "Org/Tiny"
     assert "removed Org/Tiny" in edgeinfer("rm", "Org/Tiny").stderr
     assert not (tmp_path / "cache" / "exports" / "Org" / "Tiny").exists()
+
+
+@pytest.mark.parametrize("hosts", ["http://images.example.com", "images.example.com:8080", "a,,b", "user@host"])
+def test_allowed_image_domains_takes_hosts_only(tiny_llama, hosts):
+    done = edgeinfer("serve", "-m", str(tiny_llama[1]), "--allowed-image-domains", hosts, "--port", "1")
+    assert done.returncode == 2 and "is not a host: give names or addresses, comma-separated, without scheme or port" in done.stderr
+    assert "Traceback" not in done.stderr

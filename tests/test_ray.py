@@ -195,14 +195,17 @@ def test_the_app_as_a_ray_serve_ingress_deployment_answers_as_the_sdk(tiny_llama
 
 def test_pictures_go_to_the_replicas_and_the_front_deployment_fetches_urls_where_allowed(idefics3, expected, picture_site):
     """A picture travels with its request from the front to a replica, which encodes it; with
-    ReplicaSettings(allow_image_urls=True) the front fetches an http(s) image a request names."""
+    ReplicaSettings(allowed_image_domains=("127.0.0.1",)) the front fetches an http(s) image a request
+    names from that host."""
     site, asked = picture_site
 
     def body(url: str) -> dict:
         parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
         return {"model": "vlm", "messages": [{"role": "user", "content": parts}], "max_tokens": 8, "temperature": 0}
 
-    with ingress(f"ReplicaSettings({str(idefics3[2])!r}, model_name='vlm', provider='cpu', allow_image_urls=True)") as url:
+    with ingress(
+        f"ReplicaSettings({str(idefics3[2])!r}, model_name='vlm', provider='cpu', allowed_image_domains=('127.0.0.1',))"
+    ) as url:
         sent = httpx.post(f"{url}/v1/chat/completions", json=body(data_url(png(3))), timeout=120).json()
         fetched = httpx.post(f"{url}/v1/chat/completions", json=body(site), timeout=120).json()
     assert sent["choices"][0]["message"]["content"] == expected[0] == fetched["choices"][0]["message"]["content"]

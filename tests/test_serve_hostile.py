@@ -429,6 +429,42 @@ def test_error_shapes_for_bodies_that_are_not_requests(server):
         assert error_of(response)["code"] == code and not error_of(response)["code"].isdigit()
 
 
+def test_options_and_405s_name_every_method_of_the_path(server):
+    """/v1/responses/ID takes GET and DELETE: OPTIONS says both (204), and a PUT's 405 lists both."""
+    url = server[0]
+    asked = httpx.request("OPTIONS", f"{url}/v1/responses/resp_x", headers=AUTH)
+    assert asked.status_code == 204 and asked.headers.get_list("allow") == ["DELETE, GET, OPTIONS"]
+    put = httpx.put(f"{url}/v1/responses/resp_x", headers=AUTH)
+    assert put.status_code == 405 and put.headers.get_list("allow") == ["DELETE, GET, OPTIONS"]
+    assert error_of(put)["code"] == "method_not_allowed" and "use DELETE, GET, OPTIONS" in error_of(put)["message"]
+    assert httpx.request("OPTIONS", f"{url}/v1/chat/completions", headers=AUTH).headers["allow"] == "POST, OPTIONS"
+
+
+def test_a_dangling_ref_in_a_tool_schema_is_named_in_the_clients_words(server):
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}},
+    }
+    body = {"model": server[1], "messages": CHAT, "tools": [tool], "tool_choice": "required", "max_tokens": 4}
+    error = error_of(post(server[0], "/v1/chat/completions", body))
+    assert error["param"] == "tools" and "tools[0].function.parameters refers to '#/$defs/Missing'" in error["message"]
+    assert "edgeinfer" not in error["message"], error
+
+
+def test_counting_refuses_a_thought_budget_as_generating_does(server):
+    """thinking (Messages) and thinking_token_budget (Responses) on a model that does not think:
+    the counting routes refuse them in the words the generating routes use."""
+    url, model = server[0], server[1]
+    thinking = {"model": model, "messages": CHAT, "thinking": {"type": "enabled", "budget_tokens": 16}}
+    counted, made = post(url, "/v1/messages/count_tokens", thinking), post(url, "/v1/messages", {**thinking, "max_tokens": 8})
+    assert counted.status_code == made.status_code == 400 and counted.json()["error"] == made.json()["error"]
+    assert "thinking.budget_tokens needs a model that thinks" in counted.json()["error"]["message"]
+    budget = {"model": model, "input": "Hi", "thinking_token_budget": 16}
+    counted, made = post(url, "/v1/responses/input_tokens", budget), post(url, "/v1/responses", {**budget, "max_output_tokens": 8})
+    assert counted.status_code == made.status_code == 400 and error_of(counted) == error_of(made)
+    assert error_of(counted)["param"] == "thinking_token_budget"
+
+
 def test_the_openapi_description_is_served_with_the_real_ranges(server):
     spec = httpx.get(f"{server[0]}/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(spec["paths"])

@@ -13,6 +13,7 @@ import os
 import signal
 import struct
 import threading
+import time
 import zlib
 
 import anthropic
@@ -184,7 +185,16 @@ def test_a_remote_image_url_is_refused_unless_the_server_allows_them(served, ide
     assert (
         "does not fetch image URLs" in error["message"] and "--allow-image-urls" in error["message"] and error["param"] == "messages"
     )
-    process, allowing = start(idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}", "--allow-image-urls")
+    process, public = start(idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}", "--allow-image-urls")
+    try:  # --allow-image-urls: public addresses only, and 127.0.0.1 is loopback
+        refused = httpx.post(f"{public}/v1/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 400 and asked == []
+        assert refused.json()["error"]["code"] == "image_url_not_allowed" and refused.json()["error"]["param"] == "messages"
+    finally:
+        stop(process)
+    process, allowing = start(
+        idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}", "--allowed-image-domains", "127.0.0.1"
+    )
     try:
         fetched = httpx.post(f"{allowing}/v1/chat/completions", json=body, timeout=60)
         assert fetched.status_code == 200 and asked == ["/p.png"]
@@ -239,6 +249,14 @@ def test_a_hostile_image_gets_a_4xx_in_each_apis_shape_and_the_server_goes_on(se
     assert answered.status_code == status, answered.text
     error = answered.json()["error"]
     assert error["type"] in ("invalid_request_error", "request_too_large") and (words is None or words in error["message"])
+    assert status == 413 or error["param"].startswith("messages"), error
+    parts = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": QUESTION}]
+    response = httpx.post(
+        f"{served}/v1/responses",
+        json={"model": "vlm", "input": [{"role": "user", "content": parts}], "max_output_tokens": 4},
+        timeout=60,
+    )
+    assert response.status_code == status and (status == 413 or response.json()["error"]["param"].startswith("input")), response.text
     if url.startswith("data:image/") and ";base64," in url and status == 400:  # the same bytes as an Anthropic block
         media, data = url[5:].split(";base64,")
         block = {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
@@ -265,6 +283,59 @@ def test_a_hostile_image_gets_a_4xx_in_each_apis_shape_and_the_server_goes_on(se
         client.chat.completions.create(model="vlm", messages=good, max_tokens=8, temperature=0).choices[0].message.content
         == expected[0]
     )
+
+
+def test_image_urls_that_never_answer_hold_no_text_request_and_end_at_the_deadline(idefics3):
+    """Twelve requests whose image URLs never answer (the fetch pool holds 4 at a time): a text chat
+    and /tokenize are answered while every one of them is still waiting, and each ends at the
+    deadline with a 400 in its API's shape naming its field."""
+    from test_image_urls import Silent
+
+    silent = Silent()
+    process, url = start(idefics3[2], "--provider", "cpu", "--model", f"vlm={idefics3[2]}", "--allowed-image-domains", "127.0.0.1")
+    ended: list[tuple[str, httpx.Response]] = []
+
+    def ask(i: int) -> None:
+        image = f"http://127.0.0.1:{silent.port}/{i}.png"
+        path, body = [
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]},
+            ),
+            ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": image}]}]}),
+            (
+                "/v1/messages",
+                {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": image}}]}]},
+            ),
+        ][i % 3]
+        budget = {"max_output_tokens": 4} if path == "/v1/responses" else {"max_tokens": 4}
+        ended.append((path, httpx.post(f"{url}{path}", json={"model": "vlm", **budget, **body}, timeout=60)))
+
+    askers = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    try:
+        for asker in askers:
+            asker.start()
+        deadline = time.monotonic() + 10
+        while silent.accepted < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert silent.accepted == 4  # the pool's threads are all held by silent hosts
+        text = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": "vlm", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        )
+        counted = httpx.post(f"{url}/tokenize", json={"model": "vlm", "content": "Hello there"})
+        assert text.status_code == 200 and counted.status_code == 200 and ended == []
+        for asker in askers:
+            asker.join(60)
+        for path, answered in ended:
+            assert answered.status_code == 400, answered.text
+            error = answered.json()["error"]
+            field = "input" if path == "/v1/responses" else "messages"
+            assert error["type"] == "invalid_request_error" and "did not arrive within 10 s" in error["message"], error
+            assert path == "/v1/messages" or (error["param"], error["code"]) == (field, "image_url_timeout"), error
+        assert len(ended) == 12 and silent.accepted == 12
+    finally:
+        stop(process)
+        silent.close()
 
 
 def test_an_image_sent_to_a_text_only_model_is_a_400_saying_so(tiny_llama):

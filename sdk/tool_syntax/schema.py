@@ -4,6 +4,8 @@ another."""
 
 from __future__ import annotations
 
+import urllib.parse
+
 
 def call_schema(request, arguments_key: str = "arguments") -> dict:
     """The JSON schema of one call of the offered tools (`request`, a tools.ToolRequest): its name
@@ -41,6 +43,38 @@ def refers(schema) -> bool:
     if isinstance(schema, dict):
         return (isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#")) or any(refers(v) for v in schema.values())
     return isinstance(schema, list) and any(refers(v) for v in schema)
+
+
+def dangling_ref(schema) -> str | None:
+    """The first reference within `schema` ("#/$defs/Loc") that names nothing in it, or None."""
+    refs = []
+
+    def collect(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+                refs.append(node["$ref"])
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    collect(schema)
+    return next((ref for ref in refs if not _resolves(schema, ref[1:])), None)
+
+
+def _resolves(schema, pointer: str) -> bool:
+    """Whether the JSON pointer ("/$defs/Loc", "" for the root) names something in `schema`."""
+    node = schema
+    for token in pointer.split("/")[1:] if pointer else []:
+        token = urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return False
+    return True
 
 
 def rebased(schema, root: str):
