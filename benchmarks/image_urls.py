@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 SLOW = 16
-TEXT_TIMEOUT_S = 60.0  # a text question's TTFT past it counts as inf
+TEXT_TIMEOUT_S = 30.0  # a text question's TTFT past it counts as inf
 SLOW_TIMEOUT_S = 120.0
 _QUESTIONS = itertools.count(1)
 
