@@ -122,18 +122,22 @@ def main() -> None:
                     print(
                         f"{commit}: a round, {found[commit]['in flight'][-1]} of {SLOW} slow requests in flight after it", flush=True
                     )
+            say(found, args)  # before the servers stop: an old one may take long to
     finally:
         silent.close()
         site.close()
-    print(f"{args.rounds} rounds of {args.questions} text questions each, alternated; medians:")
-    for commit in commits:
-        idle, loaded = statistics.median(found[commit]["idle"]), statistics.median(found[commit]["loaded"])
-        answers = found[commit]["answers"]
+
+
+def say(found: dict, args) -> None:
+    print(f"{args.rounds} rounds of {args.questions} text questions each, alternated; medians:", flush=True)
+    for commit, figures in found.items():
+        idle, loaded = statistics.median(figures["idle"]), statistics.median(figures["loaded"])
+        answers = figures["answers"]
         print(
             f"  {commit}: TTFT idle {idle * 1000:.1f} ms, beside {SLOW} slow {loaded * 1000:.1f} ms "
-            f"(largest {max(found[commit]['loaded']) * 1000:.1f} ms), ratio {loaded / idle:.2f}"
+            f"(largest {max(figures['loaded']) * 1000:.1f} ms), ratio {loaded / idle:.2f}"
         )
-        print(f"    the slow requests' answers: {dict((a, answers.count(a)) for a in set(answers))}")
+        print(f"    the slow requests' answers: {dict((a, answers.count(a)) for a in set(answers))}", flush=True)
 
 
 if __name__ == "__main__":
