@@ -191,18 +191,8 @@ def serve(
 ):
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with
     continuous batching, /health, /metrics and /openapi.json; with --ray, as Ray Serve replicas."""
-    store = (store_count, store_mib * 2**20, None if store_ttl < 0 else store_ttl)
-    options = _server_options(
-        api_key,
-        metrics_key,
-        cors_origins,
-        header_timeout,
-        body_timeout,
-        grace,
-        not no_ui,
-        store,
-        (allow_image_urls, allowed_image_domains),
-    )
+    store, images = (store_count, store_mib * 2**20, None if store_ttl < 0 else store_ttl), (allow_image_urls, allowed_image_domains)
+    options = _server_options(api_key, metrics_key, cors_origins, header_timeout, body_timeout, grace, not no_ui, store, images)
     from edgeinfer.serve import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
