@@ -40,27 +40,24 @@ def _declared(parameters: dict) -> dict:
 
 def refers(schema) -> bool:
     """Whether `schema` holds a `$ref` within itself ("#..."), which breaks once it is nested."""
-    if isinstance(schema, dict):
-        return (isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#")) or any(refers(v) for v in schema.values())
-    return isinstance(schema, list) and any(refers(v) for v in schema)
+    return next(_local_refs(schema), None) is not None
 
 
 def dangling_ref(schema) -> str | None:
     """The first reference within `schema` ("#/$defs/Loc") that names nothing in it, or None."""
-    refs = []
+    return next((ref for ref in _local_refs(schema) if not _resolves(schema, ref[1:])), None)
 
-    def collect(node) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
-                refs.append(node["$ref"])
-            for value in node.values():
-                collect(value)
-        elif isinstance(node, list):
-            for value in node:
-                collect(value)
 
-    collect(schema)
-    return next((ref for ref in refs if not _resolves(schema, ref[1:])), None)
+def _local_refs(schema):
+    """Each reference within `schema` ("#", "#/$defs/Loc"), depth first."""
+    if isinstance(schema, dict):
+        if isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+            yield schema["$ref"]
+        for value in schema.values():
+            yield from _local_refs(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _local_refs(value)
 
 
 def _resolves(schema, pointer: str) -> bool:
