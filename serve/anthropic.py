@@ -233,9 +233,8 @@ class MessagesRequest(_Strict):
             "type": "function",
             "function": {"name": choice.name},
         }
-        return tool_request(
-            [t.as_openai() for t in self.tools], chosen, choice.disable_parallel_tool_use is False
-        )  # several only when asked
+        several = choice.disable_parallel_tool_use is False  # several calls only when asked
+        return tool_request([t.as_openai() for t in self.tools], chosen, several)
 
 
 class MessagesReply:

@@ -372,6 +372,10 @@ def test_the_cli_runs_a_chat_turn_with_tools(engine, tmp_path):
         [*base, *flags, "--parallel-tool-calls", "--json", "Add two numbers"], capture_output=True, text=True, timeout=300
     )
     assert json.loads(done.stdout)["finish_reason"] == "tool_calls"
+    cut = [*flags[:-1], "30"]  # the generic format's call opened ({"tool_calls": [{"name": "add", ...), not ended
+    done = subprocess.run([*base, *cut, "Add two numbers"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "the reply ended inside a call to add, not printed" in done.stderr, done.stderr
+    assert '"name": "add"' not in done.stdout and "finish: length" in done.stderr
     done = subprocess.run([*base, "--raw", "--tools", str(tools), "hi"], capture_output=True, text=True, timeout=300)
     assert (
         done.returncode == 2
