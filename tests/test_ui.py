@@ -242,35 +242,46 @@ def test_screenshots_at_desktop_and_phone_size(browser, two_models, tmp_path, sc
         page.close()
 
 
-def test_a_tool_call_shows_under_the_reply_as_the_api_makes_it(browser, long_export):
+def test_a_tool_call_shows_under_the_reply_as_the_api_makes_it_and_a_cut_one_says_so(browser, long_export):
     """On the long-context tiny model: the tools' description in the prompt outgrows a 256-token context."""
     tools = [
         {
             "type": "function",
             "function": {
                 "name": "get_weather",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                # an enum bounds the call: a free string from random weights may outrun max_tokens
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                    "required": ["city"],
+                },
             },
         }
     ]
     process, url = serving(long_export, "--provider", "cpu")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    asked = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "tool_choice": "required"}
     try:
         page = Page(browser, url)
         page.setting("tools", json.dumps(tools))
         page.page.select_option("#tool_choice", "required")
         page.page.dispatch_event("#tool_choice", "change")
-        page.setting("max_tokens", "60")
+        page.setting("max_tokens", "200")
         reply = page.send("Weather in Paris?")
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-        asked = {
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": tools,
-            "tool_choice": "required",
-            "max_tokens": 60,
-        }
-        call = client.chat.completions.create(model=long_export.name, **asked).choices[0].message.tool_calls[0].function
+        whole = client.chat.completions.create(model=long_export.name, max_tokens=200, **asked).choices[0]
+        call = whole.message.tool_calls[0].function
         assert reply["tool_calls"] == [{"name": call.name, "arguments": call.arguments}] and call.name == "get_weather"
+        assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
         assert page.page.inner_text(".message.assistant .tool-call") == f"get_weather({call.arguments})"
+        page.page.click("#new-chat")
+        page.setting("max_tokens", "60")  # ends inside the call
+        reply = page.send("Weather in Paris?")
+        cut = client.chat.completions.create(model=long_export.name, max_tokens=60, **asked).choices[0]
+        assert cut.message.tool_calls is None and cut.finish_reason == "length"
+        partial = cut.model_extra["cut_tool_call"]["function"]
+        assert reply["tool_calls"] == [] and reply["cut_tool_call"] == partial
+        shown = page.page.inner_text(".message.assistant .tool-call.cut")
+        assert shown.startswith(f"get_weather({partial['arguments']}…") and "raise Max tokens" in shown
         page.close()
     finally:
         stop_server(process)

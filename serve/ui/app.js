@@ -284,6 +284,12 @@ function renderMessage(message, index) {
     line.textContent = `${call.name}(${call.arguments})`;
     box.append(line);
   }
+  if (message.cut_tool_call) {
+    const line = element("div", "tool-call cut");
+    const call = message.cut_tool_call;
+    line.textContent = `${call.name}(${call.arguments}… cut: the reply ran out of tokens, raise Max tokens`;
+    box.append(line);
+  }
   const notes = [];
   if (message.stats) {
     const s = message.stats;
@@ -495,6 +501,13 @@ async function stream(conversation, reply, body) {
           reply.content += delta.content || "";
           reply.tool_calls = calls.filter(Boolean);
           showSoon(reply);
+        }
+        const cut = chunk.choices && chunk.choices[0] && chunk.choices[0].cut_tool_call;
+        if (cut) {
+          // the reply ended inside this call: as the API does, it is not among the calls made
+          delete calls[cut.index];
+          reply.tool_calls = calls.filter(Boolean);
+          reply.cut_tool_call = { name: cut.function.name, arguments: cut.function.arguments };
         }
       }
     }
