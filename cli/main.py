@@ -406,12 +406,14 @@ def info(model, model_option, architectures, as_json):
 
 
 def _architectures() -> None:
-    from edgeinfer.export.families import SUPPORTED, UNSUPPORTED, VISION_LANGUAGE
+    from edgeinfer.export.families import TESTED, UNSUPPORTED, VISION_LANGUAGE
 
-    click.echo("supported (each proven by a parity test against transformers):")
-    click.echo("  " + ", ".join(SUPPORTED))
+    click.echo("tested (each proven by a parity test against transformers):")
+    click.echo("  " + ", ".join(TESTED))
     click.echo("vision-language, with their vision encoder (pictures through the SDK, run --image and every API):")
     click.echo("  " + ", ".join(VISION_LANGUAGE))
+    click.echo("others: any decoder-only causal language model transformers has is tried; the export's checks")
+    click.echo("  against PyTorch decide, and a failure names its stage (docs/models.md lists the families tried)")
     click.echo("not supported:")
     for name, reason in UNSUPPORTED.items():
         click.echo(f"  {name}: {reason}")

@@ -49,7 +49,7 @@ from .source import (
     source_model_type,
     source_sizes,
 )
-from .families import VISION_LANGUAGE
+from .families import TESTED, VISION_LANGUAGE
 from .split import split_export
 from .stream import deferring
 from . import spm_merges
@@ -285,6 +285,28 @@ def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> M
     }
     adapters = {name: read_peft(folder) for name, folder in options.adapters}  # a bad folder is refused before any work
     source = resolve_source(model, say)
+    with _tried(source_model_type(source), say):
+        return _export_source(source, work, options, say, live, wanted, adapters)
+
+
+@contextmanager
+def _tried(model_type: str | None, say):
+    """A family the tests do not prove is tried: it is said, and an export that fails says so."""
+    if model_type is None or model_type in TESTED or model_type in VISION_LANGUAGE:
+        yield
+        return
+    say(f"model type {model_type!r} is not among the families edgeinfer's tests prove: tried, and the checks against PyTorch decide")
+    try:
+        yield
+    except ExportError as e:
+        raise ExportError(
+            f"{e} (model type {model_type!r} is not among the families edgeinfer's tests prove; docs/models.md lists how each "
+            "family tried came out: report this one with the output of --debug)"
+        ) from e
+
+
+def _export_source(source: Source, work: Path, options: ExportOptions, say, live, wanted: dict, adapters: dict) -> Manifest:
+    """Export from a resolved source: streamed where it is large, else loaded whole and traced."""
     wanted["vision"] = wanted["images"] = source_model_type(source) in VISION_LANGUAGE
     streamed = _streams(source, options)
     if streamed is not None:

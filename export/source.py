@@ -19,7 +19,7 @@ from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
-from .families import SUPPORTED, UNSUPPORTED, VISION_LANGUAGE
+from .families import UNSUPPORTED, VISION_LANGUAGE, not_a_decoder
 from .patches import faster_gguf
 
 
@@ -261,16 +261,13 @@ def _safetensors_entries(path: Path) -> dict[str, dict]:
 
 
 def check_supported(model_type: str) -> None:
-    """Refuse, in one line, a model type that edgeinfer cannot export."""
-    if model_type in UNSUPPORTED:
+    """Refuse, in one line and before any work, a model type that cannot be exported; any other
+    causal language model is tried, and the export's checks against PyTorch decide."""
+    why = UNSUPPORTED.get(model_type) or not_a_decoder(model_type)
+    if why:
         raise ExportError(
-            f"model type {model_type!r} cannot be exported: {UNSUPPORTED[model_type]}; "
-            "`edgeinfer info --architectures` lists the supported ones"
-        )
-    if model_type not in SUPPORTED and model_type not in VISION_LANGUAGE:
-        raise ExportError(
-            f"model type {model_type!r} cannot be exported: edgeinfer exports decoder-only language models "
-            "of the families that `edgeinfer info --architectures` lists"
+            f"model type {model_type!r} cannot be exported: {why}; edgeinfer exports decoder-only language models "
+            "(`edgeinfer info --architectures` lists those its tests prove)"
         )
 
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from .families import IMAGES_ATTEND_BOTH_WAYS, ROTARY_3D, VISION_LANGUAGE
-from .patches import constant_repeat_interleave, traceable_falcon_alibi, traceable_linear_attention
+from .families import family
+from .patches import constant_repeat_interleave
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
 
@@ -66,13 +66,14 @@ def trace(model, path: Path) -> None:
     ids = _dummy_ids(text.vocab_size, _PAST + _NEW)
     with torch.no_grad(), traceable_experts(model.config):
         kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
-    image_token = model.config.image_token_id if model.config.model_type in VISION_LANGUAGE else None
-    decoder = Decoder(model, kinds, image_token, model.config.model_type in IMAGES_ATTEND_BOTH_WAYS).eval()
+    record = family(model.config.model_type)
+    image_token = model.config.image_token_id if record.vision is not None else None
+    decoder = Decoder(model, kinds, image_token, record.images_attend_both_ways).eval()
     inputs = {"input_ids": ids[:, _PAST:]}
     if image_token is not None:
         inputs["image_features"] = torch.randn(_PAST, text.hidden_size, generator=torch.Generator().manual_seed(0))
     inputs["attention_mask"] = torch.ones(_BATCH, _PAST + _NEW, dtype=torch.int64)
-    rotary_3d = model.config.model_type in ROTARY_3D  # position_ids [3, batch, sequence]: time, row, column
+    rotary_3d = record.rotary_3d  # position_ids [3, batch, sequence]: time, row, column
     if decoder.positions:
         shape = (3, _BATCH, _NEW) if rotary_3d else (_BATCH, _NEW)
         inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(shape).contiguous()
@@ -87,13 +88,9 @@ def trace(model, path: Path) -> None:
         **{name: _cache_axes(name, _AXES["total"]) for name in present_names},
     }
     names = [*inputs, *past_names]
-    with (
-        warnings.catch_warnings(),
-        traceable_experts(model.config),
-        constant_repeat_interleave(),
-        traceable_falcon_alibi(),
-        traceable_linear_attention(),
-    ):
+    with warnings.catch_warnings(), traceable_experts(model.config), constant_repeat_interleave(), ExitStack() as patched:
+        for patch in record.patches:
+            patched.enter_context(patch())
         # The tracer's warnings about Python-side shape checks are expected for these models;
         # export's validation stage is the real check of the graph.
         warnings.simplefilter("ignore")

@@ -4,9 +4,9 @@ as every other, its graph taking `image_features` in the place of the image toke
 and the family's processor read into the manifest's `vision` section, which the runtime follows
 with no family code (sdk/vision.py).
 
-The families are this module's table, `FAMILIES`: how each one's encoder is called, and how its
-processor says what an image becomes (resize steps, rescale, normalization, the text around its
-tokens)."""
+Each family's record (export/families/) names its `VisionEncoder`: how its encoder is called, and
+how its processor says what an image becomes (resize steps, rescale, normalization, the text
+around its tokens); the code of each is in its family's module."""
 
 from __future__ import annotations
 
@@ -22,149 +22,11 @@ import numpy as np
 from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import PICTURES_FORMAT_VERSION, VISION_FORMAT_VERSION, GraphSpec, Manifest
 
-from . import qwen_vision
-from .families import VISION_LANGUAGE
+from .families import VISION_LANGUAGE, VisionEncoder, family
 from .patches import images_only
 from .trace import OPSET
 
 VISION_FILE = "vision.onnx"
-_RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}  # Pillow's numbers
-
-
-@dataclass(frozen=True)
-class Family:
-    """`encode(model, pixel_values)`: the projected features [images, tokens, hidden] of images
-    [images, 3, H, W]; `describe(processor)`: the manifest's steps and text of an image;
-    `layout(processor)`, where the processor's pixel values are not pictures [images, 3, H, W]: a
-    function that lays the runtime's pixels out as the processor does (the check compares them)."""
-
-    encode: Callable
-    describe: Callable
-    layout: Callable | None = None
-
-
-def _idefics3_encode(model, pixel_values):
-    """The vision transformer on whole squares (every patch an image's: the processor gives no
-    other), so a patch's position is its index: transformers' bucketized positions for partial
-    images (torch.bucketize, which ONNX has no op for) come to the same for whole ones."""
-    import torch
-
-    vision = model.model.vision_model
-    embeddings = vision.embeddings
-    patches = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
-    hidden = patches + embeddings.position_embedding(torch.arange(patches.shape[1]))
-    hidden = vision.post_layernorm(vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state)
-    return model.model.connector(hidden)
-
-
-def _idefics3_describe(processor) -> dict:
-    """Idefics3 and SmolVLM: the longest side to `size`; then either the square the encoder takes
-    (one picture, its tokens between <fake_token_around_image><global-img> and
-    <fake_token_around_image>), or (do_image_splitting) each side up to whole tiles, cut into tiles
-    named by row and column, and the whole picture as one tile after them."""
-    images = processor.image_processor
-    side = images.max_image_size["longest_edge"]
-    steps = [{"op": "longest_edge", "size": images.size["longest_edge"]}] if images.do_resize else []
-    # Idefics3Processor names the whole picture's tag global_image_tag, SmolVLMProcessor global_image_token
-    tag = processor.global_image_token if hasattr(processor, "global_image_token") else processor.global_image_tag
-    fake = processor.fake_image_token
-    whole = f"{fake}{tag}{{image}}{fake}"
-    described = {
-        "steps": [*steps, {"op": "resize", "height": side, "width": side}],
-        "resample": _RESAMPLE_NAMES[int(images.resample)],
-        "image_token": processor.image_token,
-        "tokens_per_image": processor.image_seq_len,
-        "marker": processor.image_token,
-        "expansion": whole,
-        **_normalization(images),
-    }
-    if images.do_image_splitting:
-        described["steps"] = [*steps, {"op": "multiple_of", "size": side}]
-        described["tiles"] = {
-            "size": side,
-            "tile": f"{fake}<row_{{row}}_col_{{col}}>{{image}}",
-            "row_end": "\n",
-            "whole": "\n" + whole,
-        }
-    return described
-
-
-def _gemma3_encode(model, pixel_values):
-    """SigLIP on the fixed square, its patches average-pooled to the picture's tokens and projected."""
-    hidden = model.model.vision_tower(pixel_values=pixel_values).last_hidden_state
-    return model.model.multi_modal_projector(hidden)
-
-
-def _gemma3_describe(processor) -> dict:
-    """Gemma 3: every picture resized to the encoder's square, its tokens between
-    <start_of_image> and <end_of_image>, a blank line either side, in the place of the
-    <start_of_image> the chat template writes; the tokens of one picture attend to each other both
-    ways. Pan and scan (crops of a long picture, off in Gemma 3's own processor) is not followed."""
-    images, tokenizer = processor.image_processor, processor.tokenizer
-    if getattr(images, "do_pan_and_scan", False):
-        raise ExportError(
-            "this Gemma 3 processor crops long pictures (do_pan_and_scan), which edgeinfer's runtime does not do: "
-            "set do_pan_and_scan to false in the model's preprocessor_config.json and export again"
-        )
-    size = images.size
-    return {
-        "steps": [{"op": "resize", "height": int(size["height"]), "width": int(size["width"])}],
-        "resample": _RESAMPLE_NAMES[int(images.resample)],
-        "image_token": tokenizer.image_token,
-        "tokens_per_image": int(processor.image_seq_length),
-        "marker": processor.boi_token,
-        "expansion": f"\n\n{processor.boi_token}{{image}}{tokenizer.eoi_token}\n\n",
-        "attention": "bidirectional",
-        **_normalization(images),
-    }
-
-
-def _qwen2_5_vl_describe(processor) -> dict:
-    """Qwen2.5-VL and Qwen 3.5: each picture resized to whole tokens (a token is `grid` pixels square: patches
-    merged 2x2) within the processor's pixel bounds, keeping its shape as near as that allows; its
-    tokens in the place of the <|image_pad|> the chat template writes, placed by their row and
-    column (rotary "3d")."""
-    images = processor.image_processor
-    grid = int(images.patch_size * images.merge_size)
-    bounds = {"min_pixels": int(images.size["shortest_edge"]), "max_pixels": int(images.size["longest_edge"])}
-    return {
-        "steps": [{"op": "fit_pixels", "multiple": grid, **bounds}],
-        "resample": _RESAMPLE_NAMES[int(images.resample)],
-        "image_token": processor.image_token,
-        "grid": grid,
-        "marker": processor.image_token,
-        "expansion": "{image}",
-        "rotary": "3d",
-        **_normalization(images),
-    }
-
-
-def _qwen2_5_vl_layout(processor) -> Callable:
-    import torch
-
-    from .qwen_vision import patches
-
-    images = processor.image_processor
-    sizes = (images.patch_size, images.merge_size, images.temporal_patch_size)
-    return lambda pixels: patches(torch.from_numpy(pixels), *sizes)[0].numpy()
-
-
-def _normalization(images) -> dict:
-    return {
-        "rescale": float(images.rescale_factor) if images.do_rescale else 1.0,
-        "mean": [float(m) for m in images.image_mean] if images.do_normalize else [0.0, 0.0, 0.0],
-        "std": [float(s) for s in images.image_std] if images.do_normalize else [1.0, 1.0, 1.0],
-    }
-
-
-FAMILIES = {
-    "gemma3": Family(_gemma3_encode, _gemma3_describe),
-    "idefics3": Family(_idefics3_encode, _idefics3_describe),
-    "qwen2_5_vl": Family(qwen_vision.encode, _qwen2_5_vl_describe, _qwen2_5_vl_layout),
-    "qwen3_5": Family(qwen_vision.encode_qwen3_5, _qwen2_5_vl_describe, _qwen2_5_vl_layout),
-    "smolvlm": Family(_idefics3_encode, _idefics3_describe),
-}
-assert set(FAMILIES) == set(VISION_LANGUAGE), "export/families.py's VISION_LANGUAGE and this table name the same families"
 
 
 def load_processor(source_path: str):
@@ -196,9 +58,9 @@ def is_vision(config) -> bool:
 
 def vision_section(model, processor, folder: Path) -> dict:
     """The vision graph traced into `folder`, and the manifest's `vision` section."""
-    family = FAMILIES[model.config.model_type]
-    described = family.describe(processor)
-    graph = export_vision_graph(model, family, folder, _trace_shape(model, described))
+    encoder = family(model.config.model_type).vision
+    described = encoder.describe(processor)
+    graph = export_vision_graph(model, encoder, folder, _trace_shape(model, described))
     text = model.config.get_text_config()
     return {
         "graph": {"file": graph.file, "inputs": graph.inputs, "outputs": graph.outputs},
@@ -219,7 +81,7 @@ def _trace_shape(model, described: dict) -> tuple[int, ...]:
     return (2, 3, side, side)
 
 
-def export_vision_graph(model, family: Family, folder: Path, shape: tuple[int, ...]) -> GraphSpec:
+def export_vision_graph(model, encoder: VisionEncoder, folder: Path, shape: tuple[int, ...]) -> GraphSpec:
     import torch
 
     class Encoder(torch.nn.Module):
@@ -228,7 +90,7 @@ def export_vision_graph(model, family: Family, folder: Path, shape: tuple[int, .
             self.model = model
 
         def forward(self, pixel_values):
-            return family.encode(self.model, pixel_values)
+            return encoder.encode(self.model, pixel_values)
 
     pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     sized = shape[0] == 1  # one picture of any size a pass, its tokens out
@@ -342,7 +204,7 @@ class VisionReference:
     pixels: np.ndarray  # the processor's pixel values
     logits: np.ndarray  # at the prompt's last position
     greedy: list[int]
-    layout: Callable | None = None  # the runtime's pixels laid out as `pixels` are (Family.layout)
+    layout: Callable | None = None  # the runtime's pixels laid out as `pixels` are (VisionEncoder.layout)
 
 
 def check_image() -> bytes:
@@ -380,8 +242,8 @@ def vision_reference(model, source_path: str) -> VisionReference:
         # decode positions of the text-only references computed after this one
         if hasattr(model.model, "rope_deltas"):
             model.model.rope_deltas = None
-    family = FAMILIES[model.config.model_type]
-    layout = family.layout(processor) if family.layout else None
+    encoder = family(model.config.model_type).vision
+    layout = encoder.layout(processor) if encoder.layout else None
     pixels = inputs["pixel_values"].float().numpy()
     return VisionReference(text, image, inputs["input_ids"][0].tolist(), pixels, logits, greedy, layout)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from edgeinfer.export import export_model
 from edgeinfer.export.check import check_export
-from edgeinfer.export.families import SUPPORTED, UNSUPPORTED
+from edgeinfer.export.families import TESTED, UNSUPPORTED
 from edgeinfer.sdk.errors import ExportError
 
 PROMPT = list(range(3, 43))  # 40 tokens: longer than every sliding window in TINY
@@ -32,7 +32,7 @@ LAYOUT = {
 # updated. A family that leaves or joins a set has not regressed by that alone: the parity test
 # decides that. test_the_record_of_optimisations_is_current says where the record is out of date.
 # - fusion skipped: export kept the unfused graph. None now: nemotron's was, until its graph took
-#   position ids (export/families.py) instead of counting positions from the cache length.
+#   position ids instead of counting positions from the cache length.
 # - in place: attention rewritten to GroupQueryAttention with the cache written in place
 #   (export/attention.py). The others keep the attention as traced, and the manifest says why:
 #   ALiBi (bloom, falcon@alibi, mpt), windows the pattern does not take (gpt_neo, gpt_oss), and keys
@@ -105,7 +105,7 @@ RECORDED_ROTARY_IN_ATTENTION = {
     "lfm3",
 }
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi"}
-FAMILIES = [name for name in TINY if model_type(name) in SUPPORTED]
+FAMILIES = [name for name in TINY if model_type(name) in TESTED]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def exported(tokenizer, tmp_path_factory):
 
 
 def test_every_supported_family_has_a_tiny_model():
-    assert sorted({model_type(name) for name in TINY} - set(UNSUPPORTED)) == sorted(SUPPORTED)
+    assert sorted({model_type(name) for name in TINY} - set(UNSUPPORTED)) == sorted(TESTED)
     assert max(len(PROMPT), NEW_TOKENS) > WINDOW
 
 
@@ -208,8 +208,10 @@ def test_internlm2_is_unknown_to_transformers():
 def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
     for model_type_, reason in [
         ("internlm2", "transformers 5 has no internlm2 model; its checkpoints need trust_remote_code"),
-        ("bart", "edgeinfer exports decoder-only language models"),
-        ("made_up_lm", "edgeinfer exports decoder-only language models"),
+        ("bart", "it is an encoder-decoder"),
+        ("bert", "it is an encoder \\(a masked language model\\)"),
+        ("vit", "transformers has no causal language model of this type"),
+        ("made_up_lm", "transformers has no model of this type \\(a checkpoint that needs trust_remote_code"),
     ]:
         folder = tmp_path / model_type_
         folder.mkdir()
@@ -386,3 +388,25 @@ def test_the_split_layout_gives_the_single_graphs_results(name, exported, tmp_pa
     if not manifest.kv.in_place:
         with pytest.raises(ExportError, match="--static-context needs"):
             split_export(tmp_path / "split-None", dataclasses.replace(manifest), None, 32)
+
+
+def test_a_family_the_tests_do_not_name_is_tried_and_the_checks_decide(tokenizer, tmp_path):
+    """bitnet is in no record: the CLI says it is tried, exports it, and its tokens equal transformers'."""
+    import subprocess
+    import sys
+
+    from generic_tiny import tiny_model
+
+    from edgeinfer.export.families import FAMILIES
+
+    assert "bitnet" not in FAMILIES
+    torch.manual_seed(0)
+    model = tiny_model("bitnet")
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    command = [sys.executable, "-m", "edgeinfer.cli", "export", str(tmp_path / "hf"), "-o", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "model type 'bitnet' is not among the families edgeinfer's tests prove: tried" in done.stdout + done.stderr
+    result = check_export(tmp_path / "out", model, PROMPT, NEW_TOKENS)
+    assert result.tokens == result.expected_tokens and result.batch_rows_equal_single

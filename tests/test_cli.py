@@ -435,19 +435,19 @@ def test_check_against_other_weights_fails_in_one_line(tiny_llama, tmp_path):
 
 
 def test_info_lists_the_architectures():
-    from edgeinfer.export.families import SUPPORTED
+    from edgeinfer.export.families import TESTED
 
     done = edgeinfer("info", "--architectures")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[1].strip().split(", ") == list(SUPPORTED) and "internlm2: transformers 5 has no internlm2 model" in done.stdout
+    assert lines[1].strip().split(", ") == list(TESTED) and "internlm2: transformers 5 has no internlm2 model" in done.stdout
 
 
 def test_export_of_an_architecture_edgeinfer_has_never_seen(tmp_path):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "mamba"}')
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "made_up_lm"}')
     done = edgeinfer("export", str(tmp_path / "model"), "-o", str(tmp_path / "out"))
-    assert_one_line_error(done, "model type 'mamba' cannot be exported", "edgeinfer info --architectures")
+    assert_one_line_error(done, "model type 'made_up_lm' cannot be exported", "trust_remote_code", "edgeinfer info --architectures")
 
 
 def test_export_with_a_smaller_context(tiny_llama, tmp_path):

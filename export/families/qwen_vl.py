@@ -18,6 +18,10 @@ graph serves every size:
 
 from __future__ import annotations
 
+from typing import Callable
+
+from .processor import RESAMPLE_NAMES, VisionEncoder, normalization
+
 
 def encode(model, pixel_values):
     """Qwen2.5-VL's: windowed blocks, and full ones where the config says."""
@@ -126,3 +130,35 @@ def _attention(attention, hidden, cos, sin, mask):
         scores = scores.masked_fill(~mask, float("-inf"))
     out = (scores.softmax(-1) @ value).transpose(0, 1).reshape(count, -1)
     return attention.proj(out)
+
+
+def describe(processor) -> dict:
+    """Qwen2.5-VL and Qwen 3.5: each picture resized to whole tokens (a token is `grid` pixels square: patches
+    merged 2x2) within the processor's pixel bounds, keeping its shape as near as that allows; its
+    tokens in the place of the <|image_pad|> the chat template writes, placed by their row and
+    column (rotary "3d")."""
+    images = processor.image_processor
+    grid = int(images.patch_size * images.merge_size)
+    bounds = {"min_pixels": int(images.size["shortest_edge"]), "max_pixels": int(images.size["longest_edge"])}
+    return {
+        "steps": [{"op": "fit_pixels", "multiple": grid, **bounds}],
+        "resample": RESAMPLE_NAMES[int(images.resample)],
+        "image_token": processor.image_token,
+        "grid": grid,
+        "marker": processor.image_token,
+        "expansion": "{image}",
+        "rotary": "3d",
+        **normalization(images),
+    }
+
+
+def layout(processor) -> Callable:
+    import torch
+
+    images = processor.image_processor
+    sizes = (images.patch_size, images.merge_size, images.temporal_patch_size)
+    return lambda pixels: patches(torch.from_numpy(pixels), *sizes)[0].numpy()
+
+
+QWEN2_5_VL = VisionEncoder(encode, describe, layout)
+QWEN3_5 = VisionEncoder(encode_qwen3_5, describe, layout)

@@ -1,0 +1,133 @@
+"""What edgeinfer knows about model families, in one place.
+
+The runtime knows no family: it reads the KV layout and inputs from the manifest and the graphs.
+Export traces every family alike (export/trace.py: each layer's cache shape is read off what the
+model caches), and tries any decoder-only causal language model transformers has: its checks
+against PyTorch decide. It knows three things about families:
+- which ones the tests prove (TESTED), each by a parity test in tests/test_architectures.py;
+- what cannot work, and why (UNSUPPORTED, `not_a_decoder`);
+- what a family needs beyond the common trace: its record in FAMILIES (the patches its trace runs
+  inside, its vision encoder, its flags), the code of each in its own module here. Adding a family
+  that traces as is takes one line; one that needs a patch or an encoder, its module and one entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..patches import traceable_falcon_alibi, traceable_linear_attention
+from . import gemma3, idefics3, qwen_vl
+from .processor import VisionEncoder
+
+
+@dataclass(frozen=True)
+class Family:
+    """What export needs to know of a family beyond the common trace. A family that traces as is
+    needs none of it (AS_IS); one that needs more names it here, its code in its own module."""
+
+    patches: tuple[Callable, ...] = ()  # context managers (export/patches.py) the trace runs inside
+    vision: VisionEncoder | None = None  # a vision-language family's encoder and processor reading
+    images_attend_both_ways: bool = False  # a picture's tokens a block in the causal mask
+    rotary_3d: bool = False  # position_ids [3, batch, sequence]: time, row, column
+
+
+AS_IS = Family()
+LINEAR_ATTENTION = Family(patches=(traceable_linear_attention,))  # gated DeltaNet layers, short convolutions
+
+# Every family the tests prove (tests/test_architectures.py, tests/test_vision_families.py); others
+# are tried as AS_IS.
+FAMILIES = {
+    "arcee": AS_IS,
+    "bloom": AS_IS,
+    "codegen": AS_IS,
+    "cohere": AS_IS,
+    "deepseek_v3": AS_IS,
+    "falcon": Family(patches=(traceable_falcon_alibi,)),
+    "gemma": AS_IS,
+    "gemma2": AS_IS,
+    "gemma3_text": AS_IS,
+    "glm": AS_IS,
+    "gpt2": AS_IS,
+    "gpt_bigcode": AS_IS,
+    "gpt_neo": AS_IS,
+    "gpt_neox": AS_IS,
+    "gpt_oss": AS_IS,
+    "gptj": AS_IS,
+    "granite": AS_IS,
+    "helium": AS_IS,
+    "llama": AS_IS,
+    "mistral": AS_IS,
+    "mpt": AS_IS,
+    "nemotron": AS_IS,
+    "olmo": AS_IS,
+    "olmo2": AS_IS,
+    "opt": AS_IS,
+    "phi": AS_IS,
+    "phi3": AS_IS,
+    "qwen2": AS_IS,
+    "qwen3": AS_IS,
+    "qwen3_moe": AS_IS,
+    "smollm3": AS_IS,
+    "stablelm": AS_IS,
+    "exaone4": AS_IS,
+    "gemma4_text": AS_IS,
+    "glm4_moe_lite": AS_IS,
+    "granite_swa": AS_IS,
+    "hunyuan_v1_dense": AS_IS,
+    "lfm2": LINEAR_ATTENTION,
+    "lfm2_moe": LINEAR_ATTENTION,
+    "lfm3": LINEAR_ATTENTION,
+    "minicpm3": AS_IS,
+    "ministral3": AS_IS,
+    "olmo3": AS_IS,
+    "olmo_hybrid": LINEAR_ATTENTION,
+    "qwen3_5_moe_text": LINEAR_ATTENTION,
+    "qwen3_5_text": LINEAR_ATTENTION,
+    "seed_oss": AS_IS,
+    # vision-language: their language model as above, taking image features
+    "gemma3": Family(vision=gemma3.VISION, images_attend_both_ways=True),
+    "idefics3": Family(vision=idefics3.VISION),
+    "qwen2_5_vl": Family(vision=qwen_vl.QWEN2_5_VL, rotary_3d=True),
+    "qwen3_5": Family(patches=LINEAR_ATTENTION.patches, vision=qwen_vl.QWEN3_5, rotary_3d=True),
+    "smolvlm": Family(vision=idefics3.VISION),
+}
+TESTED = tuple(name for name, entry in FAMILIES.items() if entry.vision is None)
+VISION_LANGUAGE = tuple(name for name, entry in FAMILIES.items() if entry.vision is not None)
+
+
+def family(model_type: str) -> Family:
+    """A family's record; AS_IS for a family the tests do not know."""
+    return FAMILIES.get(model_type, AS_IS)
+
+
+# Families that cannot be exported here, and why.
+UNSUPPORTED = {
+    "internlm2": "transformers 5 has no internlm2 model; its checkpoints need trust_remote_code, which edgeinfer does not run",
+}
+
+
+def not_a_decoder(model_type: str) -> str | None:
+    """Why `model_type` cannot be a decoder-only language model, in words; None where it can be."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if model_type in VISION_LANGUAGE:
+        return None
+    if model_type not in CONFIG_MAPPING:
+        return "transformers has no model of this type (a checkpoint that needs trust_remote_code, which edgeinfer does not run)"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "transformers has no causal language model of this type"
+    if _default_config(CONFIG_MAPPING[model_type]).get("is_encoder_decoder") is True:
+        return "it is an encoder-decoder"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "it is an encoder (a masked language model), whose causal head is a decoder mode"
+    return None
+
+
+def _default_config(config_class) -> dict:
+    """A config class's defaults; its class attributes where it cannot be built without arguments."""
+    try:
+        return config_class().to_dict()
+    except Exception:  # noqa: BLE001 - a family's own validation of an empty config
+        return {"is_encoder_decoder": getattr(config_class, "is_encoder_decoder", False)}
