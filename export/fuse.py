@@ -10,7 +10,7 @@ greedy tokens, and a batch against single prompts). Where the attention rewrite 
 does not pass, the optimizer's graph alone is tried; where that fails too, export keeps the
 unfused graph. The manifest says what was kept and why. Only the errors that mean "does not apply"
 (PatternError) or "does not load or run" (the runtime's own errors) lead to a fallback; any other
-error is a bug, and fails the export (pipeline.py says so in one line).
+error is a bug, and fails the export (export/progress.py says so in one line, naming the stage).
 """
 
 from __future__ import annotations

@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
-import functools
 import gc
-import glob
 import os
 import shutil
-import sys
-import threading
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from edgeinfer.sdk.errors import EdgeInferError, ExportError
+from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import (
     ADAPTERS_FORMAT_VERSION,
-    LAYERS_FORMAT_VERSION,
-    SINGLE_FORMAT_VERSION,
     KVSpec,
     Manifest,
-    TokenizerSpec,
     describe_files,
 )
 from edgeinfer.sdk.memory import give_back_freed_memory, map_large_blocks, size_text
@@ -41,7 +32,6 @@ from .source import (
     Sizes,
     Source,
     check_layers,
-    first_line,
     load_model,
     manifest_source,
     resolve_source,
@@ -52,7 +42,19 @@ from .source import (
 from .families import TESTED, VISION_LANGUAGE
 from .split import split_export
 from .stream import deferring
-from . import spm_merges
+from .budget import (
+    check_free_space,
+    check_memory,
+    check_memory_before_load,
+    check_memory_streamed,
+    defers_weights,
+    fp32_weights,
+    peak_memory,
+    streamed_disk,
+)
+from .manifest import manifest_of, max_context, save_tokenizer
+from .progress import Stages
+from .workspace import PARTIAL, clean_leftovers, disk_error, move_into_place
 from .validate import EXTEND_TOKENS, sample_ids, torch_reference, validate
 from .vision import VISION_BLOCK, check_vision, is_vision, quantize_vision, vision_reference, with_vision
 
@@ -73,41 +75,6 @@ STAGES = (
 DTYPES = ("fp32", "fp16")
 TASKS = ("generation", "embedding")
 LAYOUTS = ("single", "split")
-_PARTIAL = ".partial-"
-_OPTIONAL_STAGES = {
-    "fuse": "--no-fuse exports without this stage",
-    "fp16": "an fp32 export skips this stage",
-    "quantize": "an export without --quantize skips this stage",
-    "split": "the default layout (--graphs single) skips this stage",
-    "adapters": "an export without --adapter skips this stage",
-}
-_TOOLS = ("edgeinfer", "torch", "transformers", "onnx", "onnxruntime-gpu", "onnxruntime")
-
-
-@functools.cache
-def _stage_failures() -> tuple[type[Exception], ...]:
-    """What a stage's libraries (torch, transformers, onnx, ONNX Runtime) raise on a model
-    they cannot handle: Python's own kinds, onnx's checker and shape inference errors, and ONNX
-    Runtime's status errors (which derive from Exception alone)."""
-    import onnx.checker
-    import onnx.shape_inference
-    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
-
-    ort = [kind for kind in vars(ort_errors).values() if isinstance(kind, type) and issubclass(kind, Exception)]
-    return (
-        ArithmeticError,
-        AssertionError,
-        AttributeError,
-        ImportError,
-        LookupError,
-        MemoryError,
-        RuntimeError,
-        TypeError,
-        ValueError,
-        onnx.checker.ValidationError,
-        onnx.shape_inference.InferenceError,
-        *ort,
-    )
 
 
 @dataclass(frozen=True)
@@ -193,7 +160,7 @@ def export_model(
     an export that was killed is recognised by its dead owner and removed by the next export.
     """
     out = Path(out).expanduser()
-    work = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work = out.parent / f".{out.name}{PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         clean_leftovers(out)  # may put back an export that a kill during --force left set aside
@@ -201,81 +168,21 @@ def export_model(
             raise ExportError(f"{out} already exists: pass --force to replace it, or choose another folder")
         work.mkdir()
     except OSError as e:
-        raise ExportError(_disk_error(e, out)) from None
+        raise ExportError(disk_error(e, out)) from None
     try:
         manifest = _export_into(model, work, options, say, live)
-        _replace(work, out)
+        move_into_place(work, out)
     except OSError as e:
-        raise ExportError(_disk_error(e, out)) from None
+        raise ExportError(disk_error(e, out)) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
-def clean_leftovers(out: Path) -> None:
-    """Remove what exports of `out` killed halfway left beside it: temporary folders whose
-    process is gone. A complete export set aside by --force is put back where `out` is missing."""
-    for path in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*")):
-        kind, _, rest = path.name[len(out.name) + 2 :].partition("-")
-        pid = rest.split("-")[0]
-        if kind not in ("partial", "old") or not pid.isdigit() or _alive(int(pid)):
-            continue
-        if kind == "old" and not out.exists():
-            path.rename(out)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # someone else's process, or a platform that cannot tell: leave it
-    return True
-
-
-def _disk_error(error: OSError, out: Path) -> str:
-    where = error.filename or out.parent
-    if error.errno == errno.ENOSPC:
-        return (
-            f"no space left on the device while writing {where}: nothing was kept; free some space "
-            f"({_free(out.parent)} free now) or export to another folder"
-        )
-    return (
-        f"the file system refused {where} ({error.strerror or error}): nothing was kept; check the path and its "
-        "permissions, or export elsewhere"
-    )
-
-
-def check_free_space(folder: Path, weights: int) -> None:
-    """Refuse before the first graph is written where the disk cannot hold the export: the fp32
-    graph (`weights` bytes as written, a tied table twice), and a second copy while fusion and
-    quantization rewrite it."""
-    need = 2 * weights
-    free = free_bytes(folder)
-    if free < need:
-        raise ExportError(
-            f"exporting needs about {size_text(need)} free in {folder}, which has {size_text(free)}: "
-            "free some space, or export to another folder"
-        )
-
-
-def free_bytes(folder: Path) -> int:
-    return shutil.disk_usage(folder).free
-
-
-def _free(folder: Path) -> str:
-    return size_text(free_bytes(folder))
-
-
 def _export_into(model: str, work: Path, options: ExportOptions, say, live) -> Manifest:
     map_large_blocks()  # process-wide: large buffers freed go back to the system (the export's peak memory)
     if options.task == "embedding":
-        return _export_embedding(model, work, options, _Stages(say, ["load", "export graph", "tokenizer", "validate", "write"], live))
+        return _export_embedding(model, work, options, Stages(say, ["load", "export graph", "tokenizer", "validate", "write"], live))
     wanted = {
         "quantize": bool(options.quantization),
         "fuse": options.fuse,
@@ -313,7 +220,7 @@ def _export_source(source: Source, work: Path, options: ExportOptions, say, live
         return _export_streamed(source, *streamed, work, options, say, live)
     if options.layers is None:
         check_memory_before_load(source_parameters(source))
-    stage = _Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
+    stage = Stages(say, [s for s in STAGES if wanted.get(s, True)], live)
     torch_model, manifest, weights = _traced(source, work, options, stage, adapters)
     with stage("validate"):
         stage.progress("PyTorch's logits and tokens for the checks")
@@ -334,7 +241,7 @@ def _export_source(source: Source, work: Path, options: ExportOptions, say, live
     return _written(work, manifest, stage, weights)
 
 
-def _written(work: Path, manifest: Manifest, stage: _Stages, weights: int, make: bool = False) -> Manifest:
+def _written(work: Path, manifest: Manifest, stage: Stages, weights: int, make: bool = False) -> Manifest:
     """The write stage: the weights still deferred made and written (`make`), the manifest, with
     the export's files, saved in `work`; then the peak memory said."""
     with stage("write"):
@@ -404,17 +311,17 @@ def _export_streamed(source: Source, sizes: Sizes, layers: int, total: int, work
     check_memory_streamed(sizes, layers, total, options.quantization)
     check_free_space(work.parent, streamed_disk(sizes, layers, total, options.quantization))
     wanted = {"fuse": options.fuse, "quantize": bool(options.quantization)}
-    stage = _Stages(say, [s for s in STREAMED_STAGES if wanted.get(s, True)], live)
+    stage = Stages(say, [s for s in STREAMED_STAGES if wanted.get(s, True)], live)
     with stage("check"):
         checked = _check_copy(source, layers, work / ".check", options, stage)
     with deferring():
         return _streamed_rest(source, work, options, stage, checked)
 
 
-def _streamed_rest(source: Source, work: Path, options: ExportOptions, stage: _Stages, checked: Manifest) -> Manifest:
+def _streamed_rest(source: Source, work: Path, options: ExportOptions, stage: Stages, checked: Manifest) -> Manifest:
     """A streamed export's stages after its check copy's. Without calibration to run, its weights
     are deferred (export/stream.py) until they are quantized or written."""
-    defer = _deferred(options.quantization)
+    defer = defers_weights(options.quantization)
     torch_model, manifest, weights = _traced(source, work, options, stage, {}, streamed=True, defer=defer)
     config = torch_model.config
     del torch_model
@@ -443,7 +350,7 @@ def _streamed_rest(source: Source, work: Path, options: ExportOptions, stage: _S
     return _written(work, manifest, stage, weights, make=defer)
 
 
-def _check_copy(source: Source, layers: int, folder: Path, options: ExportOptions, stage: _Stages) -> Manifest:
+def _check_copy(source: Source, layers: int, folder: Path, options: ExportOptions, stage: Stages) -> Manifest:
     """The manifest of a copy of the model's first `layers` layers, exported with `options` and
     checked against PyTorch in `folder`, which is then removed."""
     stage.progress(f"the model's first {layers} layers, exported as the model will be and checked against PyTorch")
@@ -455,7 +362,7 @@ def _check_copy(source: Source, layers: int, folder: Path, options: ExportOption
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _traced(source: Source, work: Path, options: ExportOptions, stage: _Stages, adapters: dict, streamed=False, defer=False):
+def _traced(source: Source, work: Path, options: ExportOptions, stage: Stages, adapters: dict, streamed=False, defer=False):
     """The loaded PyTorch model, the manifest of its traced graph (saved in `work`), and its fp32
     bytes. `streamed`: the model is loaded in its checkpoint's precision (export/stream.py);
     `defer`: its weights deferred."""
@@ -472,9 +379,9 @@ def _traced(source: Source, work: Path, options: ExportOptions, stage: _Stages, 
         stage.progress("tracing the model with torch.onnx")
         graph = export_graph(torch_model, work, defer=defer)
     with stage("tokenizer"):
-        tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
+        tokenizer_spec = save_tokenizer(torch_model, tokenizer, work)
     context = max_context(torch_model.config.get_text_config(), tokenizer, options.max_context)
-    manifest = _manifest(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
+    manifest = manifest_of(source.name, torch_model, graph, kv_layout(work, graph), tokenizer_spec, context)
     if is_vision(torch_model.config):
         with stage("vision"):
             stage.progress("tracing the vision encoder and its projector")
@@ -483,7 +390,7 @@ def _traced(source: Source, work: Path, options: ExportOptions, stage: _Stages, 
     return torch_model, manifest, weights
 
 
-def _loaded(model: str, stage: _Stages):
+def _loaded(model: str, stage: Stages):
     """The model's source, its PyTorch model and its tokenizer (an embedding export's load stage)."""
     source = resolve_source(model, stage.say)
     check_memory_before_load(source_parameters(source))
@@ -491,7 +398,7 @@ def _loaded(model: str, stage: _Stages):
     return source, *load_model(source)
 
 
-def _export_embedding(model: str, work: Path, options: ExportOptions, stage: _Stages) -> Manifest:
+def _export_embedding(model: str, work: Path, options: ExportOptions, stage: Stages) -> Manifest:
     """An embedding model's export: its hidden states' graph, checked against transformers."""
     with stage("load"):
         source, torch_model, tokenizer = _loaded(model, stage)
@@ -506,10 +413,10 @@ def _export_embedding(model: str, work: Path, options: ExportOptions, stage: _St
         stage.progress("tracing the model's hidden states with torch.onnx")
         graph = export_hidden_graph(base, work)
     with stage("tokenizer"):
-        tokenizer_spec = _save_tokenizer(torch_model, tokenizer, work)
+        tokenizer_spec = save_tokenizer(torch_model, tokenizer, work)
     context = max_context(torch_model.config, tokenizer, options.max_context)
     manifest = dataclasses.replace(
-        _manifest(source.name, torch_model, graph, KVSpec(0, 0, 0, "float32", 2, [], []), tokenizer_spec, context),
+        manifest_of(source.name, torch_model, graph, KVSpec(0, 0, 0, "float32", 2, [], []), tokenizer_spec, context),
         format_version=ADAPTERS_FORMAT_VERSION,
         task="embedding",
         embedding={**pooling, "dimensions": hidden, "matryoshka": sorted(set(options.matryoshka))},
@@ -532,7 +439,7 @@ def _export_embedding(model: str, work: Path, options: ExportOptions, stage: _St
     return manifest
 
 
-def _validated(work: Path, reference, stage: _Stages) -> dict:
+def _validated(work: Path, reference, stage: Stages) -> dict:
     stage.progress("prefill, decode and 4 tokens at once, against PyTorch's")
     validation = validate(reference, work)
     stage.say(
@@ -543,7 +450,7 @@ def _validated(work: Path, reference, stage: _Stages) -> dict:
     return validation
 
 
-def _vision_validated(work: Path, reference, stage: _Stages, gate: bool) -> dict:
+def _vision_validated(work: Path, reference, stage: Stages, gate: bool) -> dict:
     """The export with an image against transformers; a quantized one's logits differ by design:
     recorded, not a pass mark."""
     stage.progress("an image and its question, against transformers' processor and model")
@@ -556,7 +463,7 @@ def _vision_validated(work: Path, reference, stage: _Stages, gate: bool) -> dict
     return checked
 
 
-def _refined(work: Path, manifest: Manifest, config, references: dict, options: ExportOptions, stage: _Stages, validation: dict):
+def _refined(work: Path, manifest: Manifest, config, references: dict, options: ExportOptions, stage: Stages, validation: dict):
     """The optional stages, in order (fuse, fp16, quantize, split), each adding its checks to
     `validation`; returns the manifest and the quantization entry."""
     say = stage.say
@@ -594,7 +501,7 @@ def _refined(work: Path, manifest: Manifest, config, references: dict, options: 
     return manifest, quantization
 
 
-def _quality(work: Path, reference, stage: _Stages, method: str) -> dict:
+def _quality(work: Path, reference, stage: Stages, method: str) -> dict:
     """The quantized export's quality against fp32 over the quality text, said with the time it
     took; without a reference (--no-quality), a note that it was skipped."""
     if reference is None:
@@ -612,7 +519,7 @@ def _quality(work: Path, reference, stage: _Stages, method: str) -> dict:
     return measured
 
 
-def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: _Stages):
+def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: Stages):
     stage.progress("prefill.onnx and decode.onnx, then their tokens and logits against the one graph's")
     manifest, split = split_export(work, manifest, options.prefill_length, options.static_context)
     stage.say(
@@ -623,7 +530,7 @@ def _split(work: Path, manifest: Manifest, options: ExportOptions, stage: _Stage
     return manifest, split
 
 
-def _adapters(work: Path, manifest: Manifest, adapters: dict[str, PeftAdapter], references: dict, stage: _Stages) -> Manifest:
+def _adapters(work: Path, manifest: Manifest, adapters: dict[str, PeftAdapter], references: dict, stage: Stages) -> Manifest:
     stage.progress("the adapters' files and graph, then each adapter's tokens and logits against PEFT's")
     manifest, checks = add_adapters(work, manifest, adapters, references)
     for name, check in checks.items():
@@ -657,298 +564,6 @@ def _references(
     return references
 
 
-# Memory an export takes on top of the loaded PyTorch model: the fp32 weights once more, plus 512 MiB.
-# torch.onnx's tracer gets the weights apart, once the graph is traced the model is let go (the
-# checks hold ONNX Runtime's weights in its place), and the quantizer reads one weight at a time,
-# so the process's high-water mark over the loaded model stays under this on every checkpoint
-# measured (docs/benchmarks.md, "Export time and memory").
-EXPORT_MEMORY_FACTOR, EXPORT_MEMORY_BASE = 1, 2**29
-
-
-def fp32_weights(model, as_written: bool = False) -> int:
-    """Bytes of the model's weights in fp32; `as_written`: as the ONNX graph stores them, where a
-    weight shared by two layers (a tied embedding table and lm_head) is written once for each."""
-    return 4 * sum(p.numel() for _, p in model.named_parameters(remove_duplicate=not as_written))
-
-
-def check_memory(weights: int) -> None:
-    """Refuse, once the model is loaded and before the graph is traced, where this machine does
-    not have the memory the export's next stages take, for `weights` bytes of fp32 weights."""
-    available = available_memory()
-    need = EXPORT_MEMORY_FACTOR * weights + EXPORT_MEMORY_BASE
-    if available is not None and need > available:
-        raise ExportError(
-            f"exporting this model needs about {size_text(need)} more memory ({EXPORT_MEMORY_FACTOR:g}x its "
-            f"{size_text(weights)} of fp32 weights, and {size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: "
-            "free memory, or export on a machine with more and copy the export folder over (it runs anywhere)"
-        )
-
-
-def check_memory_before_load(parameters: int | None) -> None:
-    """Refuse, before any weight is read, where this machine cannot hold the model loaded in fp32
-    (4 bytes for each of the source's `parameters`) and what the export takes on top of it
-    (`check_memory`): the kernel would otherwise end the export while it loads."""
-    available = available_memory()
-    if parameters is None or available is None:
-        return  # the files do not say: check_memory decides once the model is loaded
-    weights = 4 * parameters
-    need = (1 + EXPORT_MEMORY_FACTOR) * weights + EXPORT_MEMORY_BASE
-    if need > available:
-        raise ExportError(
-            f"exporting this model needs about {size_text(need)} of memory (its {parameters / 1e9:.2f}B weights loaded in fp32, "
-            f"{size_text(weights)}, {EXPORT_MEMORY_FACTOR:g}x that again for the export's stages, and "
-            f"{size_text(EXPORT_MEMORY_BASE)}), and this machine has {size_text(available)} available: nothing was loaded; "
-            "export on a machine with more memory and copy the export folder over (it runs anywhere)"
-        )
-
-
-def _copy_parameters(sizes: Sizes, layers: int, total: int) -> int:
-    """About how many weights a check copy of `layers` of the model's `total` layers holds."""
-    return sizes.parameters - sizes.layered + sizes.layered * layers // max(1, total)
-
-
-def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> int:
-    """The bytes a streamed export writes at most: its check copy's fp32 graph (twice while its fuse
-    stage rewrites it), or the model's graph: deferred weights quantized (a byte a weight covers 4 or
-    8 bits, scales and zero points) beside one fp32 table, else the fp32 weights (twice, as the copy's)."""
-    if quantization is None:
-        model = 4 * sizes.parameters  # the fp32 graph, its weights written once, at the end
-    else:
-        model = sizes.parameters + 4 * sizes.largest if _deferred(quantization) else 8 * sizes.parameters
-    return max(8 * _copy_parameters(sizes, layers, total), model)
-
-
-def _deferred(quantization: Quantization | None) -> bool:
-    """Whether a streamed export defers its weights until they are quantized or written: unless
-    its quantization runs the fp32 graph over a calibration text (gptq; k_quant given one)."""
-    return quantization is None or not quantization.calibrated
-
-
-def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> None:
-    """Refuse, before any weight is read, where this machine cannot hold a streamed export: its
-    check copy, exported as `check_memory_before_load` counts a model; then the model, whose
-    checkpoint is mapped from its files and let go as it is read, so that what it holds is its
-    quantized weights (about a byte a weight), its largest tensor twice in fp32 (made, then
-    copied for the quantizer) and `EXPORT_MEMORY_BASE` twice; or, where its weights are not
-    deferred, the fp32 graph that ONNX Runtime holds whole to run the calibration or to check it."""
-    available = available_memory()
-    copy = (1 + EXPORT_MEMORY_FACTOR) * 4 * _copy_parameters(sizes, layers, total) + EXPORT_MEMORY_BASE
-    deferred = _deferred(quantization)
-    model = (sizes.parameters + 8 * sizes.largest if deferred else 4 * sizes.parameters) + 2 * EXPORT_MEMORY_BASE
-    need = max(copy, model)
-    if available is None or need <= available:
-        return
-    what = (
-        f"a copy of its first {layers} layers in fp32, checked against PyTorch"
-        if copy >= model
-        else "its quantized weights and its largest tensor twice in fp32"
-        if deferred
-        else "its fp32 graph in ONNX Runtime, for the calibration or the checks"
-    )
-    raise ExportError(
-        f"exporting this model needs about {size_text(need)} of memory ({what}), and this machine has "
-        f"{size_text(available)} available: nothing was loaded; "
-        + (
-            ""
-            if deferred or copy >= model
-            else "quantize with --algorithm rtn or hqq (no calibration, weights never held in fp32), or "
-        )
-        + "export on a machine with more memory and copy the export folder over (it runs anywhere)"
-    )
-
-
-def available_memory() -> int | None:
-    from edgeinfer.sdk.memory import available_bytes
-
-    return available_bytes("cpu", None)[0]
-
-
-def peak_memory() -> int | None:
-    """The most resident memory this process has held, in bytes (None where the platform cannot tell)."""
-    try:
-        import resource
-    except ImportError:
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _manifest(source, model, graph, kv, tokenizer_spec, context: int) -> Manifest:
-    config, generation = model.config, model.generation_config
-    text = config.get_text_config()  # a vision-language model's (Qwen 3.5's) may name them there alone
-    eos = generation.eos_token_id if generation.eos_token_id is not None else getattr(config, "eos_token_id", text.eos_token_id)
-    bos = generation.bos_token_id if generation.bos_token_id is not None else getattr(config, "bos_token_id", text.bos_token_id)
-    return Manifest(
-        format_version=LAYERS_FORMAT_VERSION if kv.layers or kv.state else SINGLE_FORMAT_VERSION,
-        source=source,
-        architecture=config.model_type,
-        dtype="float32",
-        vocab_size=text.vocab_size,
-        max_context=context,
-        bos_token_id=bos,
-        eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
-        graph=graph,
-        kv=kv,
-        tokenizer=tokenizer_spec,
-        generation=generation_defaults(generation),
-        tools=_tool_versions(),
-    )
-
-
-def generation_defaults(generation) -> dict:
-    """The model's generation config in edgeinfer's settings. Sampling settings count only where
-    the config samples (`do_sample`), as in transformers; otherwise decoding is greedy."""
-    defaults = {}
-    if generation.max_new_tokens:
-        defaults["max_new_tokens"] = int(generation.max_new_tokens)
-    if generation.do_sample:  # a setting left unset samples with transformers' default for it
-        defaults.update(
-            temperature=float(generation.temperature if generation.temperature is not None else 1.0),
-            top_k=int(generation.top_k if generation.top_k is not None else 50),
-            top_p=float(generation.top_p if generation.top_p is not None else 1.0),
-            min_p=float(generation.min_p or 0.0),
-        )
-    if generation.repetition_penalty not in (None, 1.0):
-        defaults["repetition_penalty"] = float(generation.repetition_penalty)
-    return defaults
-
-
-def max_context(config, tokenizer, requested: int | None) -> int:
-    """The context the export serves: `requested`, else the model's limit (its config, else its
-    tokenizer's model_max_length)."""
-    names = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
-    limit = next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
-    if limit is None and 0 < (tokenizer.model_max_length or 0) < 10**7:  # tokenizers say 1e30 for "no limit"
-        limit = int(tokenizer.model_max_length)
-    if requested is not None and limit is not None and requested > limit:
-        raise ExportError(f"--max-context {requested} is more than this model's context of {limit} tokens: pass at most {limit}")
-    if requested is None and limit is None:
-        raise ExportError(
-            f"the {config.model_type} config names no maximum context length: pass --max-context N "
-            "(the context the model was trained with)"
-        )
-    return requested or limit
-
-
-def _save_tokenizer(model, tokenizer, work: Path) -> TokenizerSpec:
-    tokenizer.save_pretrained(work)
-    spm_merges.rewrite(work / "tokenizer.json")  # a GGUF's rank scores tokenized as llama.cpp does
-    model.generation_config.save_pretrained(work)
-    template = tokenizer.chat_template
-    if isinstance(template, dict):
-        template = template.get("default")
-    if template:
-        (work / "chat_template.jinja").write_text(template)
-    return TokenizerSpec(
-        chat_template="chat_template.jinja" if template else None, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token
-    )
-
-
-def _tool_versions() -> dict[str, str]:
-    versions = {}
-    for name in _TOOLS:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return versions
-
-
-def _replace(work: Path, out: Path) -> None:
-    """Move the finished export to `out`; an old `out` (with --force) goes only after that."""
-    old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if out.exists():
-        out.rename(old)
-    work.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-class _Stages:
-    """The stages in order: "[i/n] name" when one starts, "name: done in X s" when it ends, and, on
-    a terminal (`live`), one line redrawn twice a second with what the stage is doing and for how long."""
-
-    def __init__(self, say, names: list[str], live=None):
-        self._say, self.names, self.index, self.live = say, names, 0, live
-        self._lock, self._status, self._drawn, self._began = threading.Lock(), None, 0, time.perf_counter()
-
-    @property
-    def total(self) -> float:
-        return time.perf_counter() - self._began
-
-    def say(self, message: str) -> None:
-        with self._lock:
-            self._clear()
-            self._say(message)
-
-    def progress(self, doing: str, fraction: float | None = None) -> None:
-        """What the stage is doing now, and how far along it is (0 to 1) where that is known."""
-        if self._status is not None:
-            self._status = (self._status[0], self._status[1], doing, fraction)
-
-    @contextmanager
-    def __call__(self, name: str):
-        self.index += 1
-        self.say(f"[{self.index}/{len(self.names)}] {name}")
-        start = time.perf_counter()
-        self._status = (name, start, "", None)
-        ticker = _Ticker(self._draw) if self.live is not None else None
-        try:
-            yield
-        except (EdgeInferError, OSError):  # the stages' own errors, and the file system's (export_model)
-            raise
-        except _stage_failures() as e:  # anything else is a bug: one line that says so, the traceback kept as the cause
-            around = f"; {_OPTIONAL_STAGES[name]}" if name in _OPTIONAL_STAGES else ""
-            raise ExportError(
-                f"the {name} stage failed with {type(e).__name__}: {first_line(e)}: this is a bug in edgeinfer, "
-                f"please report it with the output of --debug{around}"
-            ) from e
-        finally:
-            if ticker:
-                ticker.stop()
-            self._status = None
-            with self._lock:
-                self._clear()
-            give_back_freed_memory()
-        self.say(f"      {name}: done in {time.perf_counter() - start:.1f} s")
-
-    def _draw(self) -> None:
-        with self._lock:
-            if self._status is None:
-                return
-            name, start, doing, fraction = self._status
-            line = f"      {name}: {time.perf_counter() - start:.0f} s" + (f", {doing}" if doing else "")
-            if fraction is not None:
-                line += f" ({fraction:.0%})"
-            width = shutil.get_terminal_size((100, 20)).columns - 1
-            self._clear()
-            self.live.write(line[:width])
-            self.live.flush()
-            self._drawn = len(line[:width])
-
-    def _clear(self) -> None:
-        if self._drawn and self.live is not None:
-            self.live.write("\r" + " " * self._drawn + "\r")
-            self.live.flush()
-            self._drawn = 0
-
-
-class _Ticker:
-    """Calls `draw` twice a second on a daemon thread until stopped."""
-
-    def __init__(self, draw):
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(draw,), daemon=True, name="edgeinfer-export-progress")
-        self._thread.start()
-
-    def _run(self, draw) -> None:
-        while not self._stop.wait(0.5):
-            draw()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def export_adapter(
     adapter_folder: str | Path, base: str | Path, name: str, model: str | None = None, say=lambda message: None
 ) -> Manifest:
@@ -974,7 +589,7 @@ def export_adapter(
     reference = peft_reference(torch_model, adapter.folder, CHECK_PROMPT, CHECK_TOKENS)
     del torch_model
     gc.collect()
-    work = base.parent / f".{base.name}{_PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work = base.parent / f".{base.name}{PARTIAL}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _link_tree(base, work)
         updated, checks = add_adapters(work, manifest, {name: adapter}, {name: reference})

@@ -226,7 +226,7 @@ def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
 def test_the_context_comes_from_the_config_else_the_tokenizer_else_the_flag():
     from types import SimpleNamespace
 
-    from edgeinfer.export.pipeline import max_context
+    from edgeinfer.export.manifest import max_context
 
     unlimited = SimpleNamespace(model_max_length=int(1e30))
     assert max_context(SimpleNamespace(model_type="mpt", max_seq_len=2048), unlimited, None) == 2048

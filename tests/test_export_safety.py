@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from edgeinfer import Engine
-from edgeinfer.export import ExportOptions, Quantization, export_model, pipeline
+from edgeinfer.export import ExportOptions, Quantization, budget, export_model, pipeline, progress, workspace
 from edgeinfer.sdk.errors import ExportError
 
 
@@ -75,7 +75,7 @@ def test_leftovers_of_dead_exports_are_cleaned_and_a_set_aside_export_is_put_bac
     (tmp_path / f".out.partial-{dead}-0a1b2c3d").mkdir()
     (tmp_path / f".out.partial-{os.getpid()}-0a1b2c3d").mkdir()  # a live export's: left alone
     (tmp_path / ".other.partial-1-0a1b2c3d").mkdir()  # another output's
-    pipeline.clean_leftovers(out)
+    workspace.clean_leftovers(out)
     assert leftovers(tmp_path) == [".other.partial-1-0a1b2c3d", f".out.partial-{os.getpid()}-0a1b2c3d", "out"]
     assert (
         Engine.load(out, provider="cpu").generate([5, 6], max_new_tokens=4).token_ids
@@ -84,7 +84,7 @@ def test_leftovers_of_dead_exports_are_cleaned_and_a_set_aside_export_is_put_bac
 
 
 def test_a_disk_without_room_is_refused_before_writing(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "free_bytes", lambda folder: 100 * 2**10)
+    monkeypatch.setattr(budget, "free_bytes", lambda folder: 100 * 2**10)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
     need = f"{8 * params / 2**10:.1f} KiB"  # fp32 weights, twice
     with pytest.raises(ExportError, match=rf"exporting needs about {need} free in .*, which has 100.0 KiB: free some space"):
@@ -101,11 +101,11 @@ def test_the_disk_check_counts_a_tied_table_as_the_graph_writes_it(tmp_path, mon
     from edgeinfer.sdk.memory import size_text
 
     model = build_llama(tmp_path / "tied", vocab_size=4096, tie_word_embeddings=True)
-    written = pipeline.fp32_weights(model, as_written=True)
-    assert written == pipeline.fp32_weights(model) + 4 * 4096 * model.config.hidden_size
+    written = budget.fp32_weights(model, as_written=True)
+    assert written == budget.fp32_weights(model) + 4 * 4096 * model.config.hidden_size
     export_model(str(tmp_path / "tied"), tmp_path / "out")
     assert written <= (tmp_path / "out" / "model.onnx.data").stat().st_size < 1.01 * written
-    monkeypatch.setattr(pipeline, "free_bytes", lambda folder: 2 * written - 1)
+    monkeypatch.setattr(budget, "free_bytes", lambda folder: 2 * written - 1)
     with pytest.raises(ExportError, match=rf"exporting needs about {size_text(2 * written)} free in"):
         export_model(str(tmp_path / "tied"), tmp_path / "again")
     assert leftovers(tmp_path) == ["out", "tied"]
@@ -234,7 +234,7 @@ def test_a_machine_without_the_memory_is_refused_before_tracing_with_both_figure
     """Where the source's files do not say how big it is, the check runs once it is loaded."""
     import re
 
-    monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**10)
     monkeypatch.setattr(pipeline, "source_parameters", lambda source: None)
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_llama[0]).parameters())
     from edgeinfer.sdk.memory import size_text
@@ -284,7 +284,7 @@ def test_a_model_too_big_for_the_machine_is_refused_from_its_headers_before_load
     ):
         export_model(str(huge), tmp_path / "exports" / "out", say=said.append)
     assert loads == [] and leftovers(tmp_path / "exports") == []
-    monkeypatch.setattr(pipeline, "available_memory", lambda: 100 * 2**10)
+    monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**10)
     with pytest.raises(ExportError, match=r"this machine has 100.0 KiB available: nothing was loaded"):
         export_model(str(tiny_llama[0]), tmp_path / "out")
     assert loads == []
@@ -310,7 +310,7 @@ def test_the_progress_line_says_what_a_stage_does_and_is_cleared_before_the_next
     import time
 
     live, said = io.StringIO(), []
-    stages = pipeline._Stages(said.append, ["fuse"], live)
+    stages = progress.Stages(said.append, ["fuse"], live)
     with stages("fuse"):
         stages.progress("optimizer: rotary embeddings", 0.5)
         time.sleep(1.3)

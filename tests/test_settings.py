@@ -123,7 +123,7 @@ def test_an_unknown_keyword_is_an_error_that_suggests_the_right_one():
 def test_export_maps_the_models_generation_config_to_settings():
     from transformers import GenerationConfig as HFConfig
 
-    from edgeinfer.export.pipeline import generation_defaults
+    from edgeinfer.export.manifest import generation_defaults
 
     assert generation_defaults(HFConfig()) == {}
     assert generation_defaults(HFConfig(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=100)) == {
