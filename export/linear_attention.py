@@ -142,3 +142,96 @@ def short_conv_forward(self, hidden_states, cache=None, attention_mask=None, **k
     bias = self.conv.bias if self.conv.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
     out, layer.conv_states[0] = CausalConv.apply(gate_in * x, weight, bias, layer.conv_states[0], "none")
     return self.out_proj((gate_out * out).transpose(-1, -2).contiguous())
+
+
+class GatedLinearRule(torch.autograd.Function):
+    """The gated linear rule over T tokens from `state` [B, H, dk, dv]: S = exp(g) S + k ⊗ v, output
+    scale * q^T S, with query and key [B, T, H * dk], value [B, T, H * dv] and decay g (log-space)
+    [B, T, H]: a Mamba-2 scan (key B, query C, value x dt, decay A dt), one head a state."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, state, decay, heads: int, scale: float):
+        batch, length = query.shape[:2]
+        key_size, value_size = state.shape[2:]
+        q, k = (t.reshape(batch, length, heads, key_size).transpose(1, 2) for t in (query, key))
+        v = value.reshape(batch, length, heads, value_size).transpose(1, 2)
+        out, state = torch.empty_like(v), state.clone()
+        for t in range(length):
+            state = state * decay[:, t].exp()[:, :, None, None] + k[:, :, t, :, None] * v[:, :, t, None, :]
+            out[:, :, t] = scale * (state * q[:, :, t, :, None]).sum(-2)
+        return out.transpose(1, 2).reshape(batch, length, heads * value_size), state
+
+    @staticmethod
+    def symbolic(g, query, key, value, state, decay, heads: int, scale: float):
+        out, present = g.op(
+            "com.microsoft::LinearAttention",
+            query,
+            key,
+            value,
+            state,
+            decay,
+            q_num_heads_i=heads,
+            kv_num_heads_i=heads,
+            scale_f=scale,
+            update_rule_s="gated",
+            outputs=2,
+        )
+        return _typed(out, value), _typed(present, state)
+
+
+def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """A Mamba-2 mixer's forward (Bamba's, Granite 4.0-H's) through the two ops: the convolution of
+    x, B and C through CausalConvWithState, the selective scan through LinearAttention's gated rule.
+    Its state is read from and written to the cache layer's `conv_states[0]` and
+    `recurrent_states[0]`, the latter [B, heads, state size, head size]: transformers' [B, heads,
+    head size, state size] transposed (export/trace.py), the op's key-by-value layout. Every
+    position is taken as a real token (the runtime passes no padding to these layers)."""
+    layer = cache.layers[self.layer_idx]
+    projected = self.in_proj(hidden_states * getattr(self, "ssm_in_multiplier", 1.0))
+    if hasattr(self, "mup_vector"):  # Falcon-H1's multipliers
+        projected = projected * self.mup_vector
+    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    xbc, layer.conv_states[0] = _convolved(self.conv1d, xbc, layer.conv_states[0], self.activation)
+    groups = self.n_groups * self.ssm_state_size
+    x, b, c = torch.split(xbc, [self.intermediate_size, groups, groups], dim=-1)
+    scan, layer.recurrent_states[0] = _scanned(self, x, b, c, dt, layer.recurrent_states[0])
+    if getattr(self, "mamba_rms_norm", True):
+        return self.out_proj(self.norm(scan, gate))
+    return self.out_proj(scan * F.silu(gate))  # Falcon-H1 without its norm
+
+
+def _convolved(conv, x, state, activation: str):
+    """`x` [B, T, C] through the depthwise causal convolution `conv` from `state`: ([B, T, C], the new state)."""
+    if activation not in ("silu", "swish"):
+        raise NotImplementedError(f"a Mamba-2 convolution with activation {activation!r}: CausalConvWithState takes silu or none")
+    bias = conv.bias if conv.bias is not None else torch.zeros(conv.weight.shape[0], dtype=conv.weight.dtype)
+    out, state = CausalConv.apply(x.transpose(1, 2), conv.weight, bias, state, "silu")
+    return out.transpose(1, 2), state
+
+
+def _scanned(self, x, b, c, dt, state):
+    """The selective scan of x [B, T, heads * head size] with B and C [B, T, groups * state size]
+    (each group serving heads / groups consecutive heads) and the step dt [B, T, heads] before its
+    bias and softplus; plus D x. Returns ([B, T, heads * head size], the new state)."""
+    batch, length = x.shape[:2]
+    heads, size = self.num_heads, self.ssm_state_size
+    dt = _limited(F.softplus(dt + self.dt_bias), *self.time_step_limit)
+    per_group = heads // self.n_groups
+
+    def each_head(t):  # [B, T, groups * size] -> [B, T, heads * size]
+        return t.reshape(batch, length, self.n_groups, 1, size).expand(-1, -1, -1, per_group, -1).reshape(batch, length, heads * size)
+
+    value = (x.reshape(batch, length, heads, -1) * dt[..., None]).reshape(batch, length, -1)
+    decay = -torch.exp(self.A_log.float()) * dt
+    out, state = GatedLinearRule.apply(each_head(c), each_head(b), value, state, decay, heads, 1.0)
+    skip = (x.reshape(batch, length, heads, -1) * self.D[:, None]).reshape(batch, length, -1)
+    return out + skip, state
+
+
+def _limited(dt, low: float, high: float):
+    """The step `dt` [B, T, heads] within the mixer's time-step limits where a pass has several
+    tokens, as transformers' chunked scan has it; its one-token step (decode) takes none."""
+    if (low, high) == (0.0, float("inf")):
+        return dt  # softplus is never below 0
+    several = torch.ones_like(dt[0, :, 0]).sum() > 1.5  # the pass's length, traced (not a Python int)
+    return torch.where(several, torch.clamp(dt, min=low, max=high), dt)

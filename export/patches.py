@@ -66,10 +66,21 @@ PATCHES = (
         "transformers",
         "5.24",
         (
-            "tests/test_linear_attention.py::test_the_traced_deltanet_layer_gives_transformers_own",
+            "tests/test_linear_attention.py::test_the_traced_state_layers_give_transformers_own",
             "tests/test_architectures.py::test_family_matches_transformers",
         ),
         "transformers' gated DeltaNet loops over the prompt's chunks and tokens in Python, which a trace unrolls",
+    ),
+    Patch(
+        "traceable_mamba2",
+        "transformers",
+        "5.24",
+        (
+            "tests/test_linear_attention.py::test_the_traced_state_layers_give_transformers_own",
+            "tests/test_architectures.py::test_family_matches_transformers",
+        ),
+        "transformers' Mamba-2 mixers scan the prompt in chunks of Python-sized blocks, and decode one token "
+        "through another path, which a trace freezes at the traced length",
     ),
     Patch(
         "state_op_shapes",
@@ -320,6 +331,40 @@ def traceable_linear_attention():
         finally:
             for layer, original in originals.items():
                 layer.forward = original
+
+
+_MAMBA2 = threading.Lock()  # the patch is process-wide: one trace uses it at a time
+
+
+@contextmanager
+def traceable_mamba2():
+    """While a model is traced, Mamba-2 mixers (Bamba's, Granite 4.0-H's, Nemotron-H's, Falcon-H1's, Zamba 2's) run
+    export/linear_attention.py's `mamba2_forward`, whose convolution and selective scan trace into
+    ONNX Runtime's CausalConvWithState and LinearAttention (its gated rule)."""
+    from transformers.models.bamba import modeling_bamba
+    from transformers.models.falcon_h1 import modeling_falcon_h1
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+    from transformers.models.nemotron_h import modeling_nemotron_h
+    from transformers.models.zamba2 import modeling_zamba2
+
+    from .linear_attention import mamba2_forward
+
+    mixers = (
+        modeling_bamba.BambaMixer,
+        modeling_granitemoehybrid.GraniteMoeHybridMambaLayer,
+        modeling_nemotron_h.NemotronHMamba2Mixer,
+        modeling_falcon_h1.FalconH1Mixer,
+        modeling_zamba2.Zamba2MambaMixer,
+    )
+    with _MAMBA2:  # the originals are read under the lock: another trace may have patched them until now
+        originals = {mixer: mixer.forward for mixer in mixers}
+        for mixer in mixers:
+            mixer.forward = mamba2_forward
+        try:
+            yield
+        finally:
+            for mixer, original in originals.items():
+                mixer.forward = original
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

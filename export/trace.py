@@ -64,9 +64,11 @@ def trace(model, path: Path) -> None:
 
     text = model.config.get_text_config()
     ids = _dummy_ids(text.vocab_size, _PAST + _NEW)
+    record = family(model.config.model_type)
     with torch.no_grad(), traceable_experts(model.config):
         kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
-    record = family(model.config.model_type)
+    if record.scan_state_transposed:
+        past = _transposed_states(kinds, past)
     image_token = model.config.image_token_id if record.vision is not None else None
     decoder = Decoder(model, kinds, image_token, record.images_attend_both_ways).eval()
     inputs = {"input_ids": ids[:, _PAST:]}
@@ -168,34 +170,53 @@ def _cache_axes(name: str, length: str) -> dict[int, str]:
 def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
     """Each cached layer's tensor kinds and its tensors, in order, from the cache transformers
     filled for a prompt: a linear-attention layer's convolution state there holds the kernel's K
-    inputs, the op's K - 1. Layers that read another layer's cache (Gemma 4's KV sharing: always
-    the last ones) hold nothing and are left out."""
+    inputs, the op's K - 1. A layer with no cache of its own (an MLP or experts layer between
+    others, Nemotron-H's) is kept, holding nothing; the last layers that read another layer's cache
+    (Gemma 4's KV sharing) are left out."""
     kinds, tensors = [], []
     for names, values in map(_layer_tensors, cache.layers):
-        if names:
-            kinds.append(names)
-            tensors += [values[0][..., 1:], *values[1:]] if names[0] == "conv" else values
+        kinds.append(names)
+        tensors += [value[..., 1:] if name == "conv" else value for name, value in zip(names, values)]
+    while kinds and not kinds[-1]:
+        kinds.pop()
     return kinds, tensors
+
+
+def _transposed_states(kinds: list[tuple[str, ...]], past: list) -> list:
+    """`past` with each recurrent state's last two axes swapped (a selective scan's [batch, heads,
+    head size, state size] as LinearAttention keeps it, [batch, heads, state size, head size])."""
+    names = [name for layer in kinds for name in layer]
+    return [t.transpose(-1, -2).contiguous() if name == "recurrent" else t for name, t in zip(names, past)]
 
 
 def full_length_cache(past, kinds):
     """A transformers cache holding `past` (each layer's tensors, of `kinds`): attention layers
-    that keep every token, and linear-attention layers holding their state. Built without
-    `update`, whose first concatenation is with an empty tensor of another rank, which ONNX's
-    Concat does not take."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
+    that keep every token, linear-attention layers holding their state, layers with both, and
+    layers with none. Built without `update`, whose first concatenation is with an empty tensor of
+    another rank, which ONNX's Concat does not take."""
+    from transformers.cache_utils import DynamicCache
 
     cache, tensors = DynamicCache(), iter(past)
     for names in kinds:
-        values = [next(tensors) for _ in names]
-        if names[0] == "conv":  # a short convolution's layer has no recurrent state
-            layer = LinearAttentionLayer()
-            layer.conv_states, layer.recurrent_states = {0: values[0]}, {0: values[1] if len(values) > 1 else None}
-        else:
-            layer = DynamicLayer()
-            layer.keys, layer.values, layer.device, layer.is_initialized = *values, values[0].device, True
-        cache.layers.append(layer)
+        cache.layers.append(_cache_layer(dict(zip(names, tensors))))
     return cache
+
+
+def _cache_layer(tensors: dict):
+    """One layer of the cache: keys and values, a convolution and recurrent state, both, or none."""
+    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+
+    if not tensors:
+        return DummyLayer()
+    if "conv" in tensors:
+        layer = LinearAttentionAndFullAttentionLayer() if "key" in tensors else LinearAttentionLayer()
+        # a short convolution's layer has no recurrent state
+        layer.conv_states, layer.recurrent_states = {0: tensors["conv"]}, {0: tensors.get("recurrent")}
+    else:
+        layer = DynamicLayer()
+    if "key" in tensors:
+        layer.keys, layer.values, layer.device, layer.is_initialized = tensors["key"], tensors["value"], tensors["key"].device, True
+    return layer
 
 
 def _decoder_class():
@@ -286,12 +307,13 @@ def _present(cache) -> list:
 
 def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
     """A cache layer's tensor kinds and tensors: keys and values; a linear-attention layer's
-    convolution and recurrent state (a short convolution's, the first alone); none for a layer
-    that reads another's cache."""
+    convolution and recurrent state (a short convolution's, the first alone); both where a layer
+    runs attention and a mixer side by side (Falcon-H1's); none for a layer without a cache."""
+    kinds, tensors = (("key", "value"), (layer.keys, layer.values)) if getattr(layer, "keys", None) is not None else ((), ())
     if hasattr(layer, "recurrent_states"):
-        tensors = tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
-        return STATE_KINDS[: len(tensors)], tensors
-    return ((), ()) if layer.keys is None else (("key", "value"), (layer.keys, layer.values))
+        states = tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
+        kinds, tensors = kinds + STATE_KINDS[: len(states)], tensors + states
+    return kinds, tensors
 
 
 def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False):  # noqa: N802 - builds the class on first use

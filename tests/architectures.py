@@ -32,8 +32,56 @@ DELTANET = dict(
     linear_conv_kernel_dim=4,
 )
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+# Mamba-2 mixers: eight heads of 16 (the mixer's 128 = 2 x 64), two groups of B and C, a state of 8
+# (not the head size: a transposed state would show), chunks of 16 (the prompt is longer).
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)
 
 TINY = {
+    "bamba": {**MAMBA2, "num_hidden_layers": 3, "attn_layer_indices": [1]},
+    "nemotron_h": {
+        "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
+        "head_dim": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "moe_shared_expert_intermediate_size": 16,
+    },
+    "falcon_h1": {  # attention and a Mamba-2 mixer side by side in every layer, with muP multipliers
+        **MAMBA2,
+        "mamba_d_ssm": 128,
+        "ssm_in_multiplier": 0.5,
+        "ssm_multipliers": [1.0, 0.5, 2.0, 1.5, 0.75],
+        "attention_in_multiplier": 0.8,
+        "key_multiplier": 1.2,
+    },
+    "falcon_h1@norm": {**MAMBA2, "mamba_d_ssm": 128, "mamba_rms_norm": True},
+    "zamba2": {  # a shared attention block (with per-use LoRA adapters) between Mamba-2 layers
+        "num_hidden_layers": 3,
+        "layers_block_type": ["mamba", "hybrid", "mamba"],
+        "n_mamba_heads": 8,
+        "mamba_headdim": 16,
+        "mamba_ngroups": 2,
+        "mamba_d_state": 8,
+        "chunk_size": 16,
+        "attention_head_dim": 32,  # its attention reads the hidden state and the embeddings side by side: 2 x 64
+        "num_key_value_heads": 4,
+        "use_shared_attention_adapter": True,
+        "adapter_rank": 4,
+    },
+    "granitemoehybrid": {
+        **MAMBA2,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 32,
+    },
     "arcee": {},
     "bloom": {"n_embed": 64},
     "codegen": {"n_inner": 128, "rotary_dim": 4, "n_ctx": 256},

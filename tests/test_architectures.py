@@ -44,6 +44,12 @@ LAYOUT = {
 #   families whose graph counts positions from the cache length.
 RECORDED_FUSION_SKIPPED = set()
 RECORDED_IN_PLACE = {
+    "bamba",
+    "granitemoehybrid",
+    "nemotron_h",
+    "falcon_h1",
+    "falcon_h1@norm",
+    "zamba2",
     "arcee",
     "codegen",
     "cohere",
@@ -86,6 +92,9 @@ RECORDED_IN_PLACE = {
     "seed_oss",
 }
 RECORDED_ROTARY_IN_ATTENTION = {
+    "granitemoehybrid",  # no rotary at all (position_embedding_type None, as Granite 4.0-H ships)
+    "nemotron_h",
+    "zamba2",
     "arcee",
     "gemma",
     "gemma2",

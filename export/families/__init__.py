@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..patches import traceable_falcon_alibi, traceable_linear_attention
+from ..patches import traceable_falcon_alibi, traceable_linear_attention, traceable_mamba2
 from . import gemma3, idefics3, qwen_vl
 from .processor import VisionEncoder
 
@@ -30,10 +30,14 @@ class Family:
     vision: VisionEncoder | None = None  # a vision-language family's encoder and processor reading
     images_attend_both_ways: bool = False  # a picture's tokens a block in the causal mask
     rotary_3d: bool = False  # position_ids [3, batch, sequence]: time, row, column
+    # a selective scan's state kept [batch, heads, state size, head size] (LinearAttention's key by
+    # value), where transformers keeps it [batch, heads, head size, state size]
+    scan_state_transposed: bool = False
 
 
 AS_IS = Family()
 LINEAR_ATTENTION = Family(patches=(traceable_linear_attention,))  # gated DeltaNet layers, short convolutions
+MAMBA2 = Family(patches=(traceable_mamba2,), scan_state_transposed=True)  # Mamba-2 mixers beside attention layers
 
 # Every family the tests prove (tests/test_architectures.py, tests/test_vision_families.py); others
 # are tried as AS_IS.
@@ -85,6 +89,12 @@ FAMILIES = {
     "qwen3_5_moe_text": LINEAR_ATTENTION,
     "qwen3_5_text": LINEAR_ATTENTION,
     "seed_oss": AS_IS,
+    # state-space hybrids
+    "bamba": MAMBA2,
+    "granitemoehybrid": MAMBA2,
+    "nemotron_h": MAMBA2,
+    "falcon_h1": MAMBA2,
+    "zamba2": MAMBA2,
     # vision-language: their language model as above, taking image features
     "gemma3": Family(vision=gemma3.VISION, images_attend_both_ways=True),
     "idefics3": Family(vision=idefics3.VISION),
