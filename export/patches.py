@@ -44,6 +44,14 @@ PATCHES = (
         "sizes are dynamic",
     ),
     Patch(
+        "missing_symbolics",
+        "torch",
+        "2.13",
+        ("tests/test_patches.py::test_the_added_symbolics_give_torchs_own",),
+        "torch.onnx's TorchScript exporter has no symbolic for aten::expm1 (Apertus' xIELU activation) or aten::rms_norm "
+        "(torch.nn.RMSNorm, DiffLlama's)",
+    ),
+    Patch(
         "images_only",
         "transformers",
         "5.24",
@@ -221,6 +229,46 @@ def constant_repeat_interleave():
             yield
         finally:
             torch.Tensor.repeat_interleave, torch.repeat_interleave = tensor_method, function
+
+
+# --- torch: symbolics torch.onnx lacks -------------------------------------------------------------
+
+_SYMBOLICS = threading.Lock()  # the registration is process-wide: one trace uses it at a time
+
+
+@contextmanager
+def missing_symbolics():
+    """While a model is traced, aten::expm1 is written as Exp - 1 and aten::rms_norm as its formula
+    (x / sqrt(mean(x^2) + eps) * weight over the normalized axes, eps torch's default where none is
+    given): torch.onnx's TorchScript exporter has neither and refuses the model."""
+    import torch
+    from torch.onnx import symbolic_helper
+
+    def expm1(g, x):
+        return g.op("Sub", g.op("Exp", x), g.op("Constant", value_t=torch.tensor(1.0)))
+
+    def rms_norm(g, x, shape, weight, eps):
+        axes = list(range(-len(symbolic_helper._get_const(shape, "is", "normalized_shape")), 0))
+        given = symbolic_helper._maybe_get_const(eps, "f")
+        epsilon = float(given) if isinstance(given, float) else float(torch.finfo(torch.float32).eps)
+        # Pow, not Mul(x, x): ONNX Runtime 1.31's norm fusion reads a Mul parent wrongly and fails
+        squares = g.op("Pow", x, g.op("Constant", value_t=torch.tensor(2.0)))
+        if symbolic_helper.GLOBALS.export_onnx_opset_version >= 18:  # ReduceMean's axes became an input
+            mean = g.op("ReduceMean", squares, g.op("Constant", value_t=torch.tensor(axes)), keepdims_i=1)
+        else:
+            mean = g.op("ReduceMean", squares, axes_i=axes, keepdims_i=1)
+        out = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(epsilon)))))
+        return out if symbolic_helper._is_none(weight) else g.op("Mul", out, weight)
+
+    added = {"aten::expm1": expm1, "aten::rms_norm": rms_norm}
+    with _SYMBOLICS:
+        for name, symbolic in added.items():
+            torch.onnx.register_custom_op_symbolic(name, symbolic, 9)
+        try:
+            yield
+        finally:
+            for name in added:
+                torch.onnx.unregister_custom_op_symbolic(name, 9)
 
 
 # --- transformers: a processor without its video processor ----------------------------------------

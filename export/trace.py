@@ -25,7 +25,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .families import family
-from .patches import constant_repeat_interleave
+from .patches import constant_repeat_interleave, missing_symbolics
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
 
@@ -90,7 +90,13 @@ def trace(model, path: Path) -> None:
         **{name: _cache_axes(name, _AXES["total"]) for name in present_names},
     }
     names = [*inputs, *past_names]
-    with warnings.catch_warnings(), traceable_experts(model.config), constant_repeat_interleave(), ExitStack() as patched:
+    with (
+        warnings.catch_warnings(),
+        traceable_experts(model.config),
+        constant_repeat_interleave(),
+        missing_symbolics(),
+        ExitStack() as patched,
+    ):
         for patch in record.patches:
             patched.enter_context(patch())
         # The tracer's warnings about Python-side shape checks are expected for these models;

@@ -133,3 +133,38 @@ def test_falcons_alibi_in_float32_gives_transformers_own():
         theirs = original(mask, heads, torch.float32)
         assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), heads
     assert modeling_falcon.build_alibi_tensor is original
+
+
+def test_the_added_symbolics_give_torchs_own(tmp_path):
+    """expm1 and rms_norm (with and without a weight and eps, over one axis and two) traced
+    through `missing_symbolics` give torch's values; torch.onnx refuses them without it, and again after."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(6, eps=1e-5)
+            self.plain = torch.nn.RMSNorm([5, 6], elementwise_affine=False)
+            torch.nn.init.normal_(self.norm.weight)
+
+        def forward(self, x):
+            return torch.expm1(x) + self.norm(x) + self.plain(x)
+
+    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(0))
+
+    def export(path):
+        torch.onnx.export(Both().eval(), (x,), str(path), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "a"}})
+
+    with pytest.raises(Exception, match="expm1|rms_norm"):
+        export(tmp_path / "refused.onnx")
+    torch.manual_seed(0)
+    model = Both().eval()
+    with patches.missing_symbolics():
+        torch.onnx.export(model, (x,), str(tmp_path / "m.onnx"), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "a"}})
+    other = np.random.default_rng(0).standard_normal((2, 5, 6)).astype(np.float32)
+    (got,) = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": other})
+    assert np.abs(got - model(torch.from_numpy(other)).detach().numpy()).max() < 1e-5
+    with pytest.raises(Exception):  # noqa: B017 - torch's own refusal, its words differ once a symbolic was unregistered
+        export(tmp_path / "after.onnx")
