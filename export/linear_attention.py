@@ -43,7 +43,7 @@ class CausalConv(torch.autograd.Function):
 
 class GatedDeltaRule(torch.autograd.Function):
     """The gated delta rule over T tokens from `state` [B, Hv, dk, dv]: query and key [B, T, Hk *
-    dk] (L2-normalized), value [B, T, Hv * dv], decay (log-space) and beta [B, T, Hv]; each of the
+    dk] (L2-normalized), value [B, T, Hv * dv], decay (log-space) [B, T, Hv] or [B, T, Hv * dk], and beta [B, T, Hv]; each of the
     `key_heads` key and query heads serves Hv / Hk consecutive value heads of the `heads`. Returns the output [B, T, Hv * dv] and the
     state after the last token."""
 
@@ -56,8 +56,10 @@ class GatedDeltaRule(torch.autograd.Function):
         v = value.reshape(batch, length, heads, value_size).transpose(1, 2)
         q = q * key_size**-0.5
         out, state = torch.empty_like(v), state.clone()
+        # a decay per head [B, T, Hv], or per head and key channel [B, T, Hv * dk] (Kimi's)
+        decay = decay.reshape(batch, length, heads, -1, 1)
         for t in range(length):
-            state = state * decay[:, t].exp()[:, :, None, None]
+            state = state * decay[:, t].exp()
             update = (v[:, :, t] - (state * k[:, :, t, :, None]).sum(-2)) * beta[:, t, :, None]
             state = state + k[:, :, t, :, None] * update[:, :, None, :]
             out[:, :, t] = (state * q[:, :, t, :, None]).sum(-2)
@@ -120,9 +122,42 @@ def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None,
     return out_proj(out)
 
 
+def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """Kimi Linear's delta attention (the gated delta rule with a decay per key channel) through
+    the two ops, as `gated_deltanet_forward`."""
+    batch, length, _ = hidden_states.shape
+    layer = cache.layers[self.layer_idx]
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+    weight = self.conv1d.weight
+    bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
+    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0], "silu")
+    query, key, value = torch.split(mixed.transpose(1, 2), [self.qkv_dim] * 3, dim=-1)
+    decay = self.forget_gate(hidden_states).reshape(batch, length, -1)
+    beta = torch.sigmoid(self.b_proj(hidden_states))
+    out, layer.recurrent_states[0] = GatedDeltaRule.apply(
+        _l2_normalized(query, self.head_dim),
+        _l2_normalized(key, self.head_dim),
+        value,
+        layer.recurrent_states[0],
+        decay,
+        beta,
+        self.num_heads,
+        self.num_heads,
+    )
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(batch, length, -1, self.head_dim)
+    out = self.o_norm(out.reshape(batch, length, -1, self.head_dim), gate).reshape(batch, length, -1)
+    return self.o_proj(out)
+
+
 def _projections(self, hidden_states):
     """(query, key and value before the convolution, the decay's input, beta, the output gate, the
     gated norm, the output projection), by each family's module names."""
+    if hasattr(self, "in_proj_qkvz"):  # Qwen3-Next: query, key, value and gate interleaved per key head
+        query, key, value, gate, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+        )
+        mixed = torch.cat([t.reshape(*t.shape[:2], -1) for t in (query, key, value)], dim=-1)
+        return mixed, a, b.sigmoid(), gate, self.norm, self.out_proj
     if hasattr(self, "in_proj_qkv"):  # Qwen 3.5
         beta = self.in_proj_b(hidden_states).sigmoid()
         mixed = self.in_proj_qkv(hidden_states)

@@ -348,23 +348,27 @@ _DELTANET = threading.Lock()  # the patch is process-wide: one trace uses it at 
 
 @contextmanager
 def traceable_linear_attention():
-    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, OLMo Hybrid's) and short
+    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, Qwen3-Next's, OLMo Hybrid's, Kimi Linear's) and short
     convolutions (LFM 2's and 3's) run export/linear_attention.py's
     forward, whose convolution and delta rule trace into ONNX Runtime's CausalConvWithState and
     LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
     a trace would unroll for the traced length alone."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
     from transformers.models.lfm2 import modeling_lfm2
     from transformers.models.lfm2_moe import modeling_lfm2_moe
     from transformers.models.lfm3 import modeling_lfm3
     from transformers.models.olmo_hybrid import modeling_olmo_hybrid
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    from transformers.models.qwen3_next import modeling_qwen3_next
 
-    from .linear_attention import gated_deltanet_forward, short_conv_forward
+    from .linear_attention import gated_deltanet_forward, kimi_delta_forward, short_conv_forward
 
     forwards = {
         modeling_qwen3_5.Qwen3_5GatedDeltaNet: gated_deltanet_forward,
         modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet: gated_deltanet_forward,
+        modeling_qwen3_next.Qwen3NextGatedDeltaNet: gated_deltanet_forward,
+        modeling_kimi_linear.KimiLinearDeltaAttention: kimi_delta_forward,
         modeling_olmo_hybrid.OlmoHybridGatedDeltaNet: gated_deltanet_forward,
         modeling_lfm2.Lfm2ShortConv: short_conv_forward,
         modeling_lfm2_moe.Lfm2MoeShortConv: short_conv_forward,

@@ -388,10 +388,7 @@ class ModelRunner:
         cache, first = batch.cache, self.manifest.prefill_length if self.prefill_graph is not None else None
         width = max(max(len(p) for p in prompts), first or 0)
         if self.kv.state and len(prompts) > 1:
-            raise GenerationError(
-                "this export keeps the attention as traced, and its recurrent state would read the padding of a batch "
-                "as tokens: generate the prompts one by one, or export the model again with the attention fused"
-            )
+            return self._prefill_growing_apart(batch, prompts)
         shapes = {name: buffer_shape(self.kv, self._past_shapes[name], len(prompts), 0) for name in self.kv.past}
         shapes.update({s["past"]: [len(prompts), *s["shape"]] for s in self.kv.state})
         buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
@@ -410,6 +407,31 @@ class ModelRunner:
         if self._prefix_on and len(prompts) == 1:
             self.prefix_cache.store(prompts[0], {name: host_array(value)[0] for name, value in cache.buffers.items()}, root)
         return logits
+
+    def _prefill_growing_apart(self, batch: Batch, prompts: list[list[int]]) -> Value:
+        """A traced-attention hybrid's prompts (a state reads a pass's padding as tokens): each
+        prefilled alone, then laid side by side as a growing cache holds them, the keys and values
+        left-padded with zeros to the longest, the states stacked."""
+        if batch.adapters is not None:
+            raise GenerationError(
+                "this export keeps the attention as traced and a recurrent state, whose prompts are prefilled one at a "
+                "time: run prompts with adapters one by one"
+            )
+        alone = [Batch(GrowingCache(self.kv, {}, [0])) for _ in prompts]
+        logits = [host_array(self._prefill_growing(one, [ids])) for one, ids in zip(alone, prompts)]
+        width, axis = max(len(p) for p in prompts), self.kv.sequence_axis
+
+        def left_padded(value: np.ndarray) -> np.ndarray:
+            pad = [(0, 0)] * value.ndim
+            pad[axis] = (width - value.shape[axis], 0)
+            return np.pad(value, pad)
+
+        buffers = {name: np.concatenate([left_padded(host_array(one.cache.buffers[name])) for one in alone]) for name in self.kv.past}
+        buffers.update({s["past"]: np.concatenate([host_array(one.cache.buffers[s["past"]]) for one in alone]) for s in self.kv.state})
+        batch.cache.buffers, batch.num_cached = buffers, [one.num_cached[0] for one in alone]
+        batch.cache.fill(width, np.array([len(p) for p in prompts], np.int64))
+        batch.cache.shifts = np.concatenate([one.cache.shifts for one in alone])
+        return host_value(np.concatenate(logits))
 
     # Decode and verify.
 

@@ -44,6 +44,7 @@ LAYOUT = {
 #   families whose graph counts positions from the cache length.
 RECORDED_FUSION_SKIPPED = set()
 RECORDED_IN_PLACE = {
+    "qwen3_next",
     "bamba",
     "granitemoehybrid",
     "nemotron_h",
@@ -113,7 +114,7 @@ RECORDED_ROTARY_IN_ATTENTION = {
     "lfm2_moe",
     "lfm3",
 }
-RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi"}
+RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "kimi_linear"}  # Kimi's latent attention has no positions
 FAMILIES = [name for name in TINY if model_type(name) in TESTED]
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from edgeinfer import Engine
 from edgeinfer.export.validate import transformers_greedy
 from edgeinfer.export.trace import trace
-from edgeinfer.sdk.errors import ManifestError
+from edgeinfer.sdk.errors import ManifestError, SettingsError
 from edgeinfer.sdk.manifest import LAYERS_FORMAT_VERSION
 from edgeinfer.sdk.memory import MemoryPlan
 
@@ -32,17 +32,27 @@ def qwen(tmp_path_factory):
     return export_tiny("qwen3_5_text", tmp_path_factory.mktemp("qwen3_5"))
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "nemotron_h", "falcon_h1"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "nemotron_h", "falcon_h1", "kimi_linear"])
 def hybrid(request, qwen, tmp_path_factory):
     """The tiny qwen3_5; Nemotron-H's (a Mamba-2 layer, experts, attention, an MLP layer: its
     time-step floor clamps a prefill's steps); Falcon-H1's (attention and a Mamba-2 mixer side by
-    side in each layer)."""
+    side in each layer); Kimi Linear's (latent attention kept as traced: a batch's prompts are
+    prefilled apart and laid side by side)."""
     return qwen if request.param == "qwen3_5_text" else export_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 # each family's layers with a state: gated DeltaNet (Qwen 3.5), Mamba-2 (the others; Zamba 2's shared
 # attention block runs beside a mixer of its own)
-STATE_LAYERS = {"qwen3_5_text": 3, "bamba": 2, "granitemoehybrid": 2, "nemotron_h": 1, "falcon_h1": 2, "zamba2": 3}
+STATE_LAYERS = {
+    "qwen3_5_text": 3,
+    "qwen3_next": 3,
+    "kimi_linear": 2,
+    "bamba": 2,
+    "granitemoehybrid": 2,
+    "nemotron_h": 1,
+    "falcon_h1": 2,
+    "zamba2": 3,
+}
 
 
 @pytest.mark.parametrize("name", STATE_LAYERS)
@@ -130,6 +140,10 @@ def test_speculative_decoding_puts_the_state_back_where_a_proposal_is_rejected(h
     decoding's, alone and in a batch; a draft model with a state is refused."""
     engine = Engine.load(hybrid[1], provider="cpu")
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9] * 11, [100, 101, 102, 9, 100, 101, 102], list(range(3, 40))]
+    if not engine.manifest.kv.in_place:  # Kimi Linear's traced attention cannot take tokens back: refused up front
+        with pytest.raises(SettingsError, match="cannot take back the tokens of a rejected draft"):
+            engine.generate(prompts[0], max_new_tokens=4, speculative="prompt_lookup")
+        return
     plain = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
     fast = [engine.generate(p, max_new_tokens=24, ignore_eos=True, speculative="prompt_lookup") for p in prompts]
     assert [r.token_ids for r in fast] == plain

@@ -89,6 +89,8 @@ FAMILIES = {
     "qwen3_5_moe_text": LINEAR_ATTENTION,
     "qwen3_5_text": LINEAR_ATTENTION,
     "seed_oss": AS_IS,
+    "qwen3_next": LINEAR_ATTENTION,
+    "kimi_linear": LINEAR_ATTENTION,
     # state-space hybrids
     "bamba": MAMBA2,
     "granitemoehybrid": MAMBA2,
