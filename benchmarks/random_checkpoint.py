@@ -61,6 +61,44 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=32768,
     ),
+    # Granite-4.0-H-1B's published shape: 36 Mamba-2 layers and 4 of attention (NoPE), a shared
+    # MLP in every layer, a 100,352-token vocabulary, tied: 1.46B weights
+    "granite-4.0-h-1b": dict(
+        model_type="granitemoehybrid",
+        hidden_size=1536,
+        intermediate_size=4096,
+        shared_intermediate_size=4096,
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=40,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        mamba_n_heads=48,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=256,
+        position_embedding_type="nope",
+        layer_types=(["mamba"] * 5 + ["attention"]) + (["mamba"] * 9 + ["attention"]) * 3 + ["mamba"] * 4,
+        vocab_size=100352,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+    # its full-attention counterpart of about the same size (1.46B): Llama layers of its width, heads
+    # and MLP, 52 of them
+    "llama-1.5b": dict(
+        model_type="llama",
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=52,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=100352,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
     # Llama-3.1-8B: 8.03B weights
     "llama-8b": dict(
         model_type="llama",

@@ -7,7 +7,7 @@ pattern string) is cut to the fewest layers that keep each of its kinds, in orde
 
 from __future__ import annotations
 
-from architectures import COMMON, TINY, tiny_config
+from architectures import COMMON, LATENT, TINY, tiny_config
 
 SMALL = {
     "vocab_size": 320,
@@ -48,11 +48,16 @@ def not_decoder_only(model_type: str) -> str | None:
 
 
 def tiny_model(model_type: str):
+    """The family's tiny model, checked to run in transformers: a prompt, then two tokens on its cache."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config_of(model_type), dtype=torch.float32)
-    return model.eval()
+    model = AutoModelForCausalLM.from_config(config_of(model_type), dtype=torch.float32).eval()
+    ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True)
+    return model
 
 
 def config_of(model_type: str):
@@ -61,7 +66,9 @@ def config_of(model_type: str):
     if model_type in TINY:
         return tiny_config(model_type)
     default = AutoConfig.for_model(model_type)
-    sizes = {name: value for name, value in {**COMMON, **SMALL}.items() if _has(default, name)}
+    sizes = {name: value for name, value in {**COMMON, **SMALL, **LATENT}.items() if _has(default, name)}
+    if "kv_lora_rank" in sizes:  # latent attention: a key and value head per query head
+        sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
     layers = next((getattr(default, name) for name in LAYER_COUNTS if _has(default, name)), None)
     if isinstance(layers, int):
         kept = _kept_layers(default, layers)

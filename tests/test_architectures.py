@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from architectures import TINY, WINDOW, model_type, tiny_config
+from architectures import COMMON, SHRUNK, TINY, WINDOW, model_type, tiny_config
 from conftest import build_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -116,6 +116,8 @@ RECORDED_ROTARY_IN_ATTENTION = {
 }
 RECORDED_WITHOUT_POSITION_IDS = {"bloom", "mpt", "falcon@alibi", "kimi_linear"}  # Kimi's latent attention has no positions
 FAMILIES = [name for name in TINY if model_type(name) in TESTED]
+# the shrunk defaults of the other families, in the slow tier
+PARITY = [*FAMILIES, *(pytest.param(name, marks=pytest.mark.slow) for name in SHRUNK)]
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +144,11 @@ def exported(tokenizer, tmp_path_factory):
 
 
 def test_every_supported_family_has_a_tiny_model():
-    assert sorted({model_type(name) for name in TINY} - set(UNSUPPORTED)) == sorted(TESTED)
+    assert sorted({model_type(name) for name in TINY} - set(UNSUPPORTED) | set(SHRUNK)) == sorted(TESTED)
     assert max(len(PROMPT), NEW_TOKENS) > WINDOW
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PARITY)
 def test_family_matches_transformers(name, exported):
     """What must hold for every family: the manifest describes the KV cache the graph really has,
     and the export's tokens, logits and batch rows equal transformers'."""
@@ -401,22 +403,56 @@ def test_the_split_layout_gives_the_single_graphs_results(name, exported, tmp_pa
 
 
 def test_a_family_the_tests_do_not_name_is_tried_and_the_checks_decide(tokenizer, tmp_path):
-    """bitnet is in no record: the CLI says it is tried, exports it, and its tokens equal transformers'."""
-    import subprocess
-    import sys
-
-    from generic_tiny import tiny_model
+    """A family registered with transformers in this process (a Llama under its own name), which no
+    record names: export says it is tried, exports it, and its tokens equal transformers'."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
     from edgeinfer.export.families import FAMILIES
 
-    assert "bitnet" not in FAMILIES
+    class UnheardOfConfig(LlamaConfig):
+        model_type = "unheard_of_lm"
+
+    class UnheardOfForCausalLM(LlamaForCausalLM):
+        config_class = UnheardOfConfig
+
+    AutoConfig.register("unheard_of_lm", UnheardOfConfig, exist_ok=True)
+    AutoModelForCausalLM.register(UnheardOfConfig, UnheardOfForCausalLM, exist_ok=True)
+    assert "unheard_of_lm" not in FAMILIES
     torch.manual_seed(0)
-    model = tiny_model("bitnet")
+    model = UnheardOfForCausalLM(UnheardOfConfig(**{**COMMON, "head_dim": 16})).eval()
     model.save_pretrained(tmp_path / "hf")
     tokenizer.save_pretrained(tmp_path / "hf")
-    command = [sys.executable, "-m", "edgeinfer.cli", "export", str(tmp_path / "hf"), "-o", str(tmp_path / "out")]
-    done = subprocess.run(command, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "model type 'bitnet' is not among the families edgeinfer's tests prove: tried" in done.stdout + done.stderr
+    said = []
+    export_model(str(tmp_path / "hf"), tmp_path / "out", say=said.append)
+    assert "model type 'unheard_of_lm' is not among the families edgeinfer's tests prove: tried" in said[0]
     result = check_export(tmp_path / "out", model, PROMPT, NEW_TOKENS)
     assert result.tokens == result.expected_tokens and result.batch_rows_equal_single
+
+
+def test_a_family_the_tests_do_not_name_that_fails_says_where_and_what_to_do(tokenizer, tmp_path):
+    """A registered family whose MLP computes through complex numbers (aten::polar, which ONNX has
+    no type for): the export fails in one line naming the stage, the operator and the way on, and
+    leaves nothing."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    class PolarConfig(LlamaConfig):
+        model_type = "polar_lm"
+
+    class PolarForCausalLM(LlamaForCausalLM):
+        config_class = PolarConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            mlp = self.model.layers[0].mlp
+            mlp.forward = lambda x: torch.polar(x.abs() + 1, x).real
+
+    AutoConfig.register("polar_lm", PolarConfig, exist_ok=True)
+    AutoModelForCausalLM.register(PolarConfig, PolarForCausalLM, exist_ok=True)
+    PolarForCausalLM(PolarConfig(**{**COMMON, "head_dim": 16})).save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ExportError) as failed:
+        export_model(str(tmp_path / "hf"), tmp_path / "out")
+    message = str(failed.value)
+    assert message.startswith("torch.onnx could not export this polar_lm model") and "aten::polar" in message
+    assert "model type 'polar_lm' is not among the families edgeinfer's tests prove" in message and "--debug" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

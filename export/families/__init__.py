@@ -97,6 +97,62 @@ FAMILIES = {
     "nemotron_h": MAMBA2,
     "falcon_h1": MAMBA2,
     "zamba2": MAMBA2,
+    # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
+    "apertus": AS_IS,
+    "apertus1p5_text": AS_IS,
+    "aria_text": AS_IS,
+    "biogpt": AS_IS,
+    "bitnet": AS_IS,
+    "cohere2": AS_IS,
+    "cohere2_moe": AS_IS,
+    "ctrl": AS_IS,
+    "cwm": AS_IS,
+    "diffllama": AS_IS,
+    "doge": AS_IS,
+    "ernie4_5": AS_IS,
+    "ernie4_5_moe": AS_IS,
+    "exaone": AS_IS,
+    "exaone_moe": AS_IS,
+    "flex_olmo": AS_IS,
+    "flint": AS_IS,
+    "gemma4_unified_text": AS_IS,
+    "git": AS_IS,
+    "glm4": AS_IS,
+    "glm4_moe": AS_IS,
+    "gpt-sw3": AS_IS,
+    "gpt_neox_japanese": AS_IS,
+    "granitemoe": AS_IS,
+    "granitemoe_swa": AS_IS,
+    "granitemoeshared": AS_IS,
+    "hrm_text": AS_IS,
+    "hunyuan_v1_moe": AS_IS,
+    "hy_v3": AS_IS,
+    "hyperclovax": AS_IS,
+    "internlm3": AS_IS,
+    "iquestcoder": AS_IS,
+    "jais2": AS_IS,
+    "kolibri1": AS_IS,
+    "laguna": AS_IS,
+    "mellum": AS_IS,
+    "mimo_v2_flash": AS_IS,
+    "minimax_m2": AS_IS,
+    "minimax_m3_vl_text": AS_IS,
+    "ministral": AS_IS,
+    "mixtral": AS_IS,
+    "modernbert-decoder": AS_IS,
+    "moshi": AS_IS,
+    "olmoe": AS_IS,
+    "persimmon": AS_IS,
+    "phi4_multimodal": AS_IS,
+    "phimoe": AS_IS,
+    "qwen2_moe": AS_IS,
+    "sarvam_mla": AS_IS,
+    "sarvam_moe": AS_IS,
+    "solar_open": AS_IS,
+    "starcoder2": AS_IS,
+    "trocr": AS_IS,
+    "vaultgemma": AS_IS,
+    "xglm": AS_IS,
     # vision-language: their language model as above, taking image features
     "gemma3": Family(vision=gemma3.VISION, images_attend_both_ways=True),
     "idefics3": Family(vision=idefics3.VISION),
@@ -122,13 +178,13 @@ UNSUPPORTED = {
 def not_a_decoder(model_type: str) -> str | None:
     """Why `model_type` cannot be a decoder-only language model, in words; None where it can be."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     if model_type in VISION_LANGUAGE:
         return None
     if model_type not in CONFIG_MAPPING:
         return "transformers has no model of this type (a checkpoint that needs trust_remote_code, which edgeinfer does not run)"
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if CONFIG_MAPPING[model_type] not in MODEL_FOR_CAUSAL_LM_MAPPING:  # transformers' own, and any registered in this process
         return "transformers has no causal language model of this type"
     if _default_config(CONFIG_MAPPING[model_type]).get("is_encoder_decoder") is True:
         return "it is an encoder-decoder"
