@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,6 +97,14 @@ PATCHES = (
         "1.31",
         ("tests/test_linear_attention.py::test_the_optimizer_fuses_a_hybrid_graphs_norms",),
         "ONNX Runtime's symbolic shape inference knows no LinearAttention or CausalConvWithState and gives up on the graph",
+    ),
+    Patch(
+        "weighted_norms_only",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_patches.py::test_a_norm_without_a_weight_is_not_fused_with_the_next_mul",),
+        "the transformer optimizer's RMS norm fusion takes whatever Mul follows a norm as its scale: after a norm "
+        "without a weight (NanoChat's) that is a product of activations, and the fused graph has a cycle",
     ),
     Patch(
         "faster_gguf",
@@ -240,7 +249,9 @@ _SYMBOLICS = threading.Lock()  # the registration is process-wide: one trace use
 def missing_symbolics():
     """While a model is traced, aten::expm1 is written as Exp - 1 and aten::rms_norm as its formula
     (x / sqrt(mean(x^2) + eps) * weight over the normalized axes, eps torch's default where none is
-    given): torch.onnx's TorchScript exporter has neither and refuses the model."""
+    given, a weight of ones where none is given): torch.onnx's TorchScript exporter has neither and
+    refuses the model. A norm without its Mul was fused by ONNX Runtime with the next Mul in the
+    graph as its scale, which made a cycle ("Graph is not a DAG", NanoChat's)."""
     import torch
     from torch.onnx import symbolic_helper
 
@@ -248,7 +259,8 @@ def missing_symbolics():
         return g.op("Sub", g.op("Exp", x), g.op("Constant", value_t=torch.tensor(1.0)))
 
     def rms_norm(g, x, shape, weight, eps):
-        axes = list(range(-len(symbolic_helper._get_const(shape, "is", "normalized_shape")), 0))
+        normalized = symbolic_helper._get_const(shape, "is", "normalized_shape")
+        axes = list(range(-len(normalized), 0))
         given = symbolic_helper._maybe_get_const(eps, "f")
         epsilon = float(given) if isinstance(given, float) else float(torch.finfo(torch.float32).eps)
         # Pow, not Mul(x, x): ONNX Runtime 1.31's norm fusion reads a Mul parent wrongly and fails
@@ -258,7 +270,9 @@ def missing_symbolics():
         else:
             mean = g.op("ReduceMean", squares, axes_i=axes, keepdims_i=1)
         out = g.op("Div", x, g.op("Sqrt", g.op("Add", mean, g.op("Constant", value_t=torch.tensor(epsilon)))))
-        return out if symbolic_helper._is_none(weight) else g.op("Mul", out, weight)
+        if symbolic_helper._is_none(weight):  # a scale of ones: ONNX Runtime's norm fusion takes a norm by the Mul after it
+            weight = g.op("Constant", value_t=torch.ones(normalized))
+        return g.op("Mul", out, weight)
 
     added = {"aten::expm1": expm1, "aten::rms_norm": rms_norm}
     with _SYMBOLICS:
@@ -706,6 +720,38 @@ def state_op_shapes():
             yield
         finally:
             inference.__init__ = original
+
+
+_NORMS = threading.Lock()  # the patch is process-wide: one optimizer run uses it at a time
+
+
+@contextmanager
+def weighted_norms_only():
+    """While ONNX Runtime's transformer optimizer runs, its RMS norm fusion fuses a norm only where
+    the Mul it takes as the norm's scale multiplies by a weight (an initializer): otherwise the Mul
+    is the model's own product of the norm's output and another activation, which the fused norm
+    would take as its weight, read before it is made."""
+    from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
+
+    # the class as the optimizer's own modules import it (fusion_simplified_layernorm, not
+    # onnxruntime.transformers.fusion_simplified_layernorm): read off the module that calls it
+    FusionSimplifiedLayerNormalization = sys.modules[Gpt2OnnxModel.__mro__[1].__module__].FusionSimplifiedLayerNormalization
+
+    def weighted_only(original):
+        def fuse(self, node, input_name_to_nodes, output_name_to_node):
+            if node.op_type == "Mul" and not any(self.model.get_initializer(name) is not None for name in node.input):
+                return None
+            return original(self, node, input_name_to_nodes, output_name_to_node)
+
+        return fuse
+
+    with _NORMS:  # the original is read under the lock: another run may have patched it until now
+        original = FusionSimplifiedLayerNormalization.fuse
+        FusionSimplifiedLayerNormalization.fuse = weighted_only(original)
+        try:
+            yield
+        finally:
+            FusionSimplifiedLayerNormalization.fuse = original
 
 
 # --- onnxruntime: the quantizer reads one weight at a time -----------------------------------------

@@ -234,6 +234,7 @@ TINY = {
 # Families whose tiny model is their config class's defaults with the sizes shrunk (generic_tiny.py):
 # each tried by benchmarks/families.py and found to export and match transformers, then kept here.
 SHRUNK = (
+    "afmoe",
     "apertus",
     "apertus1p5_text",
     "aria_text",
@@ -277,6 +278,7 @@ SHRUNK = (
     "mixtral",
     "modernbert-decoder",
     "moshi",
+    "nanochat",
     "olmoe",
     "persimmon",
     "phi4_multimodal",

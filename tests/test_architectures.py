@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from architectures import COMMON, SHRUNK, TINY, WINDOW, model_type, tiny_config
+from generic_tiny import tiny_model
 from conftest import build_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -134,7 +135,7 @@ def exported(tokenizer, tmp_path_factory):
         if name not in done:
             folder = tmp_path_factory.mktemp(name.replace("@", "-"))
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny_config(name)).eval()
+            model = tiny_model(name) if name in SHRUNK else AutoModelForCausalLM.from_config(tiny_config(name)).eval()
             model.save_pretrained(folder / "hf")
             tokenizer.save_pretrained(folder / "hf")
             done[name] = model, folder / "export", export_model(str(folder / "hf"), folder / "export")

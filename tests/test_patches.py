@@ -168,3 +168,36 @@ def test_the_added_symbolics_give_torchs_own(tmp_path):
     assert np.abs(got - model(torch.from_numpy(other)).detach().numpy()).max() < 1e-5
     with pytest.raises(Exception):  # noqa: B017 - torch's own refusal, its words differ once a symbolic was unregistered
         export(tmp_path / "after.onnx")
+
+
+def test_a_norm_without_a_weight_is_not_fused_with_the_next_mul(tmp_path):
+    """A norm with no weight whose output is multiplied by an activation made from it (NanoChat's
+    norms before its rotations): the optimizer, under `weighted_norms_only`, leaves it as ops and
+    the graph runs as traced; a norm with a weight beside it is still fused. Without the patch the
+    fused graph has a cycle."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from edgeinfer.export.optimize import optimize
+
+    class Norms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16))
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            plain = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            gated = plain * torch.sigmoid(self.linear(plain))
+            return gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+    torch.manual_seed(0)
+    model, x = Norms().eval(), torch.randn(2, 3, 16)
+    torch.onnx.export(model, (x,), str(tmp_path / "m.onnx"), dynamo=False, input_names=["x"], opset_version=14)
+    optimized = optimize(onnx.load(str(tmp_path / "m.onnx")), 4, 16)
+    assert [n.op_type for n in optimized.graph.node].count("SimplifiedLayerNormalization") == 1
+    onnx.save(optimized, str(tmp_path / "o.onnx"))
+    (got,) = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    assert np.abs(got - model(x).detach().numpy()).max() < 1e-5

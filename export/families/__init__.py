@@ -100,6 +100,7 @@ FAMILIES = {
     # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
     "apertus": AS_IS,
     "apertus1p5_text": AS_IS,
+    "afmoe": AS_IS,
     "aria_text": AS_IS,
     "biogpt": AS_IS,
     "bitnet": AS_IS,
@@ -139,6 +140,7 @@ FAMILIES = {
     "minimax_m3_vl_text": AS_IS,
     "ministral": AS_IS,
     "mixtral": AS_IS,
+    "nanochat": AS_IS,
     "modernbert-decoder": AS_IS,
     "moshi": AS_IS,
     "olmoe": AS_IS,
