@@ -31,9 +31,23 @@ def quiet_libraries() -> None:
 
     QUIET["verbose"] = False
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    for name in ("onnxruntime", "onnx", "onnxscript", "transformers", "torch", "huggingface_hub"):
+    for name in ("onnxruntime", "onnx", "onnxscript", "transformers", "torch", "huggingface_hub", *_optimizer_loggers()):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module=r"(torch|transformers|onnx|onnxruntime|onnxscript|optimum)(\.|$)")
+
+
+def _optimizer_loggers() -> list[str]:
+    """The names ONNX Runtime's transformer optimizer logs under: its modules import each other as
+    top-level modules (fusion_utils, onnx_model, ...), so their loggers are not under "onnxruntime",
+    and its quantizer's import sets the root logger to INFO. Read off its folder, nothing imported."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("onnxruntime")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    folder = Path(next(iter(spec.submodule_search_locations))) / "transformers"
+    return [path.stem for path in folder.glob("*.py")] if folder.is_dir() else []
 
 
 def live_stream():
