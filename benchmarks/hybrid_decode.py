@@ -1,7 +1,7 @@
 """Decode rate of exports at several context lengths, alternating between them round by round: a
 hybrid (linear attention, whose state does not grow) beside a full-attention model of its size.
 
-    python benchmarks/hybrid_decode.py EXPORT... [--contexts 128 1024] [--new-tokens 64] [--rounds 2]
+    python benchmarks/hybrid_decode.py EXPORT... [--contexts 128 1024] [--new-tokens 64] [--rounds 2] [--max-context 8192]
 
 For each export and context, a prompt of that many tokens (ids 3.., a fixed pattern), then
 --new-tokens greedy tokens past EOS; the rate is the engine's own decode rate (the tokens after the
@@ -26,8 +26,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-context", type=int, default=8192, help="the context each engine serves (its KV cache's size)")
     args = parser.parse_args()
-    alternate({folder: Engine.load(folder, provider="cpu") for folder in args.exports}, args.contexts, args.new_tokens, args.rounds)
+    engines = {folder: Engine.load(folder, provider="cpu", max_context=args.max_context) for folder in args.exports}
+    alternate(engines, args.contexts, args.new_tokens, args.rounds)
 
 
 def alternate(engines: dict[str, Engine], contexts: list[int], new_tokens: int, rounds: int) -> None:
