@@ -274,8 +274,11 @@ def missing_symbolics():
             weight = g.op("Constant", value_t=torch.ones(normalized))
         return g.op("Mul", out, weight)
 
+    from torch.onnx._internal.torchscript_exporter.registration import registry
+
     added = {"aten::expm1": expm1, "aten::rms_norm": rms_norm}
     with _SYMBOLICS:
+        new = [name for name in added if name not in registry._registry]
         for name, symbolic in added.items():
             torch.onnx.register_custom_op_symbolic(name, symbolic, 9)
         try:
@@ -283,6 +286,8 @@ def missing_symbolics():
         finally:
             for name in added:
                 torch.onnx.unregister_custom_op_symbolic(name, 9)
+            for name in new:  # unregistering leaves an empty entry, which torch.onnx then fails on obscurely
+                registry._registry.pop(name, None)
 
 
 # --- transformers: a processor without its video processor ----------------------------------------
