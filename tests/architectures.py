@@ -256,7 +256,6 @@ SHRUNK = (
     "git",
     "glm4",
     "glm4_moe",
-    "gpt-sw3",
     "gpt_neox_japanese",
     "granitemoe",
     "granitemoe_swa",

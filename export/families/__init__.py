@@ -120,7 +120,6 @@ FAMILIES = {
     "git": AS_IS,
     "glm4": AS_IS,
     "glm4_moe": AS_IS,
-    "gpt-sw3": AS_IS,
     "gpt_neox_japanese": AS_IS,
     "granitemoe": AS_IS,
     "granitemoe_swa": AS_IS,
