@@ -32,7 +32,10 @@ def qwen(tmp_path_factory):
     return export_tiny("qwen3_5_text", tmp_path_factory.mktemp("qwen3_5"))
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "nemotron_h", "falcon_h1", "kimi_linear"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3_5_text", "nemotron_h", *(pytest.param(name, marks=pytest.mark.slow) for name in ("falcon_h1", "kimi_linear"))],
+)
 def hybrid(request, qwen, tmp_path_factory):
     """The tiny qwen3_5; Nemotron-H's (a Mamba-2 layer, experts, attention, an MLP layer: its
     time-step floor clamps a prefill's steps); Falcon-H1's (attention and a Mamba-2 mixer side by
@@ -55,7 +58,9 @@ STATE_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("name", STATE_LAYERS)
+@pytest.mark.parametrize(
+    "name", [n if n in ("qwen3_5_text", "nemotron_h") else pytest.param(n, marks=pytest.mark.slow) for n in STATE_LAYERS]
+)
 def test_the_traced_state_layers_give_transformers_own(name, tmp_path):
     """The graph traced with export/patches.py's `traceable_linear_attention` or `traceable_mamba2`:
     one op per layer for the convolution and for the delta rule or the selective scan (no loop),
@@ -167,9 +172,7 @@ def test_the_optimizer_fuses_a_hybrid_graphs_norms(qwen):
 HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "olmo_hybrid", "lfm3", *list(STATE_LAYERS)[1:]]
 
 
-@pytest.mark.parametrize(
-    "name", [n if n in ("qwen3_5_text", "nemotron_h") else pytest.param(n, marks=pytest.mark.slow) for n in HYBRIDS]
-)
+@pytest.mark.parametrize("name", [n if n == "qwen3_5_text" else pytest.param(n, marks=pytest.mark.slow) for n in HYBRIDS])
 def test_the_default_int4_export_of_every_hybrid_runs_its_calibration_over_zero_states(name, tmp_path):
     """`edgeinfer export --quantize int4` (GPTQ over the calibration text, --keep-int8 auto's
     measure) runs the fp32 graph with its convolution and recurrent states fed as zeros: the graphs
