@@ -130,7 +130,9 @@ def named(body: bytes, model: str) -> bytes:
 
 def main() -> None:
     args = arguments(sys.argv[1:])
-    folder = Path(tempfile.mkdtemp(prefix="edgeinfer-llama-suite-"))
+    # beside the test's log, in its tmp_path: llama.cpp's suite kills a server that takes over 5 s to
+    # stop (SIGTERM, then SIGKILL), and the rmtree at the end does not run then
+    folder = Path(tempfile.mkdtemp(prefix="edgeinfer-llama-suite-", dir=Path(os.environ["EDGEINFER_SUITE_LOG"]).parent))
     process, upstream = start_edgeinfer(args, folder)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
