@@ -103,10 +103,8 @@ def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None,
     batch, length, _ = hidden_states.shape
     layer = cache.layers[self.layer_idx]
     mixed, a, beta, gate, norm, out_proj = _projections(self, hidden_states)
-    weight = self.conv1d.weight
-    bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
-    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0], "silu")
-    query, key, value = torch.split(mixed.transpose(1, 2), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    mixed, layer.conv_states[0] = _convolved(self.conv1d, mixed, layer.conv_states[0], "silu")
+    query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
     out, layer.recurrent_states[0] = GatedDeltaRule.apply(
         _l2_normalized(query, self.head_k_dim),
@@ -128,10 +126,8 @@ def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **k
     batch, length, _ = hidden_states.shape
     layer = cache.layers[self.layer_idx]
     mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
-    weight = self.conv1d.weight
-    bias = self.conv1d.bias if self.conv1d.bias is not None else torch.zeros(weight.shape[0], dtype=weight.dtype)
-    mixed, layer.conv_states[0] = CausalConv.apply(mixed.transpose(1, 2), weight, bias, layer.conv_states[0], "silu")
-    query, key, value = torch.split(mixed.transpose(1, 2), [self.qkv_dim] * 3, dim=-1)
+    mixed, layer.conv_states[0] = _convolved(self.conv1d, mixed, layer.conv_states[0], "silu")
+    query, key, value = torch.split(mixed, [self.qkv_dim] * 3, dim=-1)
     decay = self.forget_gate(hidden_states).reshape(batch, length, -1)
     beta = torch.sigmoid(self.b_proj(hidden_states))
     out, layer.recurrent_states[0] = GatedDeltaRule.apply(
@@ -238,7 +234,7 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwarg
 def _convolved(conv, x, state, activation: str):
     """`x` [B, T, C] through the depthwise causal convolution `conv` from `state`: ([B, T, C], the new state)."""
     if activation not in ("silu", "swish"):
-        raise NotImplementedError(f"a Mamba-2 convolution with activation {activation!r}: CausalConvWithState takes silu or none")
+        raise NotImplementedError(f"a convolution with activation {activation!r}: CausalConvWithState takes silu or none")
     bias = conv.bias if conv.bias is not None else torch.zeros(conv.weight.shape[0], dtype=conv.weight.dtype)
     out, state = CausalConv.apply(x.transpose(1, 2), conv.weight, bias, state, "silu")
     return out.transpose(1, 2), state
