@@ -97,7 +97,7 @@ def _l2_normalized(x, size: int, eps: float = 1e-6):
 
 
 def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """A gated DeltaNet layer's forward (Qwen 3.5's, OLMo Hybrid's) through the two ops, its state
+    """A gated DeltaNet layer's forward (Qwen 3.5's, Qwen3-Next's, OLMo Hybrid's) through the two ops, its state
     read from and written to the cache layer's `conv_states[0]` and `recurrent_states[0]`. Every
     position is taken as a real token (the runtime passes no padding to these layers)."""
     batch, length, _ = hidden_states.shape
@@ -106,18 +106,17 @@ def gated_deltanet_forward(self, hidden_states, cache=None, attention_mask=None,
     mixed, layer.conv_states[0] = _convolved(self.conv1d, mixed, layer.conv_states[0], "silu")
     query, key, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-    out, layer.recurrent_states[0] = GatedDeltaRule.apply(
-        _l2_normalized(query, self.head_k_dim),
-        _l2_normalized(key, self.head_k_dim),
-        value,
-        layer.recurrent_states[0],
-        decay,
-        beta,
-        self.num_k_heads,
-        self.num_v_heads,
+    out, layer.recurrent_states[0] = _delta_rule(
+        query, key, value, layer, decay, beta, self.head_k_dim, self.num_k_heads, self.num_v_heads
     )
     out = norm(out.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim)).reshape(batch, length, -1)
     return out_proj(out)
+
+
+def _delta_rule(query, key, value, layer, decay, beta, key_size: int, key_heads: int, heads: int):
+    """The gated delta rule on the layer's recurrent state, query and key L2-normalized per head: (output, new state)."""
+    q, k = _l2_normalized(query, key_size), _l2_normalized(key, key_size)
+    return GatedDeltaRule.apply(q, k, value, layer.recurrent_states[0], decay, beta, key_heads, heads)
 
 
 def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -130,16 +129,7 @@ def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **k
     query, key, value = torch.split(mixed, [self.qkv_dim] * 3, dim=-1)
     decay = self.forget_gate(hidden_states).reshape(batch, length, -1)
     beta = torch.sigmoid(self.b_proj(hidden_states))
-    out, layer.recurrent_states[0] = GatedDeltaRule.apply(
-        _l2_normalized(query, self.head_dim),
-        _l2_normalized(key, self.head_dim),
-        value,
-        layer.recurrent_states[0],
-        decay,
-        beta,
-        self.num_heads,
-        self.num_heads,
-    )
+    out, layer.recurrent_states[0] = _delta_rule(query, key, value, layer, decay, beta, self.head_dim, self.num_heads, self.num_heads)
     gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(batch, length, -1, self.head_dim)
     out = self.o_norm(out.reshape(batch, length, -1, self.head_dim), gate).reshape(batch, length, -1)
     return self.o_proj(out)
