@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from edgeinfer.sdk.errors import ExportError
-from edgeinfer.sdk.kv_cache import buffer_shape
+from edgeinfer.sdk.cache_kinds import cache_kinds
 from edgeinfer.sdk.manifest import load_manifest
 from edgeinfer.sdk.runtime import Graph
 from edgeinfer.sdk.tokenizer import Tokenizer
@@ -101,10 +101,11 @@ def window_feeds(graph: Graph, manifest, window: list[int], logits: int = 1) -> 
         feeds["image_features"] = np.zeros((0, manifest.vision["hidden_size"]), graph.input_dtype("image_features"))
     length = len(window) if kv.in_place else 0
     dtype = np.float16 if kv.dtype == "float16" else np.float32
-    for name in kv.past:
-        feeds[name] = np.zeros(buffer_shape(kv, graph.inputs[name].shape, 1, length), dtype)
-    for entry in kv.state:  # linear attention's convolution and recurrent states start at zero
-        feeds[entry["past"]] = np.zeros([1, *entry["shape"]], dtype)
+    declared = {name: value.shape for name, value in graph.inputs.items()}
+    for kind in cache_kinds(kv, length):  # every buffer empty, a recurrent state at zero, as the runtime's
+        feeds.update(
+            {name: np.zeros(shape, dtype) for name, shape in kind.buffer_shapes(1, length, declared, kv.sequence_axis).items()}
+        )
     return feeds
 
 

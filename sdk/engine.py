@@ -159,7 +159,7 @@ class Engine:
                 f"the draft model {draft.folder} has another vocabulary ({draft.manifest.vocab_size} ids against "
                 f"{self.manifest.vocab_size}, or other tokens): a draft must use this model's tokenizer"
             )
-        if draft.manifest.kv.state:
+        if not all(kind.forgets for kind in draft.runner.kinds):
             raise ManifestError(
                 f"the draft model {draft.folder} keeps a recurrent state (linear attention), which cannot take back the "
                 "guesses the model rejects: use a draft of attention layers only, or speculative='prompt_lookup'"

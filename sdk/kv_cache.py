@@ -10,9 +10,9 @@ where the past grows), `append`, `trim`, `buffers` (each past input's value) and
   right-padded (a row's tokens fill its slots from 0) and handed out and taken back (`acquire`,
   `release`), so one cache serves a generation's batch or a scheduler's many requests.
 
-A sliding layer may keep only its window (`kv.windows`): its buffer has `window_capacity` slots,
-and GroupQueryAttention keeps a row's latest `resident` positions from slot 0, evicting the oldest
-several at a time. The books still count every token a row holds (its positions).
+What each layer's part of the cache is (every token's keys and values, a window of them, a
+fixed-size state) is its kind (cache_kinds.py), which the caches ask; the books count every token
+a row holds (its positions), whatever the layers' buffers keep of them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .cache_kinds import CacheKind, cache_kinds, evicting, refuse_forgetting
 from .errors import GenerationError
 from .manifest import KVSpec
 
@@ -49,7 +50,7 @@ class GrowingCache:
     def __init__(self, spec: KVSpec, buffers: dict, lengths: list[int]):
         """`buffers`: each past input's value before the first pass (zero tokens, or the prefix
         cache's blocks of a single prompt); `lengths`: the tokens they hold per row."""
-        self.spec, self.buffers = spec, buffers
+        self.spec, self.buffers, self.kinds = spec, buffers, cache_kinds(spec, 0)
         self.lengths = np.array(lengths, np.int64)
         self.width = int(self.lengths.max(initial=0))
         # per row, its next token's rotary position less its count of tokens: 0 but where a
@@ -69,11 +70,15 @@ class GrowingCache:
         """A pass's present outputs (keys and values, and any recurrent state) become the past of the next pass."""
         self.buffers = {past: presents[present] for past, present in cache_pairs(self.spec)}
 
+    def moving(self, row: int, count: int) -> list[CacheKind]:
+        """As SlotCache.moving: the kinds that `count` more tokens change beyond the books (a state)."""
+        return [kind for kind in self.kinds if kind.moves(int(self.lengths[row]), count)]
+
     def trim(self, row: int, count: int) -> int:
         """Forget the last `count` tokens of the single row (a copy through the host); returns how many."""
         if count <= 0:
             return 0
-        refuse_trim_of_state(self.spec)
+        refuse_forgetting(self.kinds)
         if len(self.lengths) != 1:
             raise GenerationError(
                 "this export keeps the attention as traced, whose cache forgets tokens for one prompt at "
@@ -94,10 +99,11 @@ class SlotCache:
     """Buffers written in place, one row (a slot) per generation: `acquire` hands out the lowest
     free row, `release` takes it back; `lengths` says how many tokens each row holds."""
 
-    def __init__(self, spec: KVSpec, buffers: dict, num_rows: int, capacity: int, windows: dict | None = None):
-        """`windows`: (window, slots) of each buffer whose layer keeps only its window."""
+    def __init__(self, spec: KVSpec, buffers: dict, num_rows: int, capacity: int, kinds: list[CacheKind] | None = None):
+        """`kinds`: each layer's (cache_kinds.cache_kinds for this capacity, where not given)."""
         self.spec, self.buffers, self.num_rows, self.capacity = spec, buffers, num_rows, capacity
-        self.windows = windows or {}
+        self.kinds = kinds if kinds is not None else cache_kinds(spec, capacity)
+        self.held = evicting(self.kinds)  # what each windowed buffer holds after n tokens (the prefix cache asks)
         self.lengths = np.zeros(self.num_rows, np.int64)
         self.shifts = np.zeros(self.num_rows, np.int64)  # as GrowingCache.shifts
         self._free = list(range(self.num_rows))
@@ -133,8 +139,8 @@ class SlotCache:
         back as it was before them (`state_put_back`, runner.take_back)."""
         count = max(0, min(count, int(self.lengths[row])))
         if count and not state_put_back:
-            refuse_trim_of_state(self.spec)
-            if self.moves_window(row, -count):
+            refuse_forgetting(self.kinds)
+            if self.moving(row, -count):
                 raise GenerationError(
                     f"the last {count} tokens of row {row} moved a sliding layer's window, which cannot take them "
                     "back: put the row's buffers back as they were before them (runner.row_state) first"
@@ -142,14 +148,17 @@ class SlotCache:
         self.lengths[row] -= count
         return count
 
-    def moves_window(self, row: int, count: int) -> bool:
-        """Whether `count` more tokens on the row (fewer, where negative) make a layer that keeps
-        its window evict positions: then the row's buffers cannot simply forget them again."""
+    def moving(self, row: int, count: int) -> list[CacheKind]:
+        """The kinds whose buffers `count` more tokens on the row (fewer, where negative) change
+        beyond the books (a state reads them, a window evicts): then the row's buffers cannot
+        simply forget them again."""
         tokens = int(self.lengths[row])
-        return any(
-            resident(tokens + count, slots, window) != resident(tokens, slots, window) + count
-            for window, slots in self.windows.values()
-        )
+        return [kind for kind in self.kinds if kind.moves(tokens, count)]
+
+    @property
+    def evicts(self) -> bool:
+        """Whether a layer keeps only its window: a prompt's blocks are kept while it holds them."""
+        return bool(self.held)
 
     @property
     def pooled(self) -> dict:
@@ -161,36 +170,9 @@ class SlotCache:
         return sum(_nbytes(value) for value in self.buffers.values())
 
 
-def window_capacity(window: int, capacity: int, exact: bool = False) -> int:
-    """Slots of the buffer of a layer that keeps its `window`, in a cache of `capacity` slots per
-    row: the window and an eighth more, so that the op evicts an eighth of a window at once instead
-    of one position a pass; only the window where the op takes no more (`exact`: CUDA). At least
-    the window (the op's floor), at most what the rows hold."""
-    return window if exact else max(window, min(capacity, window + max(1, window // 8) - 1))
-
-
-def resident(tokens: int, slots: int, window: int) -> int:
-    """How many of a row's latest positions a windowed buffer of `slots` holds once the row has
-    read `tokens` (GroupQueryAttention's rule): all of them up to `slots`; past it, the op evicts
-    `slots - window + 1` at a time, so never fewer than the window."""
-    if tokens <= slots:
-        return tokens
-    at_once = slots - window + 1
-    return tokens - at_once * -(-(tokens - slots) // at_once)
-
-
 def cache_pairs(spec: KVSpec) -> list[tuple[str, str]]:
     """(past input, present output) of every cache tensor: keys and values, then recurrent states."""
     return [*zip(spec.past, spec.present), *((entry["past"], entry["present"]) for entry in spec.state)]
-
-
-def refuse_trim_of_state(spec: KVSpec) -> None:
-    """A recurrent state holds every token it has read in one fixed-size tensor: none can be taken back."""
-    if spec.state:
-        raise GenerationError(
-            "this model keeps a recurrent state (linear attention), which cannot take back tokens it has read, as "
-            "speculative decoding does with a rejected draft: generate without speculative decoding"
-        )
 
 
 def host_array(value) -> np.ndarray:
@@ -202,8 +184,3 @@ def _nbytes(value) -> int:
     if isinstance(value, np.ndarray):
         return value.nbytes
     return int(np.prod(value.shape())) * (2 if "16" in value.data_type() else 4)
-
-
-def buffer_shape(spec: KVSpec, declared: list, rows: int, length: int) -> list[int]:
-    """A past input's shape as the graph declares it, with its rows and its sequence length filled in."""
-    return [length if axis == spec.sequence_axis else (dim if isinstance(dim, int) else rows) for axis, dim in enumerate(declared)]

@@ -76,18 +76,14 @@ class KVSpec:
     def __post_init__(self):
         if len(self.past) != len(self.present):
             raise ManifestError(f"KV layout lists {len(self.past)} past inputs but {len(self.present)} present outputs")
+        if len(self.past) != 2 * self.num_layers:
+            raise ManifestError(f"KV layout lists {len(self.past)} past inputs for {self.num_layers} layers' keys and values: re-export the model")
         if self.layers and len(self.layers) != self.num_layers:
             raise ManifestError(f"KV layout describes {len(self.layers)} layers but has {self.num_layers}: re-export the model")
         if any(not {"past", "present", "shape"} <= set(entry) for entry in self.state):
             raise ManifestError("KV layout lists a state without its past, present and shape: re-export the model")
         if self.windows and len(self.windows) != self.num_layers:
             raise ManifestError(f"KV layout gives {len(self.windows)} windows for {self.num_layers} layers: re-export the model")
-
-    def past_windows(self) -> dict[str, int]:
-        """The window of each past input whose layer keeps only its window (`windows`)."""
-        return {
-            name: self.windows[index // 2] for index, name in enumerate(self.past) if self.windows and self.windows[index // 2] > 0
-        }
 
     def layer_shapes(self) -> list[tuple[int, int, int]]:
         """Each layer's (KV heads, key head size, value head size)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import GenerationError, SettingsError
 from .adapters import adapter_memory
-from .kv_cache import window_capacity
+from .cache_kinds import cache_kinds
 from .manifest import Manifest
 
 _GRAPH_FILES = (".onnx", ".data")
@@ -80,25 +80,16 @@ def tokenizer_bytes(manifest: Manifest) -> int:
 
 def kv_bytes_per_token(manifest: Manifest) -> int:
     """Bytes of keys and values one token adds to one row of the cache (in the layers that keep every token)."""
-    kv = manifest.kv
-    windows = kv.windows or [-1] * kv.num_layers
-    return (
-        sum(h * (key + value) for (h, key, value), window in zip(kv.layer_shapes(), windows) if window <= 0)
-        * np.dtype(kv.dtype).itemsize
-    )
+    itemsize = np.dtype(manifest.kv.dtype).itemsize
+    return sum(kind.bytes_per_token(itemsize) for kind in cache_kinds(manifest.kv, manifest.max_context))
 
 
 def state_bytes_per_row(manifest: Manifest, context: int) -> int:
     """Bytes one row holds whatever its length: the recurrent state of the linear-attention layers,
     and the keys and values of the layers that keep only their window (their buffers' slots on the
-    CPU, which are the most: kv_cache.window_capacity), in rows of `context` tokens."""
-    kv = manifest.kv
-    windowed = sum(
-        h * (key + value) * window_capacity(window, context)
-        for (h, key, value), window in zip(kv.layer_shapes(), kv.windows)
-        if window > 0
-    )
-    return (sum(int(np.prod(entry["shape"])) for entry in kv.state) + windowed) * np.dtype(kv.dtype).itemsize
+    CPU, which are the most: cache_kinds.window_capacity), in rows of `context` tokens."""
+    itemsize = np.dtype(manifest.kv.dtype).itemsize
+    return sum(kind.bytes_per_row(context, itemsize) for kind in cache_kinds(manifest.kv, context))
 
 
 def available_bytes(device: str, limit: int | None) -> tuple[int | None, str]:

@@ -11,8 +11,6 @@ from typing import Protocol
 
 import numpy as np
 
-from .kv_cache import resident
-
 
 class RowCopier(Protocol):
     """Copies the first tokens of one row of buffers [rows, kv_heads, capacity, head_size] to and
@@ -23,48 +21,44 @@ class RowCopier(Protocol):
     def read(self, buffer, row: int, tokens: int) -> np.ndarray: ...
 
 
-def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, windows=None) -> int:
+def restore_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, held=None) -> int:
     """The cached blocks that start `ids` (under `root`) written into `row` of `buffers`; how many
-    tokens they hold. A buffer that keeps a window (`windows`: name -> (window, slots)) gets the
-    latest positions it would hold after those tokens, from slot 0: only as many blocks are taken
-    as have kept those positions for every such buffer."""
-    windows = windows or {}
-    blocks = prefix.blocks(ids, root, lambda found: _usable(found, prefix.block, windows))
+    tokens they hold. A buffer that keeps a window (`held`: name -> how many latest positions it
+    holds after n tokens, cache_kinds.WindowedKV.held) gets those it would hold after those tokens,
+    from slot 0: only as many blocks are taken as have kept them for every such buffer."""
+    held = held or {}
+    blocks = prefix.blocks(ids, root, lambda found: _usable(found, prefix.block, held))
     count = len(blocks) * prefix.block
     for name in blocks[-1].kv if blocks else ():  # the last block has every part (_usable)
-        held = resident(count, windows[name][1], windows[name][0]) if name in windows else count
-        first = (count - held) // prefix.block
+        kept = held[name](count) if name in held else count
+        first = (count - kept) // prefix.block
         values = np.concatenate([b.kv[name] for b in blocks[first:]], axis=1)
-        copier.write(buffers[name], row, values[:, values.shape[1] - held :])
+        copier.write(buffers[name], row, values[:, values.shape[1] - kept :])
     return count
 
 
-def _usable(found: list[_Block], block: int, windows: dict) -> int:
+def _usable(found: list[_Block], block: int, held: dict) -> int:
     """How many of the `found` blocks can start a row: the most whose end every windowed buffer
     can be filled at (the blocks of the positions it would hold have kept them)."""
     for count in range(len(found), 0, -1):
         end = count * block
-        if all(
-            name in b.kv
-            for name, (window, slots) in windows.items()
-            for b in found[(end - resident(end, slots, window)) // block : count]
-        ):
+        if all(name in b.kv for name, kept in held.items() for b in found[(end - kept(end)) // block : count]):
             return count
     return 0
 
 
-def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, windows=None) -> None:
+def store_row(prefix: PrefixCache, ids: list[int], buffers: dict, row: int, copier: RowCopier, root=0, held=None) -> None:
     """Keep the whole blocks of `ids` (under `root`), prefilled in `row` of `buffers`. A buffer that
-    keeps a window (`windows`: name -> (window, slots)) holds only the latest positions: only the
-    blocks among them keep its part."""
+    keeps a window (`held`, as restore_row's) holds only the latest positions: only the blocks among
+    them keep its part."""
     whole = len(ids) // prefix.block * prefix.block
     if not (prefix.budget and whole):
         return
     rows, starts = {}, {}
     for name, buffer in buffers.items():
-        if name in (windows or {}):
-            held = resident(len(ids), windows[name][1], windows[name][0])
-            rows[name], starts[name] = copier.read(buffer, row, held), len(ids) - held
+        if name in (held or {}):
+            kept = held[name](len(ids))
+            rows[name], starts[name] = copier.read(buffer, row, kept), len(ids) - kept
         else:
             rows[name] = copier.read(buffer, row, whole)
     prefix.store(ids, rows, root, starts)

@@ -76,7 +76,7 @@ def speculation(engine, config: GenerationConfig, num_rows: int, capacity: int) 
             "--force`)",
             "speculative",
         )
-    if engine.manifest.kv.state and not engine.manifest.kv.in_place:
+    if not all(kind.forgets for kind in engine.runner.kinds) and not engine.manifest.kv.in_place:
         raise SettingsError(
             "this export keeps the attention as traced beside a recurrent state (linear attention), whose cache "
             "cannot take back the tokens of a rejected draft: generate without speculative decoding",

@@ -26,7 +26,8 @@ import numpy as np
 
 from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
-from .kv_cache import PAD_ID, GrowingCache, SlotCache, buffer_shape, cache_pairs, host_array, window_capacity
+from .cache_kinds import FixedState, cache_kinds
+from .kv_cache import PAD_ID, GrowingCache, SlotCache, cache_pairs, host_array
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
@@ -78,18 +79,18 @@ class ModelRunner:
         self.is_static = manifest.static_context is not None  # the decode graph's shapes are fixed
         self.heads = LogitsHeads(self.graph.output_types["logits"], provider)
         self.copier = self._copier()
-        # Off where a static decode graph would take a prompt's tail one token a pass, and where a
-        # slot cache has no copier.
-        # Off too for a recurrent state (hybrid models): a block of tokens would need the state at its end.
+        self.exact_windows = provider == "cuda"  # CUDA's windowed buffers hold the window exactly (cache_kinds.window_capacity)
+        self.kinds = cache_kinds(self.kv, max_context, self.exact_windows)  # each layer's cache kind
+        # Off where a static decode graph would take a prompt's tail one token a pass, where a slot
+        # cache has no copier, and where a kind cannot be kept in blocks (a recurrent state).
         usable = (
             not self.is_static
-            and not self.kv.state
+            and all(kind.prefix for kind in self.kinds)
             and self.kv.sequence_axis == 2
             and (not self.kv.in_place or self.copier is not None)
         )
         self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
-        self._past_shapes = {name: self.graph.inputs[name].shape for name in self.kv.past}
-        self.exact_windows = provider == "cuda"  # CUDA's windowed buffers hold the window exactly (kv_cache.window_capacity)
+        self._past_shapes = {name: self.graph.inputs[name].shape for kind in self.kinds for name in kind.names}
         self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
         self._no_adapter: dict | None = None  # rank-0 tensors for passes of base rows alone, once the adapters' graph serves
         self._switching = threading.Lock()
@@ -134,7 +135,7 @@ class ModelRunner:
         graph.check_names(spec.inputs, spec.outputs)
         adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is self.manifest.lora else set()
         images = {IMAGE_INPUT} if self.manifest.vision else set()
-        unknown = set(graph.inputs) - STEP_INPUTS - images - set(self.kv.past) - {s["past"] for s in self.kv.state} - adapters
+        unknown = set(graph.inputs) - STEP_INPUTS - images - {past for past, _ in cache_pairs(self.kv)} - adapters
         if unknown:
             raise ManifestError(
                 f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
@@ -174,22 +175,25 @@ class ModelRunner:
         if not self.kv.in_place:
             return Batch(GrowingCache(self.kv, {}, [0] * num_rows), reuses_logits)
         capacity = self.manifest.static_context if self.is_static else capacity or self.max_context
-        windows = {name: (w, window_capacity(w, capacity, self.exact_windows)) for name, w in self.kv.past_windows().items()}
-        slots = {name: windows[name][1] if name in windows else capacity for name in self.kv.past}
-        buffers = {
-            name: self.graph.allocate(buffer_shape(self.kv, self._past_shapes[name], num_rows, slots[name]), self.kv.dtype)
-            for name in self.kv.past
-        }
-        buffers.update({s["past"]: self.graph.allocate([num_rows, *s["shape"]], self.kv.dtype) for s in self.kv.state})
-        batch = Batch(SlotCache(self.kv, buffers, num_rows, capacity, windows), reuses_logits)
+        kinds = cache_kinds(self.kv, capacity, self.exact_windows)
+        shapes = self._buffer_shapes(kinds, num_rows, capacity)
+        buffers = {name: self.graph.allocate(shape, self.kv.dtype) for name, shape in shapes.items()}
+        batch = Batch(SlotCache(self.kv, buffers, num_rows, capacity, kinds), reuses_logits)
         for row in range(num_rows):
-            self._reset_state(batch, row)
+            self._reset_row(batch, row)
         return batch
 
-    def _reset_state(self, batch: Batch, row: int) -> None:
-        """Zero the row's recurrent state (hybrid models), as a new prompt starts from it."""
-        for entry in self.kv.state:
-            self.graph.write_row(batch.cache.buffers[entry["past"]], row, np.zeros(entry["shape"], np.dtype(self.kv.dtype)))
+    def _buffer_shapes(self, kinds: list, num_rows: int, capacity: int) -> dict[str, list[int]]:
+        """Each cache buffer's shape for `num_rows` rows of `capacity` tokens (0: a past that grows)."""
+        shapes = {}
+        for kind in kinds:
+            shapes.update(kind.buffer_shapes(num_rows, capacity, self._past_shapes, self.kv.sequence_axis))
+        return shapes
+
+    def _reset_row(self, batch: Batch, row: int) -> None:
+        """The row's buffers as a new prompt starts from them (a recurrent state zeroed)."""
+        for kind in batch.cache.kinds:
+            kind.reset_row(self.graph.write_row, batch.cache.buffers, row)
 
     def assign(self, batch: Batch, row: int, adapter: str | None) -> None:
         """Run `row` with LoRA adapter `adapter` (None: the base model) from its next pass on."""
@@ -242,14 +246,14 @@ class ModelRunner:
         if not self._prefix_on:
             return 0
         cache = batch.cache
-        num_cached = restore_row(self.prefix_cache, ids, cache.buffers, row, self.copier, self._root(batch, row), cache.windows)
+        num_cached = restore_row(self.prefix_cache, ids, cache.buffers, row, self.copier, self._root(batch, row), cache.held)
         batch.cache.append([row], num_cached)
         return num_cached
 
     def store(self, batch: Batch, row: int, ids: list[int]) -> None:
         """Keep the whole blocks of a prompt that a row of a slot cache holds, prefilled."""
         if self._prefix_on:
-            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row), batch.cache.windows)
+            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row), batch.cache.held)
 
     # Prefill.
 
@@ -263,8 +267,7 @@ class ModelRunner:
         assert rows == list(range(len(prompts))), "prefill fills a new batch"
         if (
             len(prompts) > 1
-            and not self.kv.state  # a state reads padding as tokens: each row alone
-            and not self.kv.windows  # a windowed cache takes no padding in a pass (GroupQueryAttention refuses it)
+            and all(kind.pads for kind in batch.cache.kinds)  # else each row alone (cache_kinds: a state, a window)
             and not (self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts)))
         ):
             logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
@@ -290,7 +293,7 @@ class ModelRunner:
             else:
                 logits = self.prefill_span(batch, row, ids, start, stop)
             # a window evicts: a chunk's blocks are kept while it holds them (the whole prompt's by `prefill`)
-            if batch.cache.windows and stop < len(ids):
+            if batch.cache.evicts and stop < len(ids):
                 self.store(batch, row, ids[:stop])
         return logits, num_cached
 
@@ -352,7 +355,7 @@ class ModelRunner:
         run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
         batch of one); returns the last position's logits [1, 1, vocab]."""
         if start == 0:
-            self._reset_state(batch, row)
+            self._reset_row(batch, row)
         inputs = {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
         return self._run_row(batch, row, self._prompt_positions(inputs, batch.cache, [row], [ids], start))
 
@@ -387,10 +390,9 @@ class ModelRunner:
         prompt starts from the prefix cache's blocks and leaves its own there."""
         cache, first = batch.cache, self.manifest.prefill_length if self.prefill_graph is not None else None
         width = max(max(len(p) for p in prompts), first or 0)
-        if self.kv.state and len(prompts) > 1:
+        if not all(kind.pads for kind in cache.kinds) and len(prompts) > 1:
             return self._prefill_growing_apart(batch, prompts)
-        shapes = {name: buffer_shape(self.kv, self._past_shapes[name], len(prompts), 0) for name in self.kv.past}
-        shapes.update({s["past"]: [len(prompts), *s["shape"]] for s in self.kv.state})
+        shapes = self._buffer_shapes(cache.kinds, len(prompts), 0)
         buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
         root = self._root(batch, 0)
         num_cached, blocks = self.prefix_cache.take(prompts[0], root) if self._prefix_on and len(prompts) == 1 else (0, {})
@@ -426,8 +428,11 @@ class ModelRunner:
             pad[axis] = (width - value.shape[axis], 0)
             return np.pad(value, pad)
 
-        buffers = {name: np.concatenate([left_padded(host_array(one.cache.buffers[name])) for one in alone]) for name in self.kv.past}
-        buffers.update({s["past"]: np.concatenate([host_array(one.cache.buffers[s["past"]]) for one in alone]) for s in self.kv.state})
+        def side_by_side(kind, name: str) -> np.ndarray:
+            values = [host_array(one.cache.buffers[name]) for one in alone]
+            return np.concatenate(values if isinstance(kind, FixedState) else [left_padded(v) for v in values])
+
+        buffers = {name: side_by_side(kind, name) for kind in batch.cache.kinds for name in kind.names}
         batch.cache.buffers, batch.num_cached = buffers, [one.num_cached[0] for one in alone]
         batch.cache.fill(width, np.array([len(p) for p in prompts], np.int64))
         batch.cache.shifts = np.concatenate([one.cache.shifts for one in alone])
@@ -456,10 +461,8 @@ class ModelRunner:
         (hybrid models), and the buffers of the layers that keep a window where those tokens move
         it; empty where the cache can forget them. What `take_back` puts back where a speculative
         pass's tokens are rejected."""
-        names = [s["past"] for s in self.kv.state]
-        if isinstance(batch.cache, SlotCache) and batch.cache.moves_window(row, ahead):
-            names += list(batch.cache.windows)
-        return {name: self.graph.read_row(batch.cache.buffers[name], row) for name in names}
+        kinds = batch.cache.moving(row, ahead)
+        return {name: self.graph.read_row(batch.cache.buffers[name], row) for kind in kinds for name in kind.names}
 
     def _put_state(self, batch: Batch, row: int, state: dict) -> None:
         """Write `state` (from `row_state`) back into the row's buffers."""

@@ -288,7 +288,7 @@ class Scheduler:
         end = min(slot.num_prefilled + self.engine.prefill_chunk, len(ids))
         logits = self.runner.prefill_span(self.batch, slot.row, ids, slot.num_prefilled, end)
         slot.num_prefilled = end
-        if end == len(ids) or self.batch.cache.windows:  # a window evicts: its blocks are kept while it holds them
+        if end == len(ids) or self.batch.cache.evicts:  # a window evicts: its blocks are kept while it holds them
             self.runner.store(self.batch, slot.row, ids[:end])
         if end == len(ids):
             slot.state = State.DECODING

@@ -14,7 +14,15 @@ from edgeinfer.sdk.manifest import KVSpec
 from edgeinfer.sdk.runner import Batch, prepare_decode, prepare_row
 from edgeinfer.sdk.sequence import Sequence
 
-SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_size=1, dtype="float32", sequence_axis=2, past=["past"], present=["present"])
+SPEC = KVSpec(
+    num_layers=1,
+    num_kv_heads=1,
+    head_size=1,
+    dtype="float32",
+    sequence_axis=2,
+    past=["past.0.key", "past.0.value"],
+    present=["present.0.key", "present.0.value"],
+)
 
 
 class StandInRunner:

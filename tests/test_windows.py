@@ -13,7 +13,7 @@ from test_cli import edgeinfer
 from edgeinfer import Engine
 from edgeinfer.export.validate import transformers_greedy
 from edgeinfer.sdk.errors import GenerationError
-from edgeinfer.sdk.kv_cache import resident, window_capacity
+from edgeinfer.sdk.cache_kinds import resident, window_capacity
 from edgeinfer.sdk.manifest import WINDOWS_FORMAT_VERSION
 from edgeinfer.sdk.memory import MemoryPlan
 
@@ -93,9 +93,9 @@ def test_a_cache_refuses_to_forget_tokens_that_moved_its_window(windowed):
     engine = Engine.load(windowed[1], provider="cpu", prefix_cache=0)
     batch = engine.runner.new_batch(1, 64)
     engine.runner.prefill(batch, [list(range(3, 3 + SLOTS))])  # 17 tokens: the buffer is full
-    assert not batch.cache.moves_window(0, -1)
+    assert not batch.cache.moving(0, -1)
     engine.runner.decode(batch, [50])  # the 18th evicts two
-    assert batch.cache.moves_window(0, -1)
+    assert batch.cache.moving(0, -1)
     with pytest.raises(GenerationError, match="moved a sliding layer's window"):
         batch.cache.trim(0, 1)
 
