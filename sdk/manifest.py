@@ -77,7 +77,9 @@ class KVSpec:
         if len(self.past) != len(self.present):
             raise ManifestError(f"KV layout lists {len(self.past)} past inputs but {len(self.present)} present outputs")
         if len(self.past) != 2 * self.num_layers:
-            raise ManifestError(f"KV layout lists {len(self.past)} past inputs for {self.num_layers} layers' keys and values: re-export the model")
+            raise ManifestError(
+                f"KV layout lists {len(self.past)} past inputs for {self.num_layers} layers' keys and values: re-export the model"
+            )
         if self.layers and len(self.layers) != self.num_layers:
             raise ManifestError(f"KV layout describes {len(self.layers)} layers but has {self.num_layers}: re-export the model")
         if any(not {"past", "present", "shape"} <= set(entry) for entry in self.state):
