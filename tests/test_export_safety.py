@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from edgeinfer import Engine
-from edgeinfer.export import ExportOptions, Quantization, budget, export_model, pipeline, progress, workspace
+from edgeinfer.export import ExportOptions, Quantization, budget, export_model, pipeline, progress, stages, workspace
 from edgeinfer.sdk.errors import ExportError
 
 
@@ -115,7 +115,7 @@ def test_a_disk_that_fills_up_during_export_leaves_nothing(tiny_llama, tmp_path,
     def full(folder):
         raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
 
-    monkeypatch.setattr(pipeline, "describe_files", full)
+    monkeypatch.setattr(stages, "describe_files", full)
     with pytest.raises(
         ExportError,
         match=r"no space left on the device while writing .*model.onnx.data: nothing was kept; "
@@ -277,7 +277,7 @@ def test_a_model_too_big_for_the_machine_is_refused_from_its_headers_before_load
     (huge / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
     said = []
     loads = []
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr(stages, "load_model", lambda *a, **k: loads.append(a))
     need = size_text(2 * 4 * 500_000 * 1_000_000 + 2**29)
     with pytest.raises(
         ExportError, match=rf"needs about {re.escape(need)} of memory \(its 500.00B weights loaded in fp32, .*nothing was loaded"

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from architectures import tiny_config
 from conftest import build_llama
 from edgeinfer.export import ExportOptions, Quantization, export_model
-from edgeinfer.export import budget, pipeline
+from edgeinfer.export import budget, stages
 from edgeinfer.export.graphs import GRAPH_FILE, export_graph
 from edgeinfer.export.source import Source, check_layers, source_sizes, truncated
 from edgeinfer.export.stream import streamed
@@ -115,7 +115,7 @@ def test_stream_is_refused_where_it_cannot_apply_and_left_out_for_small_models(d
 def test_a_streamed_export_too_big_for_the_machine_is_refused_before_loading(deep_bf16_llama, tmp_path, monkeypatch):
     folder, _ = deep_bf16_llama
     monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**10)
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(stages, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(
         ExportError,
         match=r"needs about 1.00 GiB of memory \(its fp32 graph in ONNX Runtime, for the calibration or the checks\), and this "
