@@ -3,21 +3,16 @@
 Each step of generation is one call: `prefill` (whole prompts into a new batch), `prefill_span`
 (one chunk of one row's prompt), `decode` (one token for each decoding row), `verify` (several
 tokens of one row with the logits of each: speculative decoding's check) and `choose` (each
-sequence's next token from the logits). The caches (kv_cache.py) keep the books; the runner reads
-them into `input_ids`, `attention_mask`, `position_ids` and `logits_to_keep`, runs the graph, and
-brings the books up to date. The split layout (a prefill graph beside the decode graph), a decode
-graph of fixed shapes and the attention as traced (a past that grows) are its business alone.
-
-LoRA adapters: each row of a batch runs an adapter or the base model (`assign`). The runner serves
-the base graph until a row first asks for an adapter; from then on it serves the adapters' graph
-(export/lora.py) in its place, with the rows' adapter tensors bound where the batch keeps them
-(adapters.py), so rows of different adapters share a pass and one copy of the weights.
+sequence's next token from the logits). The caches (kv_cache.py) keep the books and each layer's
+cache kind (cache_kinds.py) says what its buffers keep; the runner builds each pass's inputs from
+the books (inputs.py), runs the graph, and brings the books up to date. The split layout (a
+prefill graph beside the decode graph), a decode graph of fixed shapes and the attention as
+traced (a past that grows) are its business alone. Beside it: the pictures' features and
+positions (pictures.py) and the LoRA adapters' graph and rows (lora_binding.py).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,16 +22,16 @@ import numpy as np
 from .adapters import Adapters, RowAdapters
 from .errors import ConstraintError, GenerationError, ManifestError
 from .cache_kinds import FixedState, cache_kinds
-from .kv_cache import PAD_ID, GrowingCache, SlotCache, cache_pairs, host_array
+from .inputs import LAST_ONLY, prepare_decode, prepare_left_padded, prepare_row, prepare_together
+from .lora_binding import AdapterBinding, chain_root
+from .kv_cache import GrowingCache, SlotCache, cache_pairs, host_array
 from .manifest import GraphSpec, Manifest
 from .prefix_cache import PrefixCache, restore_row, store_row
 from .runtime import Bindings, Graph, HostCopy, LogitsHeads, RowCopy, RuntimeOptions, Value, host_value, load_weights
+from .pictures import IMAGE_INPUT, PictureFeeds
 from .sequence import Sequence
-from .vision import ImageStore, rotary_positions, whole_pictures
 
 STEP_INPUTS = {"input_ids", "attention_mask", "position_ids", "logits_to_keep"}  # besides the KV cache
-IMAGE_INPUT = "image_features"  # a vision-language graph's: the features of the pass's image tokens
-LAST_ONLY = np.array(1, np.int64)  # `logits_to_keep` of a pass whose last position alone is read
 
 
 @dataclass
@@ -73,7 +68,9 @@ class ModelRunner:
         # keeps its own pre-packed copy.
         shared = load_weights(self.folder / manifest.graph.file, provider) if manifest.prefill and provider != "cpu" else None
         self.options = options
-        self.graph = self._open(manifest.graph, options, shared)
+        self.base_graph = self._open(manifest.graph, options, shared)
+        self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
+        self.lora = AdapterBinding(self.adapters, self.kv.dtype, lambda: self._open(manifest.lora, options, None))
         self.prefill_graph = self._open(manifest.prefill, options, shared) if manifest.prefill is not None else None
         self._shared_weights = shared  # the sessions use these values: they live as long as the runner
         self.is_static = manifest.static_context is not None  # the decode graph's shapes are fixed
@@ -91,44 +88,16 @@ class ModelRunner:
         )
         self.prefix_cache = PrefixCache(prefix_budget if usable else 0)
         self._past_shapes = {name: self.graph.inputs[name].shape for kind in self.kinds for name in kind.names}
-        self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
-        self._no_adapter: dict | None = None  # rank-0 tensors for passes of base rows alone, once the adapters' graph serves
-        self._switching = threading.Lock()
-        self.images = self._image_store(options) if manifest.vision else None
-
-    def _image_store(self, options: RuntimeOptions) -> ImageStore:
-        """The vision graph, and the store of the features it makes (sdk/vision.py)."""
-        vision = self.manifest.vision
-        # Half the cores: a picture is encoded beside the decode loop's passes, which keep the rest,
-        # so the other streams do not stall while it runs (the trade is measured in docs/benchmarks.md).
-        threads = max(1, (options.threads or os.cpu_count() or 2) // 2)
-        encoder = Graph(self.folder / vision["graph"]["file"], self.provider, threads)
-        encoder.check_names(vision["graph"]["inputs"], vision["graph"]["outputs"])
-        pixels_type = encoder.input_dtype("pixel_values")
-
-        def encode(pixels: np.ndarray) -> np.ndarray:
-            return encoder.run({"pixel_values": pixels.astype(pixels_type)}, [], ["image_features"])[1]["image_features"]
-
-        return ImageStore(encode, int(vision["hidden_size"]), self.graph.input_dtype(IMAGE_INPUT))
+        image_dtype = self.graph.input_dtype(IMAGE_INPUT) if manifest.vision else None
+        self.pictures = PictureFeeds(self.folder, manifest, provider, options, image_dtype)
+        self.images = self.pictures.images  # the store of the pictures' features (None: a text export)
 
     def see(self, pictures) -> None:
-        """Make the features of a prompt's pictures (those not kept yet) before it runs, and hold
-        them until `let_go`, when the request has ended."""
-        if pictures:
-            if self.images is None:
-                raise GenerationError("this export reads text only: images need a vision-language export")
-            self.images.add(list(pictures))
+        """Make the features of a prompt's pictures before it runs (PictureFeeds.see)."""
+        self.pictures.see(pictures)
 
     def let_go(self, pictures) -> None:
-        if pictures and self.images is not None:
-            self.images.let_go(pictures)
-
-    def _feeds(self, inputs: dict) -> dict:
-        """A pass's inputs with its picture ids given to the graph as the image token and their features."""
-        if self.images is None:
-            return inputs
-        ids, features = self.images.feeds(inputs["input_ids"], self.manifest.vision["image_token_id"])
-        return {**inputs, "input_ids": ids, IMAGE_INPUT: features}
+        self.pictures.let_go(pictures)
 
     def _open(self, spec: GraphSpec, options: RuntimeOptions, shared: dict | None) -> Graph:
         graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
@@ -197,63 +166,26 @@ class ModelRunner:
 
     def assign(self, batch: Batch, row: int, adapter: str | None) -> None:
         """Run `row` with LoRA adapter `adapter` (None: the base model) from its next pass on."""
-        self.adapters.check(adapter)
-        if adapter is None and batch.adapters is None:
-            return
-        self._serve_adapters()
-        if batch.adapters is None:
-            rows = len(batch.cache.lengths)
-            shapes = self.adapters.shapes.items()
-            batch.adapters = RowAdapters({name: self.graph.allocate([rows, *shape], self.kv.dtype) for name, shape in shapes}, rows)
-            for other in range(rows):
-                if other != row:
-                    self._write_row(batch.adapters, other, None)
-        self._write_row(batch.adapters, row, adapter)
+        self.lora.assign(batch, row, adapter)
 
-    def _write_row(self, adapters: RowAdapters, row: int, adapter: str | None) -> None:
-        for name, values in self.adapters.arrays(adapter).items():
-            self.graph.write_row(adapters.buffers[name], row, values)
-        adapters.names[row] = adapter
-
-    def _serve_adapters(self) -> None:
-        """The adapters' graph in place of the base graph, once. A pass of base rows alone binds
-        tensors of rank 0 ([1, in, 0] and [1, 0, out]): the adapters' terms are then zeros that
-        read nothing."""
-        with self._switching:
-            if self._no_adapter is not None:
-                return
-            graph = self._open(self.manifest.lora, self.options, None)
-            shapes = self.adapters.shapes.items()  # A: [in, rank], B: [rank, out]
-            empty = {name: [1, rows, 0] if name.endswith(".a") else [1, 0, cols] for name, (rows, cols) in shapes}
-            self.graph, self._no_adapter = graph, {name: graph.allocate(shape, self.kv.dtype) for name, shape in empty.items()}
-
-    def _adapter_views(self, batch: Batch, first: int, rows: int) -> tuple[tuple, dict]:
-        """What a pass over rows first.. binds for the adapters: the batch's rows, or rank-0 tensors
-        where they all run the base model; nothing while the base graph serves."""
-        if self._no_adapter is None:
-            return (), {}
-        if batch.adapters is None or not any(batch.adapters.names[first : first + rows]):
-            return ("base",), self._no_adapter
-        return batch.adapters.views(first, rows)
-
-    def _root(self, batch: Batch, row: int):
-        """Where the prefix cache's chains for the row's adapter start."""
-        name = batch.adapters.names[row] if batch.adapters is not None else None
-        return 0 if name is None else ("adapter", name)
+    @property
+    def graph(self) -> Graph:
+        """The graph that serves: the base graph, or, once a row has asked for an adapter, the adapters' graph."""
+        return self.lora.graph or self.base_graph
 
     def restore(self, batch: Batch, row: int, ids: list[int]) -> int:
         """Fill an empty row of a slot cache with the cached blocks that start `ids`; how many tokens they hold."""
         if not self._prefix_on:
             return 0
         cache = batch.cache
-        num_cached = restore_row(self.prefix_cache, ids, cache.buffers, row, self.copier, self._root(batch, row), cache.held)
+        num_cached = restore_row(self.prefix_cache, ids, cache.buffers, row, self.copier, chain_root(batch, row), cache.held)
         batch.cache.append([row], num_cached)
         return num_cached
 
     def store(self, batch: Batch, row: int, ids: list[int]) -> None:
         """Keep the whole blocks of a prompt that a row of a slot cache holds, prefilled."""
         if self._prefix_on:
-            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, self._root(batch, row), batch.cache.held)
+            store_row(self.prefix_cache, ids, batch.cache.buffers, row, self.copier, chain_root(batch, row), batch.cache.held)
 
     # Prefill.
 
@@ -268,7 +200,7 @@ class ModelRunner:
         if (
             len(prompts) > 1
             and all(kind.pads for kind in batch.cache.kinds)  # else each row alone (cache_kinds: a state, a window)
-            and not (self._prefix_on and any(self.prefix_cache.has_start(p, self._root(batch, row)) for row, p in enumerate(prompts)))
+            and not (self._prefix_on and any(self.prefix_cache.has_start(p, chain_root(batch, row)) for row, p in enumerate(prompts)))
         ):
             logits = self._prefill_together(batch, prompts, max(len(p) for p in prompts))
             batch.num_cached = [0] * len(prompts)
@@ -287,7 +219,7 @@ class ModelRunner:
         logits of the last pass (None where nothing ran), and how many came from the cache. The
         split layout's prefill graph serves a batch's only row (`alone`)."""
         logits, num_cached = None, self.restore(batch, row, ids)
-        for start, stop in self._passes(self.spans(num_cached, end, alone), [ids[:end]]):
+        for start, stop in self.pictures.passes(self.spans(num_cached, end, alone), [ids[:end]]):
             if start == 0 and alone and self.prefill_graph is not None:
                 logits = self._prefill_together(batch, [ids], stop)
             else:
@@ -308,48 +240,6 @@ class ModelRunner:
         for begin in range(start, end, step):
             yield begin, min(begin + step, end)
 
-    # Rotary positions of three numbers a token (the manifest's vision.rotary "3d"): a prompt's come
-    # from its pictures (sdk/vision.py), and each row's shift is kept in the cache's books for the
-    # tokens after it, whose positions are their count plus that shift.
-
-    @property
-    def _rotary_3d_on(self) -> bool:
-        return self.manifest.vision.get("rotary") == "3d"
-
-    def _rotary_3d(self, cache: GrowingCache, prompts: list[list[int]], width: int) -> np.ndarray | None:
-        """Those of the prompts left-padded to `width` [3, rows, width]; None where positions are one number."""
-        if not self._rotary_3d_on:
-            return None
-        positions, cache.shifts = np.zeros((3, len(prompts), width), np.int64), np.zeros(len(prompts), np.int64)
-        for row, prompt in enumerate(prompts):
-            positions[:, row, width - len(prompt) :], cache.shifts[row] = rotary_positions(prompt, self.images.grids)
-        return positions
-
-    def _prompt_positions(self, inputs: dict, cache: SlotCache, rows: list[int], prompts: list[list[int]], start: int = 0) -> dict:
-        """`inputs` of a pass over positions start.. of the prompts in `rows` (right-padded), with their 3-D positions."""
-        if not self._rotary_3d_on:
-            return inputs
-        placed = np.zeros((3, *inputs["position_ids"].shape), np.int64)
-        for index, (row, prompt) in enumerate(zip(rows, prompts)):
-            positions, cache.shifts[row] = rotary_positions(prompt, self.images.grids)
-            part = positions[:, start : start + placed.shape[2]]
-            placed[:, index, : part.shape[1]] = part
-        return {**inputs, "position_ids": placed}
-
-    def _text_positions(self, inputs: dict, cache, rows: slice) -> dict:
-        """`inputs` of a pass over tokens after the prompts (position_ids [rows, n]), with their 3-D positions."""
-        if not self._rotary_3d_on or inputs["position_ids"].ndim == 3:
-            return inputs
-        shifted = inputs["position_ids"] + cache.shifts[rows][:, None]
-        return {**inputs, "position_ids": np.repeat(shifted[None], 3, axis=0)}
-
-    def _passes(self, spans: Iterator[tuple[int, int]], prompts: list[list[int]], width: int | None = None):
-        """The prefill passes: `spans`, or, where a picture's tokens attend to each other both ways,
-        spans joined so that no picture is cut between two passes."""
-        if self.manifest.vision.get("attention") == "bidirectional":
-            return whole_pictures(spans, prompts, width)
-        return spans
-
     def prefill_span(self, batch: Batch, row: int, ids: list[int], start: int, end: int) -> Value:
         """Tokens start..end of a prompt into `row` of a slot cache that holds its first `start`,
         run on that row alone (GroupQueryAttention takes several tokens on a filled cache only for a
@@ -357,7 +247,7 @@ class ModelRunner:
         if start == 0:
             self._reset_row(batch, row)
         inputs = {**prepare_row(batch.cache, row, ids[start:end], self.is_static), "logits_to_keep": LAST_ONLY}
-        return self._run_row(batch, row, self._prompt_positions(inputs, batch.cache, [row], [ids], start))
+        return self._run_row(batch, row, self.pictures.prompt_positions(inputs, batch.cache, [row], [ids], start))
 
     def _prefill_together(self, batch: Batch, prompts: list[list[int]], length: int) -> Value:
         """The first `length` tokens of every prompt into empty rows 0.. of a slot cache in one
@@ -371,7 +261,7 @@ class ModelRunner:
                 "one at a time, or export with a larger --prefill-length"
             )
         inputs = prepare_together(batch.cache, prompts, length, width)
-        inputs = self._feeds(self._prompt_positions(inputs, batch.cache, list(range(len(prompts))), prompts))
+        inputs = self.pictures.feeds(self.pictures.prompt_positions(inputs, batch.cache, list(range(len(prompts))), prompts))
         lengths = batch.cache.lengths[: len(prompts)]
         if self.prefill_graph is None:
             binding = self._bind_rows(batch, 0, len(prompts))
@@ -394,13 +284,13 @@ class ModelRunner:
             return self._prefill_growing_apart(batch, prompts)
         shapes = self._buffer_shapes(cache.kinds, len(prompts), 0)
         buffers = {name: np.zeros(shape, np.dtype(self.kv.dtype)) for name, shape in shapes.items()}
-        root = self._root(batch, 0)
+        root = chain_root(batch, 0)
         num_cached, blocks = self.prefix_cache.take(prompts[0], root) if self._prefix_on and len(prompts) == 1 else (0, {})
         buffers.update({name: value[None] for name, value in blocks.items()})
         cache.buffers, batch.num_cached = buffers, [num_cached] + [0] * (len(prompts) - 1)
         cache.fill(num_cached, np.full(len(prompts), num_cached, np.int64))
-        spans = self._passes(self.spans(num_cached, width), prompts, width)
-        positions = self._rotary_3d(cache, prompts, width)
+        spans = self.pictures.passes(self.spans(num_cached, width), prompts, width)
+        positions = self.pictures.left_padded_positions(cache, prompts, width)
         for start, end, inputs in prepare_left_padded(cache, prompts, width, iter(spans)):
             if positions is not None:
                 inputs["position_ids"] = positions[:, :, start:end]
@@ -448,7 +338,7 @@ class ModelRunner:
         inputs = prepare_decode(batch.cache, tokens, self.is_static)
         if isinstance(batch.cache, GrowingCache):
             return self._run_growing(batch, inputs, self.graph)
-        inputs = self._feeds(self._text_positions(inputs, batch.cache, slice(0, len(tokens))))
+        inputs = self.pictures.feeds(self.pictures.text_positions(inputs, batch.cache, slice(0, len(tokens))))
         binding, logits = self._decode_binding(batch, len(tokens))
         idle = {row: self.row_state(batch, row, 1) for row, token in enumerate(tokens) if token is None}
         binding.run(inputs, fresh=() if batch.reuses_logits else ("logits",))
@@ -522,8 +412,8 @@ class ModelRunner:
         binding = self._bindings(batch).rows.get(row)
         if binding is None:
             binding = batch.bindings.rows[row] = self._bind_rows(batch, row, 1)
-        self._bind_adapters(binding, batch, row, 1)
-        binding.run(self._feeds(self._text_positions(inputs, batch.cache, slice(row, row + 1))), fresh=("logits",))
+        self.lora.bind(binding, batch, row, 1)
+        binding.run(self.pictures.feeds(self.pictures.text_positions(inputs, batch.cache, slice(row, row + 1))), fresh=("logits",))
         return binding.outputs()[-1]
 
     def _decode_binding(self, batch: Batch, num_rows: int):
@@ -532,7 +422,7 @@ class ModelRunner:
             logits = self.graph.allocate_output("logits", [num_rows, 1, self.manifest.vocab_size])
             batch.bindings.decode[num_rows] = (self._bind_rows(batch, 0, num_rows, logits), logits)
         binding, logits = batch.bindings.decode[num_rows]
-        self._bind_adapters(binding, batch, 0, num_rows)
+        self.lora.bind(binding, batch, 0, num_rows)
         return binding, logits
 
     def _bindings(self, batch: Batch) -> Bindings:
@@ -546,105 +436,21 @@ class ModelRunner:
     def _bind_rows(self, batch: Batch, first: int, rows: int, logits: Value | None = None):
         """`Graph.bind_rows` of the batch's cache on the graph that serves, its adapters bound too."""
         binding = self.graph.bind_rows(batch.cache.pooled, first, rows, logits)
-        self._bind_adapters(binding, batch, first, rows)
+        self.lora.bind(binding, batch, first, rows)
         return binding
-
-    def _bind_adapters(self, binding, batch: Batch, first: int, rows: int) -> None:
-        """The rows' adapter tensors on a kept binding, bound anew only where what they are changed."""
-        key, views = self._adapter_views(batch, first, rows)
-        if views and getattr(binding, "adapters", None) != (key, id(batch.adapters)):
-            binding.keep_rows(views)
-            binding.adapters = (key, id(batch.adapters))
 
     def _run_growing(self, batch: Batch, inputs: dict, graph: Graph) -> Value:
         """One pass on a cache that grows: the past bound where it is, the presents kept on the device."""
         cache = batch.cache
-        adapters = self._adapter_views(batch, 0, len(cache.lengths))[1]
-        inputs = {**self._feeds(inputs), **adapters}
+        adapters = self.lora.views(batch, 0, len(cache.lengths))[1]
+        inputs = {**self.pictures.feeds(inputs), **adapters}
         inputs = {name: value for name, value in inputs.items() if name in graph.inputs}
-        inputs = self._text_positions(inputs, cache, slice(None))
+        inputs = self.pictures.text_positions(inputs, cache, slice(None))
         past = cache.buffers if graph is self.graph else {}
         presents = [present for _, present in cache_pairs(self.kv)]
         outputs, _ = graph.run({**inputs, **past}, on_device=[*presents, "logits"], to_host=[])
         cache.take(outputs)
         return outputs["logits"]
-
-
-# The inputs of each pass, from the caches' books (pure: tested on hand-made caches).
-
-
-def prepare_decode(cache: GrowingCache | SlotCache, tokens: list[int | None], is_static: bool = False) -> dict[str, np.ndarray]:
-    """One new token for each row that has one (None: a pad token), on top of what each holds; the
-    books grow by them. A growing cache's rows are left-padded (every row grows); a slot cache's
-    rows are right-padded, and a static graph's mask spans the whole capacity."""
-    ids = np.array([[PAD_ID if t is None else t] for t in tokens], np.int64)
-    lengths = cache.lengths[: len(tokens)].copy()
-    if isinstance(cache, GrowingCache):
-        cache.append()
-        mask = np.arange(cache.width)[None, :] >= cache.width - cache.lengths[:, None]
-    else:
-        cache.append([row for row, t in enumerate(tokens) if t is not None])
-        mask = np.arange(cache.capacity if is_static else int(lengths.max()) + 1)[None, :] <= lengths[:, None]
-    return {"input_ids": ids, "attention_mask": mask.astype(np.int64), "position_ids": lengths[:, None], "logits_to_keep": LAST_ONLY}
-
-
-def prepare_row(cache: GrowingCache | SlotCache, row: int, tokens: list[int], is_static: bool = False) -> dict[str, np.ndarray]:
-    """`tokens` on top of what `row` holds, for a pass on that row alone; its length grows by them.
-    A growing cache serves it for a batch of one."""
-    if isinstance(cache, GrowingCache) and len(cache.lengths) != 1:
-        raise GenerationError(
-            "this export keeps the attention as traced, whose cache serves speculative decoding for "
-            "one prompt at a time: generate the prompts one by one"
-        )
-    start = int(cache.lengths[row])
-    cache.append([row], len(tokens))
-    end = start + len(tokens)
-    width = cache.capacity if is_static and cache.capacity else end
-    return {
-        "input_ids": np.array([tokens], np.int64),
-        "attention_mask": (np.arange(width) < end).astype(np.int64)[None, :],
-        "position_ids": np.arange(start, end, dtype=np.int64)[None, :],
-    }
-
-
-def prepare_together(cache: SlotCache, prompts: list[list[int]], length: int, width: int) -> dict[str, np.ndarray]:
-    """The first `length` tokens of every prompt into empty rows 0.. in one pass of `width`
-    positions (right-padded); each row's length grows by its tokens."""
-    ids = np.full((len(prompts), width), PAD_ID, np.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, : min(len(prompt), width)] = prompt[:width]
-    lengths = np.array([min(len(p), length) for p in prompts], np.int64)
-    for row, count in enumerate(lengths):
-        cache.append([row], int(count))
-    return {
-        "input_ids": ids,
-        "attention_mask": (np.arange(width)[None, :] < lengths[:, None]).astype(np.int64),
-        "position_ids": np.tile(np.arange(width, dtype=np.int64), (len(prompts), 1)),
-        "logits_to_keep": LAST_ONLY,
-    }
-
-
-def prepare_left_padded(
-    cache: GrowingCache, prompts: list[list[int]], width: int, spans: Iterator[tuple[int, int]]
-) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
-    """(start, end, inputs) of each prefill pass of prompts left-padded to `width` on a growing
-    cache; the books are brought to each pass's end once it has run (at the next item)."""
-    ids, mask = np.full((len(prompts), width), PAD_ID, np.int64), np.zeros((len(prompts), width), np.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
-    positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
-    for start, end in spans:
-        yield (
-            start,
-            end,
-            {
-                "input_ids": ids[:, start:end],
-                "attention_mask": mask[:, :end],
-                "position_ids": positions[:, start:end],
-                "logits_to_keep": LAST_ONLY,
-            },
-        )
-        cache.fill(end, mask[:, :end].sum(axis=1))
 
 
 def _choose(sequence: Sequence, logits: np.ndarray) -> int | ConstraintError:

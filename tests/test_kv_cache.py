@@ -8,7 +8,7 @@ import pytest
 from edgeinfer.sdk.errors import GenerationError
 from edgeinfer.sdk.kv_cache import PAD_ID, GrowingCache, SlotCache
 from edgeinfer.sdk.manifest import KVSpec
-from edgeinfer.sdk.runner import prepare_decode, prepare_left_padded, prepare_row, prepare_together
+from edgeinfer.sdk.inputs import prepare_decode, prepare_left_padded, prepare_row, prepare_together
 
 SPEC = KVSpec(
     num_layers=1,

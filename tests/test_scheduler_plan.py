@@ -11,7 +11,8 @@ import pytest
 from edgeinfer import BusyError, GenerationConfig, GraphError, Scheduler
 from edgeinfer.sdk.kv_cache import SlotCache
 from edgeinfer.sdk.manifest import KVSpec
-from edgeinfer.sdk.runner import Batch, prepare_decode, prepare_row
+from edgeinfer.sdk.inputs import prepare_decode, prepare_row
+from edgeinfer.sdk.runner import Batch
 from edgeinfer.sdk.sequence import Sequence
 
 SPEC = KVSpec(
