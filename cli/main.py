@@ -205,7 +205,10 @@ def _pictures_text(vision: dict) -> str:
 def _layers_text(kv) -> str:
     """The layers of an export, as its last line says: how many, which keep a state or a window."""
     stateful = len({entry["layer"] for entry in kv.state})
-    text = f"{kv.num_layers} attention layers and {stateful} of linear attention" if stateful else f"{kv.num_layers} layers"
+    if stateful and not kv.num_layers:
+        text = f"{stateful} layers with a recurrent state, no attention"
+    else:
+        text = f"{kv.num_layers} attention layers and {stateful} with a recurrent state" if stateful else f"{kv.num_layers} layers"
     windows = [w for w in kv.windows if w > 0]
     if windows:
         text += f", {len(windows)} of them keeping only their {'/'.join(map(str, sorted(set(windows))))}-token window"

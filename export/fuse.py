@@ -62,12 +62,12 @@ def fuse_graph(
 
 
 def _fused(folder: Path, config, reference: Reference | None, manifest: Manifest, progress, like: dict | None):
-    optimized = optimize(
-        load_without_weights(folder / GRAPH_FILE),
-        getattr(config, "num_attention_heads", 0) or 0,
-        getattr(config, "hidden_size", 0) or 0,
-        progress=progress,
-    )
+    heads, hidden = getattr(config, "num_attention_heads", 0) or 0, getattr(config, "hidden_size", 0) or 0
+    if (
+        not manifest.kv.num_layers or not heads or hidden % heads
+    ):  # no attention layer (Mamba's): the optimizer's attention fusions have none to find
+        heads = hidden = 0
+    optimized = optimize(load_without_weights(folder / GRAPH_FILE), heads, hidden, progress=progress)
     _trim_rotary_caches(optimized.graph, manifest.max_context)
     progress("rewriting attention to GroupQueryAttention")
     rewritten, why_not = _rewrite(optimized, config, manifest, folder)
@@ -108,6 +108,8 @@ def _fused_like(folder: Path, optimized, rewritten, why_not: str | None, manifes
 def _rewrite(optimized: onnx.ModelProto, config, manifest: Manifest, folder: Path) -> tuple[onnx.ModelProto | None, str | None]:
     """A copy of the optimizer's graph with GroupQueryAttention and the MatMuls that share an input
     packed (pack.py), or None and why not (the weights it packs are read from `folder`'s data file)."""
+    if not manifest.kv.num_layers:
+        return None, "no attention layers to rewrite"
     why_traced = _kept_as_traced(manifest.vision)
     if why_traced:
         return None, f"attention kept as exported: {why_traced}"

@@ -318,21 +318,25 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
     inputs = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
     past = [i for i in inputs if not i.name.endswith(STATE_KINDS)]
     dims = [p.type.tensor_type.shape.dim for p in past]
-    sequence_axis = next(k for k, d in enumerate(dims[0]) if "past_sequence_length" in d.dim_param)
+    # a model of state layers alone (Mamba's) has no keys and values: no layer, axis 2 by convention
+    sequence_axis = next((k for k, d in enumerate(dims[0]) if "past_sequence_length" in d.dim_param), 2) if dims else 2
     static = [[d.dim_value for k, d in enumerate(dim) if d.dim_value and k != sequence_axis] for dim in dims]
     layers = [
         {"kv_heads": key[0], "head_size": key[-1], "value_head_size": value[-1]} for key, value in zip(static[0::2], static[1::2])
     ]
+    first = layers[0] if layers else {"kv_heads": 0, "head_size": 0, "value_head_size": 0}
     return KVSpec(
         num_layers=len(layers),
-        num_kv_heads=layers[0]["kv_heads"],
-        head_size=layers[0]["head_size"],
-        value_head_size=layers[0]["value_head_size"],
-        dtype=_ONNX_TYPES[past[0].type.tensor_type.elem_type],
+        num_kv_heads=first["kv_heads"],
+        head_size=first["head_size"],
+        value_head_size=first["value_head_size"],
+        dtype=_ONNX_TYPES[inputs[0].type.tensor_type.elem_type],
         sequence_axis=sequence_axis,
         past=[i.name for i in past],
         present=[PRESENT_PREFIX + i.name[len(PAST_PREFIX) :] for i in past],
         layers=layers if any(layer != layers[0] for layer in layers) else [],
+        # a model of state layers alone writes its states in place: rows of a slot cache, as a fused graph's
+        in_place=not layers,
         state=[_state_entry(i) for i in inputs if i.name.endswith(STATE_KINDS)],
     )
 

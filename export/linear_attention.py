@@ -167,23 +167,30 @@ def short_conv_forward(self, hidden_states, cache=None, attention_mask=None, **k
 
 class GatedLinearRule(torch.autograd.Function):
     """The gated linear rule over T tokens from `state` [B, H, dk, dv]: S = exp(g) S + k ⊗ v, output
-    scale * q^T S, with query and key [B, T, H * dk], value [B, T, H * dv] and decay g (log-space)
-    [B, T, H]: a Mamba-2 scan (key B, query C, value x dt, decay A dt), one head a state."""
+    scale * q^T S, with query and key [B, T, Hk * dk] (each of the `key_heads` serving H / Hk
+    consecutive heads), value [B, T, H * dv] and decay g (log-space) [B, T, H], or per key channel
+    [B, T, H * dk]. A Mamba-2 scan: key B, query C (a group a key head), value x dt, decay A dt per
+    head. A Mamba-1 scan: one key head, a head per channel with dv 1, decay A dt per channel and
+    state entry."""
 
     @staticmethod
-    def forward(ctx, query, key, value, state, decay, heads: int, scale: float):
+    def forward(ctx, query, key, value, state, decay, key_heads: int, heads: int, scale: float):
         batch, length = query.shape[:2]
         key_size, value_size = state.shape[2:]
-        q, k = (t.reshape(batch, length, heads, key_size).transpose(1, 2) for t in (query, key))
+        q, k = (
+            t.reshape(batch, length, key_heads, key_size).repeat_interleave(heads // key_heads, dim=2).transpose(1, 2)
+            for t in (query, key)
+        )
         v = value.reshape(batch, length, heads, value_size).transpose(1, 2)
+        decay = decay.reshape(batch, length, heads, -1, 1)
         out, state = torch.empty_like(v), state.clone()
         for t in range(length):
-            state = state * decay[:, t].exp()[:, :, None, None] + k[:, :, t, :, None] * v[:, :, t, None, :]
+            state = state * decay[:, t].exp() + k[:, :, t, :, None] * v[:, :, t, None, :]
             out[:, :, t] = scale * (state * q[:, :, t, :, None]).sum(-2)
         return out.transpose(1, 2).reshape(batch, length, heads * value_size), state
 
     @staticmethod
-    def symbolic(g, query, key, value, state, decay, heads: int, scale: float):
+    def symbolic(g, query, key, value, state, decay, key_heads: int, heads: int, scale: float):
         out, present = g.op(
             "com.microsoft::LinearAttention",
             query,
@@ -191,7 +198,7 @@ class GatedLinearRule(torch.autograd.Function):
             value,
             state,
             decay,
-            q_num_heads_i=heads,
+            q_num_heads_i=key_heads,
             kv_num_heads_i=heads,
             scale_f=scale,
             update_rule_s="gated",
@@ -221,6 +228,27 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwarg
     return self.out_proj(scan * F.silu(gate))  # Falcon-H1 without its norm
 
 
+def mamba_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """A Mamba-1 mixer's forward (Mamba's, Falcon Mamba's, Jamba's) through the two ops: the
+    convolution of x through CausalConvWithState, the selective scan through LinearAttention's
+    gated rule with a head per channel (its state [state size, 1], transformers' [B, channels, state
+    size] with an axis more), one key head (B) and query head (C) for all, and a decay per channel
+    and state entry. Falcon Mamba and Jamba normalize dt, B and C first (their `*_layernorm`)."""
+    layer = cache.layers[self.layer_idx]
+    batch, length = hidden_states.shape[:2]
+    x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)
+    x, layer.conv_states[0] = _convolved(self.conv1d, x, layer.conv_states[0], self.activation)
+    dt, b, c = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    if hasattr(self, "b_layernorm"):
+        dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
+    dt = F.softplus(self.dt_proj(dt))  # [B, T, channels]
+    decay = (dt[..., None] * -torch.exp(self.A_log.float())).reshape(batch, length, -1)
+    state = layer.recurrent_states[0]
+    out, state = GatedLinearRule.apply(c, b, x * dt, state[..., None], decay, 1, self.intermediate_size, 1.0)
+    layer.recurrent_states[0] = state[..., 0]
+    return self.out_proj((out + x * self.D) * F.silu(gate))
+
+
 def _convolved(conv, x, state, activation: str):
     """`x` [B, T, C] through the depthwise causal convolution `conv` from `state`: ([B, T, C], the new state)."""
     if activation not in ("silu", "swish"):
@@ -235,16 +263,11 @@ def _scanned(self, x, b, c, dt, state):
     (each group serving heads / groups consecutive heads) and the step dt [B, T, heads] before its
     bias and softplus; plus D x. Returns ([B, T, heads * head size], the new state)."""
     batch, length = x.shape[:2]
-    heads, size = self.num_heads, self.ssm_state_size
+    heads = self.num_heads
     dt = _limited(F.softplus(dt + self.dt_bias), *self.time_step_limit)
-    per_group = heads // self.n_groups
-
-    def each_head(t):  # [B, T, groups * size] -> [B, T, heads * size]
-        return t.reshape(batch, length, self.n_groups, 1, size).expand(-1, -1, -1, per_group, -1).reshape(batch, length, heads * size)
-
     value = (x.reshape(batch, length, heads, -1) * dt[..., None]).reshape(batch, length, -1)
     decay = -torch.exp(self.A_log.float()) * dt
-    out, state = GatedLinearRule.apply(each_head(c), each_head(b), value, state, decay, heads, 1.0)
+    out, state = GatedLinearRule.apply(c, b, value, state, decay, self.n_groups, heads, 1.0)
     skip = (x.reshape(batch, length, heads, -1) * self.D[:, None]).reshape(batch, length, -1)
     return out + skip, state
 

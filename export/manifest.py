@@ -55,15 +55,23 @@ def generation_defaults(generation) -> dict:
     return defaults
 
 
-def max_context(config, tokenizer, requested: int | None) -> int:
+# The context an export of a model without attention layers serves by default: its fixed-size
+# state holds any number of tokens, and a context of its own it has none.
+STATE_ONLY_CONTEXT = 2**20
+
+
+def max_context(config, tokenizer, requested: int | None, attention: bool = True) -> int:
     """The context the export serves: `requested`, else the model's limit (its config, else its
-    tokenizer's model_max_length)."""
+    tokenizer's model_max_length); for a model without `attention` layers, STATE_ONLY_CONTEXT
+    where it names none."""
     names = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
     limit = next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
     if limit is None and 0 < (tokenizer.model_max_length or 0) < 10**7:  # tokenizers say 1e30 for "no limit"
         limit = int(tokenizer.model_max_length)
     if requested is not None and limit is not None and requested > limit:
         raise ExportError(f"--max-context {requested} is more than this model's context of {limit} tokens: pass at most {limit}")
+    if requested is None and limit is None and not attention:
+        return STATE_ONLY_CONTEXT
     if requested is None and limit is None:
         raise ExportError(
             f"the {config.model_type} config names no maximum context length: pass --max-context N "

@@ -92,6 +92,17 @@ PATCHES = (
         "through another path, which a trace freezes at the traced length",
     ),
     Patch(
+        "traceable_mamba",
+        "transformers",
+        "5.24",
+        (
+            "tests/test_linear_attention.py::test_the_traced_state_layers_give_transformers_own",
+            "tests/test_architectures.py::test_family_matches_transformers",
+        ),
+        "transformers' Mamba-1 mixers scan a prompt token by token in Python (a trace unrolls it for the traced "
+        "length) and decode one token through another path",
+    ),
+    Patch(
         "state_op_shapes",
         "onnxruntime",
         "1.31",
@@ -404,7 +415,7 @@ def traceable_linear_attention():
                 layer.forward = original
 
 
-_MAMBA2 = threading.Lock()  # the patch is process-wide: one trace uses it at a time
+_MAMBA = threading.Lock()  # the patches are process-wide: one trace uses them at a time
 
 
 @contextmanager
@@ -427,15 +438,38 @@ def traceable_mamba2():
         modeling_falcon_h1.FalconH1Mixer,
         modeling_zamba2.Zamba2MambaMixer,
     )
-    with _MAMBA2:  # the originals are read under the lock: another trace may have patched them until now
-        originals = {mixer: mixer.forward for mixer in mixers}
-        for mixer in mixers:
-            mixer.forward = mamba2_forward
+    with _forwards_replaced(mixers, mamba2_forward):
+        yield
+
+
+@contextmanager
+def traceable_mamba():
+    """While a model is traced, Mamba-1 mixers (Mamba's, Falcon Mamba's, Jamba's) run
+    export/linear_attention.py's `mamba_forward`: its convolution and selective scan trace into
+    CausalConvWithState and LinearAttention's gated rule, a head per channel."""
+    from transformers.models.falcon_mamba import modeling_falcon_mamba
+    from transformers.models.jamba import modeling_jamba
+    from transformers.models.mamba import modeling_mamba
+
+    from .linear_attention import mamba_forward
+
+    mixers = (modeling_mamba.MambaMixer, modeling_falcon_mamba.FalconMambaMixer, modeling_jamba.JambaMambaMixer)
+    with _forwards_replaced(mixers, mamba_forward):
+        yield
+
+
+@contextmanager
+def _forwards_replaced(classes: tuple, forward):
+    """`forward` in place of each class's own, put back after; one trace at a time."""
+    with _MAMBA:  # the originals are read under the lock: another trace may have patched them until now
+        originals = {cls: cls.forward for cls in classes}
+        for cls in classes:
+            cls.forward = forward
         try:
             yield
         finally:
-            for mixer, original in originals.items():
-                mixer.forward = original
+            for cls, original in originals.items():
+                cls.forward = original
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

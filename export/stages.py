@@ -170,8 +170,9 @@ def write_tokenizer(run: ExportRun) -> None:
     """The tokenizer's files, then the manifest of the traced graph (saved in `work`)."""
     model, graph = run.torch_model, run.graph
     tokenizer_spec = save_tokenizer(model, run.tokenizer, run.work)
-    context = max_context(model.config.get_text_config(), run.tokenizer, run.options.max_context)
-    run.manifest = manifest_of(run.source.name, model, graph, kv_layout(run.work, graph), tokenizer_spec, context)
+    kv = kv_layout(run.work, graph)
+    context = max_context(model.config.get_text_config(), run.tokenizer, run.options.max_context, attention=kv.num_layers > 0)
+    run.manifest = manifest_of(run.source.name, model, graph, kv, tokenizer_spec, context)
     run.manifest.save(run.work)
 
 

@@ -38,6 +38,23 @@ MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=
 
 TINY = {
     "bamba": {**MAMBA2, "num_hidden_layers": 3, "attn_layer_indices": [1]},
+    # Mamba-1 mixers alone, no context limit of its own; an lm_head of its own (the tied one makes the
+    # tiny model echo its last token)
+    "mamba": {"state_size": 16, "tie_word_embeddings": False, "max_position_embeddings": None},
+    # Mamba-1 mixers in three layers of four, attention in the second, experts in every other layer
+    "jamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 4,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+    },
     "nemotron_h": {
         "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
         "head_dim": 16,
@@ -249,6 +266,7 @@ SHRUNK = (
     "ernie4_5",
     "ernie4_5_moe",
     "exaone",
+    "falcon_mamba",
     "exaone_moe",
     "flex_olmo",
     "flint",

@@ -34,18 +34,25 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(
     scope="module",
-    params=["qwen3_5_text", "nemotron_h", *(pytest.param(name, marks=pytest.mark.slow) for name in ("falcon_h1", "kimi_linear"))],
+    params=[
+        "qwen3_5_text",
+        "nemotron_h",
+        "mamba",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("falcon_h1", "kimi_linear", "jamba")),
+    ],
 )
 def hybrid(request, qwen, tmp_path_factory):
     """The tiny qwen3_5; Nemotron-H's (a Mamba-2 layer, experts, attention, an MLP layer: its
     time-step floor clamps a prefill's steps); Falcon-H1's (attention and a Mamba-2 mixer side by
     side in each layer); Kimi Linear's (latent attention kept as traced: a batch's prompts are
-    prefilled apart and laid side by side)."""
+    prefilled apart and laid side by side); Mamba's (Mamba-1 mixers alone, no attention: its states
+    in rows of a slot cache); Jamba's (Mamba-1 mixers beside attention and experts)."""
     return qwen if request.param == "qwen3_5_text" else export_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
-# each family's layers with a state: gated DeltaNet (Qwen 3.5), Mamba-2 (the others; Zamba 2's shared
-# attention block runs beside a mixer of its own)
+# each family's layers with a state: gated DeltaNet (Qwen 3.5, Qwen3-Next), Kimi's delta rule, Mamba-2
+# (Bamba to Zamba 2; Zamba 2's shared attention block runs beside a mixer of its own), Mamba-1 (Mamba,
+# Falcon Mamba, Jamba)
 STATE_LAYERS = {
     "qwen3_5_text": 3,
     "qwen3_next": 3,
@@ -55,14 +62,17 @@ STATE_LAYERS = {
     "nemotron_h": 1,
     "falcon_h1": 2,
     "zamba2": 3,
+    "mamba": 2,
+    "falcon_mamba": 2,
+    "jamba": 3,
 }
 
 
 @pytest.mark.parametrize(
-    "name", [n if n in ("qwen3_5_text", "nemotron_h") else pytest.param(n, marks=pytest.mark.slow) for n in STATE_LAYERS]
+    "name", [n if n in ("qwen3_5_text", "nemotron_h", "mamba") else pytest.param(n, marks=pytest.mark.slow) for n in STATE_LAYERS]
 )
 def test_the_traced_state_layers_give_transformers_own(name, tmp_path):
-    """The graph traced with export/patches.py's `traceable_linear_attention` or `traceable_mamba2`:
+    """The graph traced with export/patches.py's `traceable_linear_attention`, `traceable_mamba2` or `traceable_mamba`:
     one op per layer for the convolution and for the delta rule or the selective scan (no loop),
     and its logits over a prefill, two decode steps and a chunk of two, each pass on the state the
     last one handed back, equal transformers' over the whole sequence."""
@@ -121,6 +131,22 @@ def test_a_mamba2_state_is_kept_as_the_scan_reads_it_and_counted(hybrid):
     assert MemoryPlan.of(manifest, 64, 1).state_per_row == (160 * 3 + 8 * 8 * 16) * 4
 
 
+def test_a_mamba1_model_keeps_its_states_in_rows_and_no_context_limit(hybrid):
+    """Mamba's two Mamba-1 layers keep [channels, kernel - 1] and [channels, state size] (128, 3
+    and 128, 16: transformers' own layout, the op's [state size, 1] an axis more), no keys or
+    values: the states are rows of a slot cache, written in place, and the export serves the
+    context its fixed-size state allows (no limit of its own) with nothing counted per token."""
+    manifest = Engine.load(hybrid[1], provider="cpu").manifest
+    if manifest.architecture != "mamba":
+        pytest.skip("Mamba's layout")
+    assert [(s["layer"], s["kind"], s["shape"]) for s in manifest.kv.state] == [
+        (layer, kind, shape) for layer in range(2) for kind, shape in (("conv", [128, 3]), ("recurrent", [128, 16]))
+    ]
+    assert manifest.kv.past == [] and manifest.kv.in_place and manifest.max_context == 2**20
+    plan = MemoryPlan.of(manifest, manifest.max_context, 2)
+    assert plan.kv_per_token == 0 and plan.kv == 2 * 2 * (128 * 3 + 128 * 16) * 4
+
+
 def test_generation_equals_transformers_alone_in_a_batch_and_in_chunks(hybrid):
     model, folder = hybrid
     expected = [transformers_greedy(model, p, 12) for p in PROMPTS]
@@ -144,7 +170,14 @@ def test_speculative_decoding_puts_the_state_back_where_a_proposal_is_rejected(h
     before the pass and the kept tokens run again (runner.take_back). The greedy tokens are plain
     decoding's, alone and in a batch; a draft model with a state is refused."""
     engine = Engine.load(hybrid[1], provider="cpu")
-    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9] * 11, [100, 101, 102, 9, 100, 101, 102], list(range(3, 40))]
+    # the last prompt holds most of the vocabulary: a model that never repeats itself still gets proposals
+    prompts = [
+        [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+        [9] * 11,
+        [100, 101, 102, 9, 100, 101, 102],
+        list(range(3, 40)),
+        list(range(259, 59, -1)),
+    ]
     if not engine.manifest.kv.in_place:  # Kimi Linear's traced attention cannot take tokens back: refused up front
         with pytest.raises(SettingsError, match="cannot take back the tokens of a rejected draft"):
             engine.generate(prompts[0], max_new_tokens=4, speculative="prompt_lookup")
@@ -152,8 +185,8 @@ def test_speculative_decoding_puts_the_state_back_where_a_proposal_is_rejected(h
     plain = [engine.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
     fast = [engine.generate(p, max_new_tokens=24, ignore_eos=True, speculative="prompt_lookup") for p in prompts]
     assert [r.token_ids for r in fast] == plain
-    # passes saved; Nemotron-H's tiny model never repeats itself: each of its proposals is rejected and put back
-    assert sum(r.accepted_tokens for r in fast) > 0 or engine.manifest.architecture == "nemotron_h"
+    # passes saved; Nemotron-H's and Mamba's tiny models never repeat themselves: each proposal is rejected and put back
+    assert sum(r.accepted_tokens for r in fast) > 0 or engine.manifest.architecture in ("nemotron_h", "mamba")
     assert any(r.proposed_tokens > r.accepted_tokens for r in fast)  # and the state put back
     batch = engine.generate_batch(prompts, max_new_tokens=24, ignore_eos=True, speculative="prompt_lookup")
     assert [r.token_ids for r in batch] == plain

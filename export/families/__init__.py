@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..patches import traceable_falcon_alibi, traceable_linear_attention, traceable_mamba2
+from ..patches import traceable_falcon_alibi, traceable_linear_attention, traceable_mamba, traceable_mamba2
 from . import gemma3, idefics3, qwen_vl
 from .processor import VisionEncoder
 
@@ -38,6 +38,7 @@ class Family:
 AS_IS = Family()
 LINEAR_ATTENTION = Family(patches=(traceable_linear_attention,))  # gated DeltaNet layers, short convolutions
 MAMBA2 = Family(patches=(traceable_mamba2,), scan_state_transposed=True)  # Mamba-2 mixers beside attention layers
+MAMBA = Family(patches=(traceable_mamba,))  # Mamba-1 mixers, alone or beside attention layers
 
 # Every family the tests prove (tests/test_architectures.py, tests/test_vision_families.py); others
 # are tried as AS_IS.
@@ -97,6 +98,9 @@ FAMILIES = {
     "nemotron_h": MAMBA2,
     "falcon_h1": MAMBA2,
     "zamba2": MAMBA2,
+    "mamba": MAMBA,
+    "falcon_mamba": MAMBA,
+    "jamba": MAMBA,
     # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
     "apertus": AS_IS,
     "apertus1p5_text": AS_IS,
