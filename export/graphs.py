@@ -27,7 +27,7 @@ from edgeinfer.sdk.manifest import GraphSpec, KVSpec
 from .patches import onnx_float, weights_apart
 from .source import first_line
 from . import stream
-from .stream import hollow_weights, is_deferred, made, streamed
+from .stream import FoldedWeight, hollow_weights, is_deferred, made, streamed
 from .trace import PAST_PREFIX, PRESENT_PREFIX, STATE_KINDS, trace, trace_hidden
 
 GRAPH_FILE = "model.onnx"
@@ -57,14 +57,28 @@ def export_hidden_graph(base, folder: Path) -> GraphSpec:
 
 def _exported(model, folder: Path, tracer, what: str, defer: bool = False) -> GraphSpec:
     """Trace `model` with `tracer` into a scratch folder, its weights written apart one at a time,
-    then save the graph into `folder` (the generation graph with its logits for the last positions)."""
+    then save the graph into `folder` (the generation graph with its logits for the last positions).
+    Where the trace folds a large matrix into a constant (LongCat-Flash's), which a hollow matrix
+    cannot give, a model loaded in fp32 is traced again with its matrices as they are; one loaded in
+    its checkpoint's precision (a streamed export) is refused."""
+    import torch
+
+    try:
+        return _traced_into(model, folder, tracer, what, defer, hollow=True)
+    except FoldedWeight:
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            raise
+        return _traced_into(model, folder, tracer, what, defer, hollow=False)
+
+
+def _traced_into(model, folder: Path, tracer, what: str, defer: bool, hollow: bool) -> GraphSpec:
     scratch = folder / ".scratch"
     scratch.mkdir()
     try:
         with weights_apart() as weights:
-            with hollow_weights(model) as hollow:
+            with hollow_weights(model, enabled=hollow) as hollowed:
                 tracer(model, scratch / GRAPH_FILE)
-            write_weights(scratch / GRAPH_FILE, streamed(weights, hollow), defer)
+            write_weights(scratch / GRAPH_FILE, streamed(weights, hollowed), defer)
             weights.clear()
         graph = onnx.load(str(scratch / GRAPH_FILE), load_external_data=False)  # its weights stay in their files
         if tracer is trace:

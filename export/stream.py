@@ -38,13 +38,22 @@ from .patches import APART_BYTES
 HOLLOW_BYTES = APART_BYTES
 
 
+class FoldedWeight(ExportError):
+    """torch.onnx computed a constant from a hollow matrix (through more than a transpose)."""
+
+
 @contextmanager
-def hollow_weights(model):
+def hollow_weights(model, enabled: bool = True):
     """Meanwhile, `model`'s floating-point parameters of two or more axes and `HOLLOW_BYTES` in
     fp32 are hollow views, its other float parameters and buffers fp32. Yields the map from each
-    hollow storage's address to (the parameter's name, the loaded tensor, the view's strides)."""
+    hollow storage's address to (the parameter's name, the loaded tensor, the view's strides);
+    not `enabled`, nothing is hollow (a model in fp32 whose trace folds a matrix into a constant)."""
     import torch
 
+    if not enabled:
+        with torch.no_grad():
+            yield {}
+        return
     hollow, replaced, originals = {}, {}, []
     for module_name, module in model.named_modules():
         for kind in ("_parameters", "_buffers"):
@@ -91,7 +100,7 @@ def streamed(held: dict, hollow: dict) -> dict:
         if source is not None:
             weights[name] = _maker(*source, tensor)
         elif torch.isnan(tensor).any():
-            raise ExportError(
+            raise FoldedWeight(
                 f"torch.onnx folded a large weight into {name} ({tuple(tensor.shape)}) through more than a transpose, "
                 "which a streamed export cannot write: export without streaming (--no-stream), on a machine with "
                 "the memory for the model in fp32"

@@ -248,6 +248,15 @@ TINY = {
 }
 
 
+# Settings on top of a SHRUNK family's shrunk defaults where those disagree with each other: multi-head
+# latent attention's rotary size as its head size; expert groups no more than the 4 experts; a shared
+# expert where the default names none.
+ADJUSTED = {
+    "youtu": {"head_dim": 4},
+    "dots1": {"n_shared_experts": 1},
+    "beam": {"n_group": 1, "topk_group": 1},
+}
+
 # Families whose tiny model is their config class's defaults with the sizes shrunk (generic_tiny.py):
 # each tried by benchmarks/families.py and found to export and match transformers, then kept here.
 SHRUNK = (
@@ -255,6 +264,7 @@ SHRUNK = (
     "apertus",
     "apertus1p5_text",
     "aria_text",
+    "beam",
     "biogpt",
     "bitnet",
     "cohere2",
@@ -263,6 +273,7 @@ SHRUNK = (
     "cwm",
     "diffllama",
     "doge",
+    "dots1",
     "ernie4_5",
     "ernie4_5_moe",
     "exaone",
@@ -308,6 +319,7 @@ SHRUNK = (
     "trocr",
     "vaultgemma",
     "xglm",
+    "youtu",
 )
 
 

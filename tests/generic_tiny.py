@@ -3,11 +3,13 @@ class's defaults with the sizes shrunk: how families outside architectures.TINY 
 
 Where architectures.TINY has an entry for the family, that entry is used. Otherwise each size
 attribute the default config has is set small, and every per-layer list (layer kinds, a hybrid's
-pattern string) is cut to the fewest layers that keep each of its kinds, in order."""
+pattern string) is cut to the fewest layers that keep each of its kinds, in order; then the
+family's few settings in architectures.ADJUSTED where the shrunk sizes disagree with each other
+(a rotary size, an expert grouping)."""
 
 from __future__ import annotations
 
-from architectures import COMMON, LATENT, TINY, tiny_config
+from architectures import ADJUSTED, COMMON, LATENT, TINY, tiny_config
 
 SMALL = {
     "vocab_size": 320,
@@ -80,7 +82,7 @@ def config_of(model_type: str):
             if _has(default, name):
                 sizes[name] = len(kept)
         sizes |= _cut_per_layer(default, layers, kept)
-    return AutoConfig.for_model(model_type, **sizes)
+    return AutoConfig.for_model(model_type, **{**sizes, **ADJUSTED.get(model_type, {})})
 
 
 def _has(config, name: str) -> bool:

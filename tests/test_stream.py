@@ -25,6 +25,39 @@ from edgeinfer.sdk.errors import ExportError
 PROMPT = [1, 5, 9, 33, 70, 12]
 
 
+def test_a_trace_that_folds_a_matrix_into_a_constant_is_traced_again_with_the_real_weights(tmp_path, monkeypatch):
+    """A forward that computes with a matrix (here the lm_head's weight times 2) makes torch.onnx fold
+    the product into a constant, which a hollow matrix gives as NaN: a model loaded in fp32 is traced
+    again with its matrices as they are, and its graph computes transformers' logits; one in bf16
+    (a streamed export) is refused."""
+    from edgeinfer.export.graphs import export_graph
+    from edgeinfer.export.stream import FoldedWeight
+
+    import onnxruntime as ort
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    head = model.lm_head
+    monkeypatch.setattr(head, "forward", lambda x: torch.nn.functional.linear(x, head.weight * 2))
+    export_graph(model, tmp_path)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {
+        i.name: np.zeros([1 if d == "batch_size" else 0 if isinstance(d, str) else d for d in i.shape], np.float32)
+        for i in session.get_inputs()
+        if i.name.startswith("past")
+    }
+    ids = [[5, 9, 17, 33]]
+    feeds.update(input_ids=np.array(ids), attention_mask=np.ones((1, 4), np.int64), position_ids=np.arange(4)[None])
+    feeds["logits_to_keep"] = np.array(1, np.int64)
+    names = {i.name for i in session.get_inputs()}
+    logits = session.run(["logits"], {k: v for k, v in feeds.items() if k in names})[0]
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)).logits[0, -1].numpy()
+    assert np.abs(logits[0, -1] - expected).max() < 1e-4 and np.abs(expected).max() > 0
+    (tmp_path / "bf16").mkdir()
+    with pytest.raises(FoldedWeight, match="through more than a transpose"):
+        export_graph(model.to(torch.bfloat16), tmp_path / "bf16")
+
+
 def test_a_fold_that_computes_from_a_hollow_weight_is_refused_with_the_way_out():
     hollow_view = torch.full((6,), float("nan")).as_strided((2, 3), (1, 2))
     computed = hollow_view * 2  # a new tensor: not a view of the hollow storage, and NaN
