@@ -420,12 +420,13 @@ _MAMBA = threading.Lock()  # the patches are process-wide: one trace uses them a
 
 @contextmanager
 def traceable_mamba2():
-    """While a model is traced, Mamba-2 mixers (Bamba's, Granite 4.0-H's, Nemotron-H's, Falcon-H1's, Zamba 2's) run
+    """While a model is traced, Mamba-2 mixers (Mamba 2's, Bamba's, Granite 4.0-H's, Nemotron-H's, Falcon-H1's, Zamba 2's) run
     export/linear_attention.py's `mamba2_forward`, whose convolution and selective scan trace into
     ONNX Runtime's CausalConvWithState and LinearAttention (its gated rule)."""
     from transformers.models.bamba import modeling_bamba
     from transformers.models.falcon_h1 import modeling_falcon_h1
     from transformers.models.granitemoehybrid import modeling_granitemoehybrid
+    from transformers.models.mamba2 import modeling_mamba2
     from transformers.models.nemotron_h import modeling_nemotron_h
     from transformers.models.zamba2 import modeling_zamba2
 
@@ -437,6 +438,7 @@ def traceable_mamba2():
         modeling_nemotron_h.NemotronHMamba2Mixer,
         modeling_falcon_h1.FalconH1Mixer,
         modeling_zamba2.Zamba2MambaMixer,
+        modeling_mamba2.Mamba2Mixer,
     )
     with _forwards_replaced(mixers, mamba2_forward):
         yield

@@ -113,7 +113,7 @@ def streamed(held: dict, hollow: dict) -> dict:
 def _maker(name: str, loaded, strides: tuple[int, ...], view):
     """The function that makes `view`'s tensor from `loaded` (the parameter `name`), in fp32."""
     if sorted(view.stride()) != sorted(strides) or view.storage_offset() != 0:
-        raise ExportError(
+        raise FoldedWeight(
             f"torch.onnx folded the weight {name} into a view of shape {tuple(view.shape)} that is not a permutation "
             "of its axes, which a streamed export cannot write: export without streaming (--no-stream)"
         )

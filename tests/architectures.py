@@ -255,6 +255,10 @@ ADJUSTED = {
     "youtu": {"head_dim": 4},
     "dots1": {"n_shared_experts": 1},
     "beam": {"n_group": 1, "topk_group": 1},
+    "axk1": {"head_dim": 4, "n_group": 1, "topk_group": 1},
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
 }
 
 # Families whose tiny model is their config class's defaults with the sizes shrunk (generic_tiny.py):
@@ -263,12 +267,14 @@ SHRUNK = (
     "afmoe",
     "apertus",
     "apertus1p5_text",
+    "axk1",
     "aria_text",
     "beam",
     "biogpt",
     "bitnet",
     "cohere2",
     "cohere2_moe",
+    "cohere_compass_text",
     "ctrl",
     "cwm",
     "diffllama",
@@ -298,6 +304,7 @@ SHRUNK = (
     "jais2",
     "kolibri1",
     "laguna",
+    "mamba2",
     "mellum",
     "mimo_v2_flash",
     "minimax_m2",

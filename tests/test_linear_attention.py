@@ -62,6 +62,7 @@ STATE_LAYERS = {
     "nemotron_h": 1,
     "falcon_h1": 2,
     "zamba2": 3,
+    "mamba2": 2,
     "mamba": 2,
     "falcon_mamba": 2,
     "jamba": 3,

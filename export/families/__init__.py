@@ -98,6 +98,7 @@ FAMILIES = {
     "nemotron_h": MAMBA2,
     "falcon_h1": MAMBA2,
     "zamba2": MAMBA2,
+    "mamba2": MAMBA2,
     "mamba": MAMBA,
     "falcon_mamba": MAMBA,
     "jamba": MAMBA,
