@@ -92,6 +92,16 @@ PATCHES = (
         "through another path, which a trace freezes at the traced length",
     ),
     Patch(
+        "real_rotary",
+        "transformers",
+        "5.24",
+        (
+            "tests/test_patches.py::test_real_rotary_turns_as_transformers_complex_one",
+            "tests/test_architectures.py::test_family_matches_transformers",
+        ),
+        "DeepSeek-V2's and Llama 4's rotary positions are complex numbers (torch.polar), which ONNX has no type for",
+    ),
+    Patch(
         "traceable_mamba",
         "transformers",
         "5.24",
@@ -262,7 +272,9 @@ def missing_symbolics():
     (x / sqrt(mean(x^2) + eps) * weight over the normalized axes, eps torch's default where none is
     given, a weight of ones where none is given): torch.onnx's TorchScript exporter has neither and
     refuses the model. A norm without its Mul was fused by ONNX Runtime with the next Mul in the
-    graph as its scale, which made a cycle ("Graph is not a DAG", NanoChat's)."""
+    graph as its scale, which made a cycle ("Graph is not a DAG", NanoChat's). aten::cumsum of
+    booleans casts them to int64 first, as torch sums them (the exporter's CumSum took the booleans,
+    which ONNX's CumSum refuses: Llama 4's)."""
     import torch
     from torch.onnx import symbolic_helper
 
@@ -285,18 +297,30 @@ def missing_symbolics():
             weight = g.op("Constant", value_t=torch.ones(normalized))
         return g.op("Mul", out, weight)
 
+    def cumsum(g, x, dim, dtype=None):
+        from torch.onnx._internal.torchscript_exporter._type_utils import JitScalarType
+
+        axis = g.op("Constant", value_t=torch.tensor(symbolic_helper._get_const(dim, "i", "dim"), dtype=torch.int))
+        target = None if dtype is None or symbolic_helper._is_none(dtype) else symbolic_helper._maybe_get_const(dtype, "i")
+        if isinstance(target, int):
+            x = g.op("Cast", x, to_i=JitScalarType(target).onnx_type())
+        elif x.type().scalarType() == "Bool":
+            x = g.op("Cast", x, to_i=JitScalarType.INT64.onnx_type())
+        return g.op("CumSum", x, axis)
+
     from torch.onnx._internal.torchscript_exporter.registration import registry
 
-    added = {"aten::expm1": expm1, "aten::rms_norm": rms_norm}
+    # each at the opset of torch's own, where it has one: a symbolic is taken from the closest opset
+    added = {"aten::expm1": (expm1, 9), "aten::rms_norm": (rms_norm, 9), "aten::cumsum": (cumsum, 11)}
     with _SYMBOLICS:
         new = [name for name in added if name not in registry._registry]
-        for name, symbolic in added.items():
-            torch.onnx.register_custom_op_symbolic(name, symbolic, 9)
+        for name, (symbolic, opset) in added.items():
+            torch.onnx.register_custom_op_symbolic(name, symbolic, opset)
         try:
             yield
         finally:
-            for name in added:
-                torch.onnx.unregister_custom_op_symbolic(name, 9)
+            for name, (_, opset) in added.items():
+                torch.onnx.unregister_custom_op_symbolic(name, opset)
             for name in new:  # unregistering leaves an empty entry, which torch.onnx then fails on obscurely
                 registry._registry.pop(name, None)
 
@@ -354,6 +378,52 @@ def traceable_falcon_alibi():
             yield
         finally:
             modeling_falcon.build_alibi_tensor = original
+
+
+_COMPLEX_ROTARY = threading.Lock()  # the patch is process-wide: one trace uses it at a time
+
+
+@contextmanager
+def real_rotary():
+    """While a model is traced, DeepSeek-V2's and Llama 4's rotary positions, which transformers
+    computes as complex numbers (torch.polar, view_as_complex: ONNX has no complex type), are the
+    same rotation in real numbers: the rotary embedding gives (cos, sin) pairs [..., dim / 2, 2]
+    (times its scaling), and each pair (a, b) of a query or key turns to (a cos - b sin, a sin + b cos)."""
+    import torch
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2
+    from transformers.models.llama4 import modeling_llama4
+
+    def pairs(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        return torch.stack([freqs.cos(), freqs.sin()], dim=-1) * self.attention_scaling
+
+    def turned(x, cos, sin):
+        a, b = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
+
+    def llama4_apply(xq, xk, freqs):  # queries and keys [batch, sequence, heads, dim]
+        cos, sin = freqs[:, :, None, :, 0], freqs[:, :, None, :, 1]
+        return turned(xq, cos, sin), turned(xk, cos, sin)
+
+    def deepseek_apply(xq, xk, freqs):  # [batch, heads, sequence, dim]
+        cos, sin = freqs[:, None, :, :, 0].to(xq.device), freqs[:, None, :, :, 1].to(xq.device)
+        return turned(xq, cos, sin), turned(xk, cos, sin)
+
+    replaced = [
+        (modeling_llama4, "apply_rotary_emb", llama4_apply),
+        (modeling_deepseek_v2, "apply_rotary_emb", deepseek_apply),
+        (modeling_llama4.Llama4TextRotaryEmbedding, "forward", pairs),
+        (modeling_deepseek_v2.DeepseekV2RotaryEmbedding, "forward", pairs),
+    ]
+    with _COMPLEX_ROTARY:  # the originals are read under the lock: another trace may have patched them until now
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
+        for owner, name, value in replaced:
+            setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for owner, name, value in originals:
+                setattr(owner, name, value)
 
 
 def _alibi_slopes(num_heads: int):

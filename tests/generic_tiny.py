@@ -72,6 +72,16 @@ def config_of(model_type: str):
     if model_type in TINY:
         return tiny_config(model_type)
     default = AutoConfig.for_model(model_type)
+    sizes = _shrunk(default)
+    for name in getattr(default, "sub_configs", {}):  # a composite model's text, vision or audio config
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            sizes[name] = {**sub.to_dict(), **_shrunk(sub)}
+    return AutoConfig.for_model(model_type, **{**sizes, **ADJUSTED.get(model_type, {})})
+
+
+def _shrunk(default) -> dict:
+    """The small sizes of one config: those of SMALL it has, its layers cut (see the module's text)."""
     sizes = {name: value for name, value in {**COMMON, **SMALL, **LATENT}.items() if _has(default, name)}
     if "kv_lora_rank" in sizes:  # latent attention: a key and value head per query head
         sizes["num_key_value_heads"] = sizes.get("num_attention_heads", 4)
@@ -82,7 +92,9 @@ def config_of(model_type: str):
             if _has(default, name):
                 sizes[name] = len(kept)
         sizes |= _cut_per_layer(default, layers, kept)
-    return AutoConfig.for_model(model_type, **{**sizes, **ADJUSTED.get(model_type, {})})
+    if default.to_dict().get("per_layer_config"):  # some layers' own (large) sizes, by index: every layer alike
+        sizes["per_layer_config"] = {}
+    return sizes
 
 
 def _has(config, name: str) -> bool:

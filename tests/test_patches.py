@@ -170,6 +170,64 @@ def test_the_added_symbolics_give_torchs_own(tmp_path):
         export(tmp_path / "after.onnx")
 
 
+def test_a_cumsum_of_booleans_sums_them_as_integers(tmp_path):
+    """torch sums booleans as int64; torch.onnx's own symbolic hands the booleans to CumSum, which
+    ONNX Runtime refuses to load (Llama 4's masks). Under `missing_symbolics` the graph loads and
+    gives torch's sums, and a cumsum with a dtype still casts to it; after, torch's own again."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    class Sums(torch.nn.Module):
+        def forward(self, x):
+            return (x > 0).cumsum(-1), x.cumsum(0, dtype=torch.float64)
+
+    x = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 5.0, 6.0]])
+
+    def export(path):
+        torch.onnx.export(Sums(), (x,), str(path), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "a"}})
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    with pytest.raises(Exception, match="tensor\\(bool\\)"):
+        export(tmp_path / "refused.onnx")
+    with patches.missing_symbolics():
+        session = export(tmp_path / "m.onnx")
+    flags, sums = session.run(None, {"x": x.numpy()})
+    assert flags.tolist() == [[1, 1, 2], [0, 1, 2]] and flags.dtype == np.int64
+    assert sums.dtype == np.float64 and sums.tolist() == [[1.0, -2.0, 3.0], [0.0, 3.0, 9.0]]
+    with pytest.raises(Exception, match="tensor\\(bool\\)"):
+        export(tmp_path / "after.onnx")
+
+
+def test_real_rotary_turns_as_transformers_complex_one():
+    """Under `real_rotary`, DeepSeek-V2's and Llama 4's rotary embedding gives (cos, sin) pairs and
+    their apply_rotary_emb turns queries and keys by them in real numbers: the same values as
+    transformers' complex numbers, each in its own layout; the originals are back after."""
+    import torch
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as deepseek
+    from transformers.models.llama4 import modeling_llama4 as llama4
+
+    from architectures import tiny_config
+
+    generator = torch.Generator().manual_seed(0)
+    positions = torch.tensor([[3, 4, 5, 9]])
+    cases = [
+        (llama4, llama4.Llama4TextRotaryEmbedding, tiny_config("llama4_text"), (1, 4, 4, 16)),  # [batch, sequence, heads, dim]
+        (deepseek, deepseek.DeepseekV2RotaryEmbedding, tiny_config("deepseek_v2"), (1, 4, 4, 4)),  # [batch, heads, sequence, dim]
+    ]
+    for module, rotary_class, config, shape in cases:
+        rotary = rotary_class(config)
+        q, k = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
+        expected = module.apply_rotary_emb(q, k, rotary(q, positions))
+        original = module.apply_rotary_emb
+        with patches.real_rotary():
+            pairs = rotary(q, positions)
+            got = module.apply_rotary_emb(q, k, pairs)
+        assert not pairs.is_complex() and pairs.shape[-1] == 2
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+        assert module.apply_rotary_emb is original and rotary(q, positions).is_complex()
+
+
 def test_a_norm_without_a_weight_is_not_fused_with_the_next_mul(tmp_path):
     """A norm with no weight whose output is multiplied by an activation made from it (NanoChat's
     norms before its rotations): the optimizer, under `weighted_norms_only`, leaves it as ops and

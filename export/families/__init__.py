@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..patches import traceable_falcon_alibi, traceable_linear_attention, traceable_mamba, traceable_mamba2
+from ..patches import real_rotary, traceable_falcon_alibi, traceable_linear_attention, traceable_mamba, traceable_mamba2
 from . import gemma3, idefics3, qwen_vl
 from .processor import VisionEncoder
 
@@ -99,32 +99,42 @@ FAMILIES = {
     "falcon_h1": MAMBA2,
     "zamba2": MAMBA2,
     "mamba2": MAMBA2,
+    "deepseek_v2": Family(patches=(real_rotary,)),
+    "llama4_text": Family(patches=(real_rotary,)),
     "mamba": MAMBA,
     "falcon_mamba": MAMBA,
     "jamba": MAMBA,
     # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
+    "afmoe": AS_IS,
     "apertus": AS_IS,
     "apertus1p5_text": AS_IS,
-    "afmoe": AS_IS,
     "aria_text": AS_IS,
+    "axk1": AS_IS,
+    "beam": AS_IS,
     "biogpt": AS_IS,
     "bitnet": AS_IS,
     "cohere2": AS_IS,
     "cohere2_moe": AS_IS,
+    "cohere_compass_text": AS_IS,
     "ctrl": AS_IS,
     "cwm": AS_IS,
     "diffllama": AS_IS,
     "doge": AS_IS,
+    "dots1": AS_IS,
     "ernie4_5": AS_IS,
     "ernie4_5_moe": AS_IS,
     "exaone": AS_IS,
     "exaone_moe": AS_IS,
     "flex_olmo": AS_IS,
     "flint": AS_IS,
+    "fuyu": AS_IS,
+    "gemma4": AS_IS,
+    "gemma4_unified": AS_IS,
     "gemma4_unified_text": AS_IS,
     "git": AS_IS,
     "glm4": AS_IS,
     "glm4_moe": AS_IS,
+    "got_ocr2": AS_IS,
     "gpt_neox_japanese": AS_IS,
     "granitemoe": AS_IS,
     "granitemoe_swa": AS_IS,
@@ -144,9 +154,10 @@ FAMILIES = {
     "minimax_m3_vl_text": AS_IS,
     "ministral": AS_IS,
     "mixtral": AS_IS,
-    "nanochat": AS_IS,
     "modernbert-decoder": AS_IS,
     "moshi": AS_IS,
+    "moss_transcribe_diarize": AS_IS,
+    "nanochat": AS_IS,
     "olmoe": AS_IS,
     "persimmon": AS_IS,
     "phi4_multimodal": AS_IS,
@@ -159,6 +170,7 @@ FAMILIES = {
     "trocr": AS_IS,
     "vaultgemma": AS_IS,
     "xglm": AS_IS,
+    "youtu": AS_IS,
     # vision-language: their language model as above, taking image features
     "gemma3": Family(vision=gemma3.VISION, images_attend_both_ways=True),
     "idefics3": Family(vision=idefics3.VISION),
