@@ -121,7 +121,7 @@ def _delta_rule(query, key, value, layer, decay, beta, key_size: int, key_heads:
 
 def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """Kimi Linear's delta attention (the gated delta rule with a decay per key channel) through
-    the two ops, as `gated_deltanet_forward`."""
+    the two ops, as `gated_deltanet_forward`; Bailing's hybrid too (its output gate one projection)."""
     batch, length, _ = hidden_states.shape
     layer = cache.layers[self.layer_idx]
     mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
@@ -130,7 +130,8 @@ def kimi_delta_forward(self, hidden_states, cache=None, attention_mask=None, **k
     decay = self.forget_gate(hidden_states).reshape(batch, length, -1)
     beta = torch.sigmoid(self.b_proj(hidden_states))
     out, layer.recurrent_states[0] = _delta_rule(query, key, value, layer, decay, beta, self.head_dim, self.num_heads, self.num_heads)
-    gate = self.g_b_proj(self.g_a_proj(hidden_states)).reshape(batch, length, -1, self.head_dim)
+    gate = self.g_proj(hidden_states) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(hidden_states))
+    gate = gate.reshape(batch, length, -1, self.head_dim)
     out = self.o_norm(out.reshape(batch, length, -1, self.head_dim), gate).reshape(batch, length, -1)
     return self.o_proj(out)
 

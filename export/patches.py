@@ -448,12 +448,14 @@ _DELTANET = threading.Lock()  # the patch is process-wide: one trace uses it at 
 
 @contextmanager
 def traceable_linear_attention():
-    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, Qwen3-Next's, OLMo Hybrid's, Kimi Linear's) and short
+    """While a model is traced, gated DeltaNet layers (Qwen 3.5's, Qwen3-Next's, OLMo Hybrid's, Lara Mini's, Kimi Linear's, Bailing's) and short
     convolutions (LFM 2's and 3's) run export/linear_attention.py's
     forward, whose convolution and delta rule trace into ONNX Runtime's CausalConvWithState and
     LinearAttention: transformers' own runs Python loops over the prompt's chunks and tokens, which
     a trace would unroll for the traced length alone."""
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid
     from transformers.models.kimi_linear import modeling_kimi_linear
+    from transformers.models.lara_mini import modeling_lara_mini
     from transformers.models.lfm2 import modeling_lfm2
     from transformers.models.lfm2_moe import modeling_lfm2_moe
     from transformers.models.lfm3 import modeling_lfm3
@@ -469,7 +471,9 @@ def traceable_linear_attention():
         modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet: gated_deltanet_forward,
         modeling_qwen3_next.Qwen3NextGatedDeltaNet: gated_deltanet_forward,
         modeling_kimi_linear.KimiLinearDeltaAttention: kimi_delta_forward,
+        modeling_bailing_hybrid.BailingHybridDeltaAttention: kimi_delta_forward,
         modeling_olmo_hybrid.OlmoHybridGatedDeltaNet: gated_deltanet_forward,
+        modeling_lara_mini.LaraMiniGatedDeltaNet: gated_deltanet_forward,
         modeling_lfm2.Lfm2ShortConv: short_conv_forward,
         modeling_lfm2_moe.Lfm2MoeShortConv: short_conv_forward,
         modeling_lfm3.Lfm3ShortConv: short_conv_forward,

@@ -256,6 +256,7 @@ ADJUSTED = {
     "dots1": {"n_shared_experts": 1},
     "beam": {"n_group": 1, "topk_group": 1},
     "axk1": {"head_dim": 4, "n_group": 1, "topk_group": 1},
+    "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
@@ -269,6 +270,7 @@ SHRUNK = (
     "apertus1p5_text",
     "aria_text",
     "axk1",
+    "bailing_hybrid",
     "beam",
     "biogpt",
     "bitnet",
@@ -309,6 +311,7 @@ SHRUNK = (
     "jais2",
     "kolibri1",
     "laguna",
+    "lara_mini",
     "llama4_text",
     "mamba2",
     "mellum",

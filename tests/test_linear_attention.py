@@ -56,7 +56,9 @@ def hybrid(request, qwen, tmp_path_factory):
 STATE_LAYERS = {
     "qwen3_5_text": 3,
     "qwen3_next": 3,
+    "lara_mini": 1,
     "kimi_linear": 2,
+    "bailing_hybrid": 3,
     "bamba": 2,
     "granitemoehybrid": 2,
     "nemotron_h": 1,

@@ -99,6 +99,8 @@ FAMILIES = {
     "falcon_h1": MAMBA2,
     "zamba2": MAMBA2,
     "mamba2": MAMBA2,
+    "lara_mini": LINEAR_ATTENTION,
+    "bailing_hybrid": LINEAR_ATTENTION,
     "deepseek_v2": Family(patches=(real_rotary,)),
     "llama4_text": Family(patches=(real_rotary,)),
     "mamba": MAMBA,
