@@ -13,6 +13,7 @@ positions (pictures.py) and the LoRA adapters' graph and rows (lora_binding.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,10 +69,16 @@ class ModelRunner:
         # keeps its own pre-packed copy.
         shared = load_weights(self.folder / manifest.graph.file, provider) if manifest.prefill and provider != "cpu" else None
         self.options = options
-        self.base_graph = self._open(manifest.graph, options, shared)
+        self.base_graph = open_graph(self.folder, manifest, manifest.graph, provider, options.threads, shared)
         self.adapters = Adapters(self.folder, manifest, self.kv.dtype)
-        self.lora = AdapterBinding(self.adapters, self.kv.dtype, lambda: self._open(manifest.lora, options, None))
-        self.prefill_graph = self._open(manifest.prefill, options, shared) if manifest.prefill is not None else None
+        # a partial, not a method: no cycle through the runner, which is freed as soon as it is let go
+        lora_graph = functools.partial(open_graph, self.folder, manifest, manifest.lora, provider, options.threads, None)
+        self.lora = AdapterBinding(self.adapters, self.kv.dtype, lora_graph)
+        self.prefill_graph = (
+            open_graph(self.folder, manifest, manifest.prefill, provider, options.threads, shared)
+            if manifest.prefill is not None
+            else None
+        )
         self._shared_weights = shared  # the sessions use these values: they live as long as the runner
         self.is_static = manifest.static_context is not None  # the decode graph's shapes are fixed
         self.heads = LogitsHeads(self.graph.output_types["logits"], provider)
@@ -98,18 +105,6 @@ class ModelRunner:
 
     def let_go(self, pictures) -> None:
         self.pictures.let_go(pictures)
-
-    def _open(self, spec: GraphSpec, options: RuntimeOptions, shared: dict | None) -> Graph:
-        graph = Graph(self.folder / spec.file, self.provider, options.threads, shared)
-        graph.check_names(spec.inputs, spec.outputs)
-        adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is self.manifest.lora else set()
-        images = {IMAGE_INPUT} if self.manifest.vision else set()
-        unknown = set(graph.inputs) - STEP_INPUTS - images - {past for past, _ in cache_pairs(self.kv)} - adapters
-        if unknown:
-            raise ManifestError(
-                f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`"
-            )
-        return graph
 
     def _copier(self) -> HostCopy | RowCopy | None:
         """What copies a row's tokens between a slot cache's buffers and the host (the prefix cache,
@@ -458,3 +453,15 @@ def _choose(sequence: Sequence, logits: np.ndarray) -> int | ConstraintError:
         return sequence.choose(logits)
     except ConstraintError as error:
         return error
+
+
+def open_graph(folder: Path, manifest: Manifest, spec: GraphSpec, provider: str, threads: int | None, shared: dict | None) -> Graph:
+    """One of the export's graphs in a session, refused where it takes an input the runner cannot fill."""
+    graph = Graph(folder / spec.file, provider, threads, shared)
+    graph.check_names(spec.inputs, spec.outputs)
+    adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is manifest.lora else set()
+    images = {IMAGE_INPUT} if manifest.vision else set()
+    unknown = set(graph.inputs) - STEP_INPUTS - images - {past for past, _ in cache_pairs(manifest.kv)} - adapters
+    if unknown:
+        raise ManifestError(f"{spec.file} takes inputs edgeinfer cannot fill: {sorted(unknown)}; export it with `edgeinfer export`")
+    return graph

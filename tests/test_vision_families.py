@@ -217,7 +217,7 @@ def test_a_picture_is_never_cut_between_prefill_passes(gemma3, monkeypatch):
     whole = transformers_logits(model, processor, theirs, pictures)
     chunked = Engine.load(export, provider="cpu", prefill_chunk=4, prefix_cache=0)
     assert np.abs(first_logits(chunked, messages) - whole).max() < 1e-5
-    monkeypatch.setattr(type(chunked.runner), "_passes", lambda self, spans, prompts, width=None: spans)
+    monkeypatch.setattr(type(chunked.runner.pictures), "passes", lambda self, spans, prompts, width=None: spans)
     assert np.abs(first_logits(chunked, messages) - whole).max() > 1e-3
 
 
