@@ -84,6 +84,36 @@ class GatedDeltaRule(torch.autograd.Function):
         return _typed(out, value), _typed(present, state)
 
 
+class KeepLeading(torch.autograd.Function):
+    """`x` reshaped to its first two axes (batch, sequence) and then `tail`: one Reshape to a
+    constant shape [0, 0, *tail] (ONNX's 0 copies the input's axis), where a reshape to the traced
+    x.shape[:2] costs Shape, Gather, Unsqueeze and Concat nodes, which every decode step runs."""
+
+    @staticmethod
+    def forward(ctx, x, tail: tuple[int, ...]):
+        return x.reshape(*x.shape[:2], *tail)
+
+    @staticmethod
+    def symbolic(g, x, tail: tuple[int, ...]):
+        return g.op("Reshape", x, g.op("Constant", value_t=torch.tensor([0, 0, *tail], dtype=torch.int64)))
+
+
+def _kept(x, *tail: int):
+    """`x` as [batch, sequence, *tail] (KeepLeading)."""
+    return KeepLeading.apply(x, tuple(tail))
+
+
+def _gated_norm(norm, x, gate):
+    """A Mamba-2 mixer's gated RMS norm over groups (transformers' `*RMSNormGated` with a
+    `group_size`), with constant-shape reshapes; another kind of norm (Falcon-H1's) as the module has it."""
+    if not hasattr(norm, "group_size"):
+        return norm(x, gate)
+    gated = x * F.silu(gate)
+    groups = _kept(gated, -1, norm.group_size)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * _kept(groups, -1)
+
+
 def _typed(output, like):
     """`output` given the type (and shape) of `like`, for torch.onnx's shape inference, which knows no contrib op."""
     output.setType(like.type())
@@ -225,7 +255,7 @@ def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwarg
     x, b, c = torch.split(xbc, [self.intermediate_size, groups, groups], dim=-1)
     scan, layer.recurrent_states[0] = _scanned(self, x, b, c, dt, layer.recurrent_states[0])
     if getattr(self, "mamba_rms_norm", True):
-        return self.out_proj(self.norm(scan, gate))
+        return self.out_proj(_gated_norm(self.norm, scan, gate))
     return self.out_proj(scan * F.silu(gate))  # Falcon-H1 without its norm
 
 
@@ -236,14 +266,13 @@ def mamba_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs
     size] with an axis more), one key head (B) and query head (C) for all, and a decay per channel
     and state entry. Falcon Mamba and Jamba normalize dt, B and C first (their `*_layernorm`)."""
     layer = cache.layers[self.layer_idx]
-    batch, length = hidden_states.shape[:2]
     x, gate = self.in_proj(hidden_states).chunk(2, dim=-1)
     x, layer.conv_states[0] = _convolved(self.conv1d, x, layer.conv_states[0], self.activation)
     dt, b, c = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
     if hasattr(self, "b_layernorm"):
         dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
     dt = F.softplus(self.dt_proj(dt))  # [B, T, channels]
-    decay = (dt[..., None] * -torch.exp(self.A_log.float())).reshape(batch, length, -1)
+    decay = _kept(dt[..., None] * -torch.exp(self.A_log.float()), -1)
     state = layer.recurrent_states[0]
     out, state = GatedLinearRule.apply(c, b, x * dt, state[..., None], decay, 1, self.intermediate_size, 1.0)
     layer.recurrent_states[0] = state[..., 0]
@@ -263,14 +292,13 @@ def _scanned(self, x, b, c, dt, state):
     """The selective scan of x [B, T, heads * head size] with B and C [B, T, groups * state size]
     (each group serving heads / groups consecutive heads) and the step dt [B, T, heads] before its
     bias and softplus; plus D x. Returns ([B, T, heads * head size], the new state)."""
-    batch, length = x.shape[:2]
     heads = self.num_heads
     dt = _limited(F.softplus(dt + self.dt_bias), *self.time_step_limit)
-    value = (x.reshape(batch, length, heads, -1) * dt[..., None]).reshape(batch, length, -1)
+    by_head = _kept(x, heads, -1)
+    value = _kept(by_head * dt[..., None], -1)
     decay = -torch.exp(self.A_log.float()) * dt
     out, state = GatedLinearRule.apply(c, b, value, state, decay, self.n_groups, heads, 1.0)
-    skip = (x.reshape(batch, length, heads, -1) * self.D[:, None]).reshape(batch, length, -1)
-    return out + skip, state
+    return out + _kept(by_head * self.D[:, None], -1), state
 
 
 def _limited(dt, low: float, high: float):

@@ -260,6 +260,18 @@ ADJUSTED = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
+    # Gemma 3n: the last two of four layers read the keys and values of the last earlier layer of their kind
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "intermediate_size": [128] * 4,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 320,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "sliding_window": WINDOW,
+    },
 }
 
 # Families whose tiny model is their config class's defaults with the sizes shrunk (generic_tiny.py):
@@ -291,6 +303,7 @@ SHRUNK = (
     "flex_olmo",
     "flint",
     "fuyu",
+    "gemma3n_text",
     "gemma4",
     "gemma4_unified",
     "gemma4_unified_text",

@@ -130,6 +130,7 @@ FAMILIES = {
     "flex_olmo": AS_IS,
     "flint": AS_IS,
     "fuyu": AS_IS,
+    "gemma3n_text": AS_IS,
     "gemma4": AS_IS,
     "gemma4_unified": AS_IS,
     "gemma4_unified_text": AS_IS,
