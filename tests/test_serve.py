@@ -2,10 +2,12 @@
 real openai client, and by raw HTTP where the stream's exact bytes matter. Every answer is compared
 with what the SDK gives for the same prompt alone."""
 
+import atexit
 import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,11 @@ KEY = "test-key"
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
+# the logs of servers started without an export (several models), removed when the test session ends
+_LOGS = Path(tempfile.mkdtemp(prefix="edgeinfer-serve-logs-"))
+atexit.register(shutil.rmtree, _LOGS, True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,10 +38,10 @@ def free_port() -> int:
 
 def start(export, *flags):
     """A server process of `export` (None: the models `flags` name) and its base URL, once /health
-    says 200 (polled, at most 60 s). Its log goes to a file beside the export (or in the temporary
-    folder), read back by `log(process)`."""
+    says 200 (polled, at most 60 s). Its log goes to a file beside the export (or in the test
+    session's log folder, `_LOGS`), read back by `log(process)`."""
     port = free_port()
-    log = open((export.parent if export else Path(tempfile.gettempdir())) / f"serve-{port}.log", "w+")
+    log = open((export.parent if export else _LOGS) / f"serve-{port}.log", "w+")
     model = ["--model", str(export)] if export else []
     process = subprocess.Popen(
         [sys.executable, "-m", "edgeinfer.cli", "serve", *model, "--port", str(port), *flags],
