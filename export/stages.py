@@ -19,7 +19,15 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import ADAPTERS_FORMAT_VERSION, GraphSpec, KVSpec, Manifest, describe_files
 from edgeinfer.sdk.memory import give_back_freed_memory, size_text
 
-from .budget import check_free_space, check_memory, check_memory_streamed, fp32_weights, peak_memory, streamed_disk
+from .budget import (
+    check_free_space,
+    check_memory,
+    check_memory_streamed,
+    defers_weights,
+    fp32_weights,
+    peak_memory,
+    streamed_disk,
+)
 from .embedding import CHECK_TEXTS, base_model, pooling_config, torch_embeddings
 from .embedding import check as check_embeddings
 from .fp16 import convert_to_fp16
@@ -70,14 +78,13 @@ class ExportRun:
     references: dict = field(default_factory=dict)
     validation: dict = field(default_factory=dict)
     quantization: dict = field(default_factory=dict)
+    pooling: dict = field(default_factory=dict)  # an embedding model's pooling and where it came from
     exits: ExitStack = field(default_factory=ExitStack)  # what the flow holds open until its last step
 
     @property
     def defer(self) -> bool:
         """Whether the weights are made only as they are quantized or written (export/stream.py):
         a streamed export without calibration to run."""
-        from .budget import defers_weights
-
         return self.plan is not None and defers_weights(self.options.quantization)
 
 
@@ -346,7 +353,7 @@ def load_embedding(run: ExportRun) -> None:
     check_memory_before_load(source_parameters(run.source))
     run.stage.progress(f"reading {Path(run.source.gguf_file or run.source.path).name}")
     run.torch_model, run.tokenizer = load_model(run.source)
-    run.references["pooling"] = pooling_config(None if run.source.gguf_file else Path(run.source.path), run.options.pooling)
+    run.pooling = pooling_config(None if run.source.gguf_file else Path(run.source.path), run.options.pooling)
     hidden = int(run.torch_model.config.hidden_size)
     wrong = [d for d in run.options.matryoshka if isinstance(d, bool) or not isinstance(d, int) or not 0 < d < hidden]
     if wrong:
@@ -361,7 +368,7 @@ def trace_hidden(run: ExportRun) -> None:
 
 def write_embedding_tokenizer(run: ExportRun) -> None:
     """The tokenizer's files, then the manifest of the hidden states' graph (saved in `work`)."""
-    model, graph, pooling = run.torch_model, run.graph, run.references["pooling"]
+    model, graph, pooling = run.torch_model, run.graph, run.pooling
     tokenizer_spec = save_tokenizer(model, run.tokenizer, run.work)
     context = max_context(model.config, run.tokenizer, run.options.max_context)
     hidden = int(model.config.hidden_size)
@@ -375,7 +382,7 @@ def write_embedding_tokenizer(run: ExportRun) -> None:
 
 
 def check_embeddings_against_torch(run: ExportRun) -> None:
-    pooling = run.references["pooling"]
+    pooling = run.pooling
     run.stage.progress("each check text's vector against transformers', alone and in a batch")
     reference = torch_embeddings(base_model(run.torch_model), run.tokenizer, CHECK_TEXTS, pooling["pooling"], pooling["normalize"])
     let_go_of_model(run)

@@ -30,6 +30,7 @@ class FullKV:
     pads = True  # rows left- or right-padded to one length may share a prefill pass
     forgets = True  # the books alone take back the last tokens (the next pass writes over them)
     prefix = True  # the prefix cache may keep its blocks
+    may_move = False  # whether `moves` can ever answer True (what a pass's idle rows ask)
 
     def __init__(self, layer: int, names: tuple[str, str], heads: int, key: int, value: int):
         self.layer, self.names, self.heads, self.key, self.value = layer, names, heads, key, value
@@ -71,6 +72,7 @@ class WindowedKV(FullKV):
     """A sliding layer's keys and values in a buffer of the latest window."""
 
     pads = False  # GroupQueryAttention refuses padding in a pass over a windowed cache
+    may_move = True
 
     def __init__(self, layer: int, names: tuple[str, str], heads: int, key: int, value: int, window: int, capacity: int, exact: bool):
         """In a cache of `capacity` tokens per row; `exact`: the buffer holds the window exactly
@@ -101,6 +103,7 @@ class FixedState:
     pads = False  # a state reads a pass's padding as tokens: each row alone
     forgets = False  # a state holds every token it read in one tensor: none can be taken back
     prefix = False  # a block of tokens would need the state at its end
+    may_move = True
 
     def __init__(self, layer: int, shapes: dict[str, list[int]], dtype: str):
         self.layer, self.shapes, self.dtype = layer, shapes, np.dtype(dtype)

@@ -51,6 +51,7 @@ class GrowingCache:
         """`buffers`: each past input's value before the first pass (zero tokens, or the prefix
         cache's blocks of a single prompt); `lengths`: the tokens they hold per row."""
         self.spec, self.buffers, self.kinds = spec, buffers, cache_kinds(spec, 0)
+        self._movable = [kind for kind in self.kinds if kind.may_move]
         self.lengths = np.array(lengths, np.int64)
         self.width = int(self.lengths.max(initial=0))
         # per row, its next token's rotary position less its count of tokens: 0 but where a
@@ -72,7 +73,7 @@ class GrowingCache:
 
     def moving(self, row: int, count: int) -> list[CacheKind]:
         """As SlotCache.moving: the kinds that `count` more tokens change beyond the books (a state)."""
-        return [kind for kind in self.kinds if kind.moves(int(self.lengths[row]), count)]
+        return [kind for kind in self._movable if kind.moves(int(self.lengths[row]), count)]
 
     def trim(self, row: int, count: int) -> int:
         """Forget the last `count` tokens of the single row (a copy through the host); returns how many."""
@@ -103,6 +104,7 @@ class SlotCache:
         """`kinds`: each layer's (cache_kinds.cache_kinds for this capacity, where not given)."""
         self.spec, self.buffers, self.num_rows, self.capacity = spec, buffers, num_rows, capacity
         self.kinds = kinds if kinds is not None else cache_kinds(spec, capacity)
+        self._movable = [kind for kind in self.kinds if kind.may_move]  # asked for each idle row of each pass
         self.held = evicting(self.kinds)  # what each windowed buffer holds after n tokens (the prefix cache asks)
         self.lengths = np.zeros(self.num_rows, np.int64)
         self.shifts = np.zeros(self.num_rows, np.int64)  # as GrowingCache.shifts
@@ -153,7 +155,7 @@ class SlotCache:
         beyond the books (a state reads them, a window evicts): then the row's buffers cannot
         simply forget them again."""
         tokens = int(self.lengths[row])
-        return [kind for kind in self.kinds if kind.moves(tokens, count)]
+        return [kind for kind in self._movable if kind.moves(tokens, count)]
 
     @property
     def evicts(self) -> bool:
