@@ -66,19 +66,11 @@ def _copy_parameters(sizes: Sizes, layers: int, total: int) -> int:
 
 def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> int:
     """The bytes a streamed export writes at most: its check copy's fp32 graph (twice while its fuse
-    stage rewrites it), or the model's graph: deferred weights quantized (a byte a weight covers 4 or
-    8 bits, scales and zero points) beside one fp32 table, else the fp32 weights (twice, as the copy's)."""
-    if quantization is None:
-        model = 4 * sizes.parameters  # the fp32 graph, its weights written once, at the end
-    else:
-        model = sizes.parameters + 4 * sizes.largest if defers_weights(quantization) else 8 * sizes.parameters
+    stage rewrites it), or the model's graph: its weights deferred, written once at the end, in fp32
+    or quantized (a byte a weight covers 4 or 8 bits, scales and zero points) beside one fp32 table.
+    A calibration's rows are checked when the text's length is known (`calibration_disk`)."""
+    model = 4 * sizes.parameters if quantization is None else sizes.parameters + 4 * sizes.largest
     return max(8 * _copy_parameters(sizes, layers, total), model)
-
-
-def defers_weights(quantization: Quantization | None) -> bool:
-    """Whether a streamed export defers its weights until they are quantized or written: unless
-    its quantization runs the fp32 graph over a calibration text (gptq; k_quant given one)."""
-    return quantization is None or not quantization.calibrated
 
 
 def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> None:
@@ -86,12 +78,10 @@ def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Q
     check copy, exported as `check_memory_before_load` counts a model; then the model, whose
     checkpoint is mapped from its files and let go as it is read, so that what it holds is its
     quantized weights (about a byte a weight), its largest tensor twice in fp32 (made, then
-    copied for the quantizer) and `EXPORT_MEMORY_BASE` twice; or, where its weights are not
-    deferred, the fp32 graph that ONNX Runtime holds whole to run the calibration or to check it."""
+    copied for the quantizer) and `EXPORT_MEMORY_BASE` twice."""
     available = available_memory()
     copy = (1 + EXPORT_MEMORY_FACTOR) * 4 * _copy_parameters(sizes, layers, total) + EXPORT_MEMORY_BASE
-    deferred = defers_weights(quantization)
-    model = (sizes.parameters + 8 * sizes.largest if deferred else 4 * sizes.parameters) + 2 * EXPORT_MEMORY_BASE
+    model = sizes.parameters + 8 * sizes.largest + 2 * EXPORT_MEMORY_BASE
     need = max(copy, model)
     if available is None or need <= available:
         return
@@ -99,19 +89,20 @@ def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Q
         f"a copy of its first {layers} layers in fp32, checked against PyTorch"
         if copy >= model
         else "its quantized weights and its largest tensor twice in fp32"
-        if deferred
-        else "its fp32 graph in ONNX Runtime, for the calibration or the checks"
     )
     raise ExportError(
         f"exporting this model needs about {size_text(need)} of memory ({what}), and this machine has "
-        f"{size_text(available)} available: nothing was loaded; "
-        + (
-            ""
-            if deferred or copy >= model
-            else "quantize with --algorithm rtn or hqq (no calibration, weights never held in fp32), or "
-        )
-        + "export on a machine with more memory and copy the export folder over (it runs anywhere)"
+        f"{size_text(available)} available: nothing was loaded; export on a machine with more memory and copy "
+        "the export folder over (it runs anywhere)"
     )
+
+
+def calibration_disk(model, tokens: int) -> int:
+    """The most bytes `calibration.collect_from_model` keeps of `tokens` tokens: each nn.Linear's
+    input rows in float16 (q, k and v share theirs, which this counts three times)."""
+    import torch
+
+    return 2 * tokens * sum(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def available_memory() -> int | None:
@@ -134,7 +125,11 @@ def check_free_space(folder: Path, weights: int) -> None:
     """Refuse before the first graph is written where the disk cannot hold the export: the fp32
     graph (`weights` bytes as written, a tied table twice), and a second copy while fusion and
     quantization rewrite it."""
-    need = 2 * weights
+    check_disk(folder, 2 * weights)
+
+
+def check_disk(folder: Path, need: int) -> None:
+    """Refuse where `folder`'s disk has less than `need` bytes free."""
     free = free_bytes(folder)
     if free < need:
         raise ExportError(

@@ -111,12 +111,7 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
     channels, columns = weight.shape
     top = 2**bits - 1
     w = np.array(weight, np.float32)
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) <= 0
-    h[dead, dead] = 1
-    w[dead] = 0
-    h[np.diag_indices(channels)] += damp * np.mean(np.diag(h))
-    factor = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)  # upper: H^-1 = U^T U
+    factor = _inverse_factor(hessian, w, damp)
     levels = np.zeros((channels, columns), np.uint8)
     scales = np.zeros((channels // block, columns), np.float32)
     zeros = np.zeros((channels // block, columns), np.float32)
@@ -142,13 +137,35 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
     )
 
 
+def _inverse_factor(hessian: np.ndarray, w: np.ndarray, damp: float) -> np.ndarray:
+    """The upper U with H^-1 = U^T U of the Hessian damped by `damp` of its mean diagonal, in
+    float32 (the damping keeps it well conditioned), as GPTQ's reference takes it: H's Cholesky
+    factor, the inverse from it, that inverse's upper factor. A channel the text never reached
+    (diagonal 0) becomes independent and its row of `w` zero. PyTorch's LAPACK calls hold two
+    [K, K] arrays besides `hessian` (numpy's inverse held eight: an 8B model's down_proj, K =
+    14,336, is 822 MiB each)."""
+    import torch
+
+    h = torch.tensor(hessian, dtype=torch.float32)
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1
+    w[dead.numpy()] = 0
+    torch.diagonal(h).add_(damp * float(torch.diagonal(h).double().mean()))
+    lower = torch.linalg.cholesky(h)
+    del h
+    inverse = torch.cholesky_inverse(lower)
+    del lower
+    return torch.linalg.cholesky(inverse, upper=True).numpy()
+
+
 def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessian=None):
     """`weight` [K, N] (any K) fitted by `gptq` where a Hessian is given, else by `fit` (weighted by
     `importance` where given), as `fit` returns it (K padded to whole blocks)."""
     rows = -(-weight.shape[0] // block) * block
     weight = np.pad(np.asarray(weight, np.float32), ((0, rows - weight.shape[0]), (0, 0)))
     if hessian is not None:
-        hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
+        if rows > len(hessian):  # (a copy: only where K is not whole blocks)
+            hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
         return gptq(weight, hessian, bits, block, _padded(importance, rows))
     return fit(weight, bits, block, _padded(importance, rows))
 

@@ -23,6 +23,7 @@ from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
 from .kquant import dequantized, fit_weight, search_quantizer, statistics
 from .patches import one_weight_at_a_time, one_weight_loaded
+from .stream import is_deferred, sources_of
 from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
 
 BITS = {"int4": 4, "int8": 8}
@@ -158,7 +159,7 @@ def matmul_role(name: str) -> tuple[int | None, str]:
     return layer, (parts[-1] if parts else name)
 
 
-def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = False) -> Quantization:
+def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = False, activations=None) -> Quantization:
     """Replace model.onnx and its weights in `folder` by the quantized graph: ONNX Runtime's
     MatMulNBitsQuantizer, given the graph without its weights, reads each MatMul's fp32 weight from
     the data file as it packs it (`patches.one_weight_at_a_time`, `patches.one_weight_loaded`), so
@@ -166,11 +167,17 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
     own run on the loaded graph. Tensors the quantizer leaves alone (the embedding table, norms)
     are copied from the old data file by `save_graph`. The MatMuls go in `Quantization.passes`.
     Returns `quantization` with `keep_int8` "auto" replaced by the modules chosen. `head_first`:
-    the lm_head in a pass of its own before the others (`Quantization.passes`)."""
+    the lm_head in a pass of its own before the others (`Quantization.passes`). `activations`:
+    the calibration's, taken from PyTorch by parameter name (a streamed export, whose weights are
+    deferred: `calibration.collect_from_model`), else taken here from the fp32 graph where the
+    algorithm needs them; their folder is removed once done."""
     graph = onnx.load(str(folder / GRAPH_FILE), load_external_data=False)
-    scratch = folder / "calibration"
+    scratch = activations.folder if activations is not None else folder / "calibration"
     try:
-        activations = _calibrated(folder, quantization, scratch)
+        if activations is None:
+            activations = _calibrated(folder, quantization, scratch)
+        else:
+            activations = activations.with_sources(_weight_sources(graph))
         fitted = {}  # 4-bit blocks the auto choice fitted, by weight name, for the pass that writes them
         if quantization.keep_int8 == (AUTO,):
             quantization = replace(quantization, keep_int8=tuple(_auto_kept(folder, quantization, activations, fitted)))
@@ -198,9 +205,7 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
         fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, rule.hessian))
         return dequantized(*fitted[weight_name])[: len(weight)]
 
-    manifest = load_manifest(folder)
-    text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
-    return chosen(modules_by_cost(folder, Tokenizer(folder, manifest.tokenizer).encode(text), matmul_role, rounded), block)
+    return chosen(modules_by_cost(folder, calibration_ids(folder, quantization), matmul_role, rounded), block)
 
 
 def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
@@ -209,8 +214,13 @@ def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
     a text). `--keep-int8 auto` reads a given text as tokens alone."""
     if not quantization.calibrated:
         return None
+    return collect(folder, calibration_ids(folder, quantization), scratch)
+
+
+def calibration_ids(folder: Path, quantization: Quantization) -> list[int]:
+    """The calibration text (--calibration's, else the built-in one) as the export's tokenizer in `folder` reads it."""
     text = Path(quantization.calibration or CALIBRATION_TEXT).read_text(errors="replace")
-    return collect(folder, text, scratch)
+    return Tokenizer(folder, load_manifest(folder).tokenizer).encode(text)
 
 
 def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algorithm: str, exclude=(), activations=None, fitted=None):
@@ -237,6 +247,17 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
     if tied and not rule.float_zeros:  # GatherBlockQuantized takes integer zero points only
         quantized_embedding(quantizer.model.model.graph, *tied, bits, block)
     return quantizer.model.model
+
+
+def _weight_sources(graph) -> dict[str, list[str]]:
+    """Each MatMul input read by a deferred weight: the parameters that weight is made from."""
+    initializers = {t.name: t for t in graph.graph.initializer}
+    found = {}
+    for node in graph.graph.node:
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" else None
+        if weight is not None and is_deferred(weight):
+            found.setdefault(node.input[0], []).extend(sources_of(weight))
+    return found
 
 
 def _matmuls(graph) -> list[str]:

@@ -34,11 +34,12 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded) -> list[tuple[s
     inputs = _module_weights(model.graph, role)
     weights = {module: list(pairs) for module, pairs in inputs.items()}
     tied = tied_embedding(model.graph, export)
-    tables = {tied[1]: tied[0].input[0]} if tied else {}  # a tied table follows its lm_head
-    names = [name for group in weights.values() for name in group] + list(tables.values())
+    names = [name for group in weights.values() for name in group]
     tensors = {t.name: t for t in model.graph.initializer}
     exact = {name: np.asarray(tensor_array(tensors[name], export)) for name in names}
     _weights_as_inputs(model, names)
+    if tied:  # a tied table follows its lm_head: read as its transpose, not held a second time
+        _table_from_head(model, tied[0].input[0], tied[1])
     onnx.save(model, str(export / _GRAPH))
     try:
         graph = Graph(export / _GRAPH, "cpu", None)
@@ -50,8 +51,6 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded) -> list[tuple[s
             changed = dict(exact)
             for name in group:
                 changed[name] = rounded(exact[name], inputs[module][name], name).astype(exact[name].dtype)
-                if name in tables:
-                    changed[tables[name]] = np.ascontiguousarray(changed[name].T)
             kld = np.mean([_kld(ref, _log_probs(graph, manifest, w, changed)) for ref, w in zip(reference, windows)])
             costs.append((module, float(kld), sum(exact[name].size for name in group) // 2))
     finally:
@@ -89,6 +88,15 @@ def _weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> None:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     model.graph.input.extend(inputs)
+
+
+def _table_from_head(model: onnx.ModelProto, table: str, head: str) -> None:
+    """The embedding table `table` [vocab, hidden] made in the graph as the transpose of the tied
+    lm_head's weight input `head` [hidden, vocab]."""
+    kept = [t for t in model.graph.initializer if t.name != table]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.graph.node.insert(0, onnx.helper.make_node("Transpose", [head], [table], name="edgeinfer_tied_table", perm=[1, 0]))
 
 
 def rounded_to_nearest(weight: np.ndarray, block: int) -> np.ndarray:

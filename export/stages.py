@@ -22,8 +22,9 @@ from edgeinfer.sdk.memory import give_back_freed_memory, size_text
 from .budget import (
     check_free_space,
     check_memory,
+    calibration_disk,
+    check_disk,
     check_memory_streamed,
-    defers_weights,
     fp32_weights,
     peak_memory,
     streamed_disk,
@@ -79,13 +80,14 @@ class ExportRun:
     validation: dict = field(default_factory=dict)
     quantization: dict = field(default_factory=dict)
     pooling: dict = field(default_factory=dict)  # an embedding model's pooling and where it came from
+    activations: object = None  # a streamed export's calibration, taken from PyTorch (calibration.Activations)
     exits: ExitStack = field(default_factory=ExitStack)  # what the flow holds open until its last step
 
     @property
     def defer(self) -> bool:
         """Whether the weights are made only as they are quantized or written (export/stream.py):
-        a streamed export without calibration to run."""
-        return self.plan is not None and defers_weights(self.options.quantization)
+        a streamed export's."""
+        return self.plan is not None
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,19 @@ def check_against_torch(run: ExportRun) -> None:
     )
 
 
+def calibrate(run: ExportRun) -> None:
+    """A streamed export's calibration (gptq; k_quant given a text): PyTorch runs the text on the
+    model as loaded, each linear layer's input kept on disk by its weight's name, for the quantize
+    stage; the fp32 graph is never written (export/calibration.py)."""
+    from .calibration import collect_from_model
+    from .quantize import calibration_ids
+
+    ids = calibration_ids(run.work, run.options.quantization)
+    check_disk(run.work.parent, calibration_disk(run.torch_model, len(ids)))
+    run.stage.progress(f"the calibration text's {len(ids)} tokens through the model in PyTorch, each linear layer's input kept")
+    run.activations = collect_from_model(run.torch_model, ids, run.work / "calibration")
+
+
 def adopt_checks(run: ExportRun) -> None:
     """A streamed export's checks: its check copy's, said to be (fusion is its own, below)."""
     run.config = run.torch_model.config
@@ -250,7 +265,7 @@ def quantize(run: ExportRun) -> None:
     if run.checked:
         run.stage.progress("with the MatMuls the check copy kept at 8 bits")
         asked = dataclasses.replace(asked, keep_int8=tuple(run.checked.quantization["keep_int8"]))
-    done = quantize_graph(run.work, asked, head_first=run.checked is not None)
+    done = quantize_graph(run.work, asked, head_first=run.checked is not None, activations=run.activations)
     measured = {"quality": "not measured (a streamed export)"} if run.checked else measure_quality(run, done.method)
     run.quantization = {**dataclasses.asdict(done), **measured}
     if run.manifest.vision:
@@ -427,6 +442,7 @@ STREAMED = (
     Step("load", always, load),
     Step("export graph", always, trace),
     Step("tokenizer", always, write_tokenizer),
+    Step("calibrate", lambda run: bool(run.options.quantization and run.options.quantization.calibrated), calibrate),
     Step(None, always, adopt_checks),
     Step("fuse", asked("fuse"), fuse),
     Step("quantize", asked("quantization"), quantize),

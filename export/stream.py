@@ -239,6 +239,14 @@ def source_of(tensor: onnx.TensorProto) -> str | None:
     return getattr(_MAKERS.get(_location(tensor)), "source", None)
 
 
+def sources_of(tensor: onnx.TensorProto) -> list[str]:
+    """The names of the parameters a deferred weight is made from: one, or a packed weight's parts'."""
+    maker = _MAKERS.get(_location(tensor))
+    if hasattr(maker, "source"):
+        return [maker.source]
+    return [name for part in getattr(maker, "parts", ()) for name in sources_of(part)]
+
+
 def forget(tensor: onnx.TensorProto) -> None:
     """Let a deferred weight go once it is quantized: its function, those of the weights it joins,
     and with the last of them the loaded tensor it is made from."""
