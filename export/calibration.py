@@ -51,7 +51,7 @@ class Activations:
         if name not in self.names:
             return None
         parts = sorted(self.folder.glob(f"{self.names.index(name):04d}-*.npy"))
-        return np.concatenate([np.load(p).astype(np.float32) for p in parts]) if parts else None
+        return np.concatenate([_read_rows(p) for p in parts]) if parts else None
 
     def with_sources(self, sources: dict[str, list[str]]) -> "Activations":
         """These rows read also under the MatMul input names `sources` maps to the parameters their
@@ -128,11 +128,30 @@ def window_feeds(graph: Graph, manifest, window: list[int], logits: int = 1) -> 
     return feeds
 
 
-def save_rows(folder: Path, index: int, part: int, values: np.ndarray) -> None:
+def save_rows(folder: Path, index: int, part: int, values) -> None:
     """Input `index`'s rows of one pass as the file INDEX-PART.npy: [tokens, channels], float16
-    where it holds the values (half the disk), else float32."""
+    where it holds the values (half the disk), else bfloat16's bits as int16 where the rows are
+    bfloat16 (a model run in its checkpoint's precision: as exact, in as little), else float32."""
+    if not isinstance(values, np.ndarray):  # a torch tensor
+        import torch
+
+        if values.dtype == torch.bfloat16 and values.abs().max() >= _FLOAT16_MAX:
+            np.save(folder / f"{index:04d}-{part:04d}.npy", values.reshape(-1, values.shape[-1]).view(torch.int16).numpy())
+            return
+        values = values.float().numpy()
     rows = np.asarray(values, np.float32).reshape(-1, values.shape[-1])
-    np.save(folder / f"{index:04d}-{part:04d}.npy", rows.astype(np.float16) if np.abs(rows).max(initial=0) < 6e4 else rows)
+    np.save(folder / f"{index:04d}-{part:04d}.npy", rows.astype(np.float16) if np.abs(rows).max(initial=0) < _FLOAT16_MAX else rows)
+
+
+_FLOAT16_MAX = 6e4  # rows below this are kept in float16
+
+
+def _read_rows(path: Path) -> np.ndarray:
+    """A file of `save_rows` as float32."""
+    rows = np.load(path)
+    if rows.dtype == np.int16:  # bfloat16's bits: the high half of a float32's
+        return (rows.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return rows.astype(np.float32)
 
 
 _PASS_TOKENS = 2048  # full windows batched into one PyTorch pass up to this many tokens
@@ -194,7 +213,7 @@ class _InputKeeper:
                 return
             if name not in self.names:
                 self.names.append(name)
-            save_rows(self.scratch, self.names.index(name), self.part, x.detach().float().numpy())
+            save_rows(self.scratch, self.names.index(name), self.part, x.detach())
             self._last = (x, name)
 
         return keep

@@ -113,6 +113,14 @@ PATCHES = (
         "length) and decode one token through another path",
     ),
     Patch(
+        "traceable_routed_experts",
+        "transformers",
+        "5.24",
+        ("tests/test_architectures.py::test_family_matches_transformers",),
+        "transformers' DBRX, JetMoE and LongCat-Flash experts pick each expert's tokens in Python (a loop over the "
+        "experts hit, a split by per-expert counts), which a trace freezes at the traced tokens",
+    ),
+    Patch(
         "state_op_shapes",
         "onnxruntime",
         "1.31",
@@ -535,17 +543,49 @@ def traceable_mamba():
 
 
 @contextmanager
+def traceable_routed_experts():
+    """While a model is traced, DBRX's, JetMoE's and LongCat-Flash's experts run
+    export/families/routed_experts.py's forwards: each (token, choice) pair through its expert's
+    matrices, batched, where transformers' pick each expert's tokens in Python."""
+    from transformers.models.dbrx import modeling_dbrx
+    from transformers.models.jetmoe import modeling_jetmoe
+    from transformers.models.longcat_flash import modeling_longcat_flash
+
+    from .families import routed_experts as experts
+
+    forwards = {
+        modeling_dbrx.DbrxExperts: experts.dbrx_experts_forward,
+        modeling_longcat_flash.LongcatFlashExperts: experts.longcat_experts_forward,
+        modeling_jetmoe.JetMoeTopKGating: experts.jetmoe_gating_forward,
+        modeling_jetmoe.JetMoeParallelExperts: experts.jetmoe_experts_forward,
+        modeling_jetmoe.JetMoeMoE: experts.jetmoe_moe_forward,
+        (modeling_jetmoe.JetMoeMoA, "reduce"): experts.jetmoe_moa_reduce,
+    }
+    with forwards_replaced(forwards):
+        yield
+
+
+@contextmanager
 def _forwards_replaced(classes: tuple, forward):
     """`forward` in place of each class's own, put back after; one trace at a time."""
+    with forwards_replaced(dict.fromkeys(classes, forward)):
+        yield
+
+
+@contextmanager
+def forwards_replaced(forwards: dict):
+    """Each class's forward (or, keyed (class, name), that method) replaced by the function
+    `forwards` gives it, put back after; one trace at a time."""
+    places = {key if isinstance(key, tuple) else (key, "forward"): function for key, function in forwards.items()}
     with _MAMBA:  # the originals are read under the lock: another trace may have patched them until now
-        originals = {cls: cls.forward for cls in classes}
-        for cls in classes:
-            cls.forward = forward
+        originals = {place: getattr(*place) for place in places}
+        for (cls, name), function in places.items():
+            setattr(cls, name, function)
         try:
             yield
         finally:
-            for cls, original in originals.items():
-                cls.forward = original
+            for (cls, name), original in originals.items():
+                setattr(cls, name, original)
 
 
 # --- gguf: reading and dequantizing a GGUF file ----------------------------------------------------

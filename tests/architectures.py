@@ -257,6 +257,12 @@ ADJUSTED = {
     "beam": {"n_group": 1, "topk_group": 1},
     "axk1": {"head_dim": 4, "n_group": 1, "topk_group": 1},
     "bailing_hybrid": {"num_expert_group": 1, "topk_group": 1},
+    # DBRX: its attention clamps q, k and v with clip_qkv, which it cannot leave unset; its sub-configs named whole
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64},
+    },
+    "longcat_flash": {"head_dim": 4},
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
@@ -291,6 +297,7 @@ SHRUNK = (
     "cohere_compass_text",
     "ctrl",
     "cwm",
+    "dbrx",
     "deepseek_v2",
     "diffllama",
     "doge",
@@ -322,10 +329,12 @@ SHRUNK = (
     "internlm3",
     "iquestcoder",
     "jais2",
+    "jetmoe",
     "kolibri1",
     "laguna",
     "lara_mini",
     "llama4_text",
+    "longcat_flash",
     "mamba2",
     "mellum",
     "mimo_v2_flash",

@@ -77,7 +77,9 @@ def config_of(model_type: str):
         sub = getattr(default, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
             sizes[name] = {**sub.to_dict(), **_shrunk(sub)}
-    return AutoConfig.for_model(model_type, **{**sizes, **ADJUSTED.get(model_type, {})})
+    for name, value in ADJUSTED.get(model_type, {}).items():  # a sub-config's settings go on top of its shrunk ones
+        sizes[name] = {**sizes[name], **value} if isinstance(value, dict) and isinstance(sizes.get(name), dict) else value
+    return AutoConfig.for_model(model_type, **sizes)
 
 
 def _shrunk(default) -> dict:

@@ -275,6 +275,20 @@ def test_pytorchs_calibration_rows_are_those_the_fp32_graph_gives(tmp_path):
         assert any(r.shape == rows.shape and np.allclose(r, rows, rtol=2e-3, atol=2e-3) for r in found.values()), name
 
 
+def test_calibration_rows_are_kept_exact_in_two_bytes_where_the_model_runs_in_bfloat16(tmp_path):
+    """Rows past float16's range are kept as bfloat16's bits where the model gave bfloat16 (a
+    streamed export's), float32 where it gave float32; each read back as it was."""
+    from edgeinfer.export.calibration import Activations, save_rows
+
+    large = (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)) * 3e4).to(torch.bfloat16)
+    save_rows(tmp_path, 0, 0, large)
+    save_rows(tmp_path, 0, 1, large[:1].float().numpy())
+    save_rows(tmp_path, 1, 0, large / 1e3)
+    assert [np.load(p).dtype for p in sorted(tmp_path.glob("*.npy"))] == [np.int16, np.float32, np.float16]
+    rows = Activations(tmp_path, ["wide", "small"]).rows("wide")
+    assert np.array_equal(rows, np.concatenate([large.float().reshape(-1, 8).numpy(), large[0].float().numpy()]))
+
+
 def test_a_streamed_gptq_export_rounds_as_the_whole_one_without_an_fp32_graph(deep_bf16_llama, tmp_path):
     """The default int4 (gptq) streamed: its calibration taken from the bf16 model in PyTorch, no
     fp32 graph written; each MatMul's 4-bit levels mostly those of the whole export (fp32 graph,

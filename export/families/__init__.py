@@ -16,7 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..patches import real_rotary, traceable_falcon_alibi, traceable_linear_attention, traceable_mamba, traceable_mamba2
+from ..patches import (
+    real_rotary,
+    traceable_falcon_alibi,
+    traceable_linear_attention,
+    traceable_mamba,
+    traceable_mamba2,
+    traceable_routed_experts,
+)
 from . import gemma3, idefics3, qwen_vl
 from .processor import VisionEncoder
 
@@ -106,6 +113,9 @@ FAMILIES = {
     "mamba": MAMBA,
     "falcon_mamba": MAMBA,
     "jamba": MAMBA,
+    "dbrx": Family(patches=(traceable_routed_experts,)),
+    "jetmoe": Family(patches=(traceable_routed_experts,)),
+    "longcat_flash": Family(patches=(traceable_routed_experts,)),
     # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
     "afmoe": AS_IS,
     "apertus": AS_IS,
