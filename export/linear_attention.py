@@ -279,6 +279,28 @@ def mamba_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs
     return self.out_proj((out + x * self.D) * F.silu(gate))
 
 
+def zamba_mamba_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """Zamba's Mamba-1 mixer through the same two ops as `mamba_forward`, its channels in
+    `n_mamba_heads` heads, each with its own x_proj, dt_proj and so its own B and C (a key head each
+    in LinearAttention, serving that head's channels). Its in_proj interleaves x and the gate
+    channel by channel; its state is [B, heads, head size, state size], the channels' [B, channels,
+    state size] cut by head."""
+    layer = cache.layers[self.layer_idx]
+    heads, head_size, channels, size = self.n_mamba_heads, self.mamba_head_dim, self.intermediate_size, self.ssm_state_size
+    pairs = _kept(self.in_proj(hidden_states), -1, 2)  # x and the gate interleaved, channel by channel
+    x, gate = pairs[..., 0], pairs[..., 1]
+    x, layer.conv_states[0] = _convolved(self.conv1d, x, layer.conv_states[0], self.activation)
+    by_head = _kept(x, heads, -1)
+    parameters = torch.einsum("bthd,hpd->bthp", by_head, self.x_proj_weight)
+    dt, b, c = torch.split(parameters, [self.time_step_rank, size, size], dim=-1)
+    dt = _kept(F.softplus(torch.einsum("bthr,hdr->bthd", dt, self.dt_proj_weight) + self.dt_proj_bias), -1)
+    decay = _kept(dt[..., None] * -torch.exp(self.A_log.float()).reshape(channels, size), -1)
+    state = layer.recurrent_states[0].reshape(-1, channels, size, 1)  # [B, heads, head size, state size] by channel
+    out, state = GatedLinearRule.apply(_kept(c, -1), _kept(b, -1), x * dt, state, decay, heads, channels, 1.0)
+    layer.recurrent_states[0] = state.reshape(-1, heads, head_size, size)
+    return self.out_proj((out + x * self.D.flatten()) * F.silu(gate))
+
+
 def _convolved(conv, x, state, activation: str):
     """`x` [B, T, C] through the depthwise causal convolution `conv` from `state`: ([B, T, C], the new state)."""
     if activation not in ("silu", "swish"):

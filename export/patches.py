@@ -528,17 +528,23 @@ def traceable_mamba2():
 
 @contextmanager
 def traceable_mamba():
-    """While a model is traced, Mamba-1 mixers (Mamba's, Falcon Mamba's, Jamba's) run
-    export/linear_attention.py's `mamba_forward`: its convolution and selective scan trace into
-    CausalConvWithState and LinearAttention's gated rule, a head per channel."""
+    """While a model is traced, Mamba-1 mixers (Mamba's, Falcon Mamba's, Jamba's; Zamba's, in heads)
+    run export/linear_attention.py's `mamba_forward` (`zamba_mamba_forward`): its convolution and
+    selective scan trace into CausalConvWithState and LinearAttention's gated rule, a head per channel."""
     from transformers.models.falcon_mamba import modeling_falcon_mamba
     from transformers.models.jamba import modeling_jamba
     from transformers.models.mamba import modeling_mamba
+    from transformers.models.zamba import modeling_zamba
 
-    from .linear_attention import mamba_forward
+    from .linear_attention import mamba_forward, zamba_mamba_forward
 
-    mixers = (modeling_mamba.MambaMixer, modeling_falcon_mamba.FalconMambaMixer, modeling_jamba.JambaMambaMixer)
-    with _forwards_replaced(mixers, mamba_forward):
+    forwards = {
+        modeling_mamba.MambaMixer: mamba_forward,
+        modeling_falcon_mamba.FalconMambaMixer: mamba_forward,
+        modeling_jamba.JambaMambaMixer: mamba_forward,
+        modeling_zamba.ZambaMambaMixer: zamba_mamba_forward,
+    }
+    with forwards_replaced(forwards):
         yield
 
 

@@ -263,6 +263,15 @@ ADJUSTED = {
         "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": 64},
     },
     "longcat_flash": {"head_dim": 4},
+    # Zamba: Mamba-1 mixers in two heads; its shared attention block in every other layer (two of them, tied)
+    "zamba": {
+        "num_hidden_layers": 4,
+        "layers_block_type": ["linear_attention", "hybrid", "linear_attention", "hybrid"],
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "attention_head_dim": 16,
+        "mamba_dt_rank": 8,
+    },
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
@@ -359,6 +368,7 @@ SHRUNK = (
     "vaultgemma",
     "xglm",
     "youtu",
+    "zamba",
 )
 
 

@@ -113,6 +113,7 @@ FAMILIES = {
     "mamba": MAMBA,
     "falcon_mamba": MAMBA,
     "jamba": MAMBA,
+    "zamba": MAMBA,
     "dbrx": Family(patches=(traceable_routed_experts,)),
     "jetmoe": Family(patches=(traceable_routed_experts,)),
     "longcat_flash": Family(patches=(traceable_routed_experts,)),
