@@ -199,13 +199,14 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
     if BITS[quantization.method] != 4:
         return []
 
-    def rounded(weight, input_name, weight_name):
-        if not rule.searches:
-            return rounded_to_nearest(weight, block)
+    def fit(weight, input_name, weight_name):
         fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, rule.hessian))
-        return dequantized(*fitted[weight_name])[: len(weight)]
 
-    return chosen(modules_by_cost(folder, calibration_ids(folder, quantization), matmul_role, rounded), block)
+    def rounded(weight, input_name, weight_name):
+        return dequantized(*fitted[weight_name])[: len(weight)] if rule.searches else rounded_to_nearest(weight, block)
+
+    ids = calibration_ids(folder, quantization)
+    return chosen(modules_by_cost(folder, ids, matmul_role, rounded, fit if rule.searches else None), block)
 
 
 def _calibrated(folder: Path, quantization: Quantization, scratch: Path):

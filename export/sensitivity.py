@@ -26,16 +26,21 @@ BUDGET = 0.3  # 8-bit modules may add this fraction of the 4-bit MatMul weights'
 _GRAPH = "sensitivity.onnx"  # the export's graph with the MatMul weights as inputs, while it runs
 
 
-def modules_by_cost(export: Path, ids: list[int], role, rounded) -> list[tuple[str, float, int]]:
+def modules_by_cost(export: Path, ids: list[int], role, rounded, fit=None) -> list[tuple[str, float, int]]:
     """(module, mean KL divergence with it at 4 bits, bytes 8 bits add), costliest per byte first.
     `role(node name)` gives a MatMul's (layer, module); `rounded(weight, input name, weight name)`
-    the values a weight [K, N] stands for at 4 bits, as the export will round it."""
+    the values a weight [K, N] stands for at 4 bits, as the export will round it; `fit` (same
+    arguments), where given, is called on each weight alone first, before the measure holds them
+    all and its session (a search's working memory beside its own, not theirs)."""
     model = onnx.load(str(export / GRAPH_FILE), load_external_data=False)
     inputs = _module_weights(model.graph, role)
     weights = {module: list(pairs) for module, pairs in inputs.items()}
     tied = tied_embedding(model.graph, export)
     names = [name for group in weights.values() for name in group]
     tensors = {t.name: t for t in model.graph.initializer}
+    for module, group in weights.items() if fit else ():
+        for name in group:
+            fit(np.asarray(tensor_array(tensors[name], export)), inputs[module][name], name)
     exact = {name: np.asarray(tensor_array(tensors[name], export)) for name in names}
     _weights_as_inputs(model, names)
     if tied:  # a tied table follows its lm_head: read as its transpose, not held a second time

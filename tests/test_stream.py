@@ -289,6 +289,7 @@ def test_calibration_rows_are_kept_exact_in_two_bytes_where_the_model_runs_in_bf
     assert np.array_equal(rows, np.concatenate([large.float().reshape(-1, 8).numpy(), large[0].float().numpy()]))
 
 
+@pytest.mark.slow  # three exports of the 5-layer model
 def test_a_streamed_gptq_export_rounds_as_the_whole_one_without_an_fp32_graph(deep_bf16_llama, tmp_path):
     """The default int4 (gptq) streamed: its calibration taken from the bf16 model in PyTorch, no
     fp32 graph written; each MatMul's 4-bit levels mostly those of the whole export (fp32 graph,
