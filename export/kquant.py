@@ -141,9 +141,8 @@ def _inverse_factor(hessian: np.ndarray, w: np.ndarray, damp: float) -> np.ndarr
     """The upper U with H^-1 = U^T U of the Hessian damped by `damp` of its mean diagonal, in
     float32 (the damping keeps it well conditioned), as GPTQ's reference takes it: H's Cholesky
     factor, the inverse from it, that inverse's upper factor. A channel the text never reached
-    (diagonal 0) becomes independent and its row of `w` zero. PyTorch's LAPACK calls hold two
-    [K, K] arrays besides `hessian` (numpy's inverse held eight: an 8B model's down_proj, K =
-    14,336, is 822 MiB each)."""
+    (diagonal 0) becomes independent and its row of `w` zero. At most two [K, K] float32 arrays
+    are held besides `hessian`."""
     import torch
 
     h = torch.tensor(hessian, dtype=torch.float32)
