@@ -65,7 +65,9 @@ def main() -> None:
 
     def say(message: str) -> None:
         high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        print(f"{time.perf_counter() - start:7.1f} s  high-water {high:.2f} GiB  disk {disk.peak / 2**30:.2f} GiB  {message}", flush=True)
+        print(
+            f"{time.perf_counter() - start:7.1f} s  high-water {high:.2f} GiB  disk {disk.peak / 2**30:.2f} GiB  {message}", flush=True
+        )
 
     quantization = None
     if args.quantize:
@@ -73,8 +75,10 @@ def main() -> None:
     with disk:
         export_model(args.model, args.out, ExportOptions(force=True, graphs=args.graphs, quantization=quantization), say)
     high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    print(f"done in {time.perf_counter() - start:.0f} s: peak memory {high:.2f} GiB, peak disk {disk.peak / 2**30:.2f} GiB, "
-          f"written {folder_bytes(args.out) / 2**30:.2f} GiB")
+    print(
+        f"done in {time.perf_counter() - start:.0f} s: peak memory {high:.2f} GiB, peak disk {disk.peak / 2**30:.2f} GiB, "
+        f"written {folder_bytes(args.out) / 2**30:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantizat
     return max(8 * _copy_parameters(sizes, layers, total), model)
 
 
-def check_memory_streamed(sizes: Sizes, layers: int, total: int, quantization: Quantization | None) -> None:
+def check_memory_streamed(sizes: Sizes, layers: int, total: int) -> None:
     """Refuse, before any weight is read, where this machine cannot hold a streamed export: its
     check copy, exported as `check_memory_before_load` counts a model; then the model, whose
     checkpoint is mapped from its files and let go as it is read, so that what it holds is its

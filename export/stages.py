@@ -142,7 +142,7 @@ def check_copy(run: ExportRun) -> None:
     from .pipeline import export_into
 
     plan, options = run.plan, run.options
-    check_memory_streamed(plan.sizes, plan.layers, plan.total, options.quantization)
+    check_memory_streamed(plan.sizes, plan.layers, plan.total)
     check_free_space(run.work.parent, streamed_disk(plan.sizes, plan.layers, plan.total, options.quantization))
     run.stage.progress(f"the model's first {plan.layers} layers, exported as the model will be and checked against PyTorch")
     folder = run.work / ".check"
