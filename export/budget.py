@@ -68,7 +68,7 @@ def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantizat
     """The bytes a streamed export writes at most: its check copy's fp32 graph (twice while its fuse
     stage rewrites it), or the model's graph: its weights deferred, written once at the end, in fp32
     or quantized (a byte a weight covers 4 or 8 bits, scales and zero points) beside one fp32 table.
-    A calibration's rows are checked when the text's length is known (`calibration_disk`)."""
+    A calibration's sums are checked when the model is loaded (`calibration_disk`)."""
     model = 4 * sizes.parameters if quantization is None else sizes.parameters + 4 * sizes.largest
     return max(8 * _copy_parameters(sizes, layers, total), model)
 
@@ -97,12 +97,14 @@ def check_memory_streamed(sizes: Sizes, layers: int, total: int) -> None:
     )
 
 
-def calibration_disk(model, tokens: int) -> int:
-    """The most bytes `calibration.collect_from_model` keeps of `tokens` tokens: each nn.Linear's
-    input rows in float16 (q, k and v share theirs, which this counts three times)."""
+def calibration_disk(model, hessian: bool) -> int:
+    """The most bytes `calibration.collect_from_model` keeps, whatever the text's length: for each
+    nn.Linear's input, one triangle of its Hessian's sum in fp32 where `hessian`, else its
+    channels' sums of squares (q, k and v share theirs, which this counts three times)."""
     import torch
 
-    return 2 * tokens * sum(m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    widths = [m.in_features + m.in_features % 2 for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(2 * k * (k + 1) if hessian else 4 * k for k in widths)
 
 
 def available_memory() -> int | None:

@@ -250,8 +250,10 @@ def _transposed_equal(table: onnx.TensorProto, weight: onnx.TensorProto, folder:
     return True
 
 
-def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.ndarray:
-    """The tensor's values: mapped from `folder`'s data file where it is there, else from the message."""
+def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None, mapped: bool = True) -> np.ndarray:
+    """The tensor's values: mapped from `folder`'s data file where it is there (read into memory of
+    its own where not `mapped`: a copy to work in, whose pages are not the file's), else from the
+    message."""
     from onnx import numpy_helper
 
     if is_deferred(tensor):
@@ -262,9 +264,10 @@ def tensor_array(tensor: onnx.TensorProto, folder: Path | None = None) -> np.nda
         raise ExportError(f"tensor {tensor.name} is in a data file, but no folder was given to read it from")
     info = _external(tensor)
     dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.memmap(
-        Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)), shape=tuple(tensor.dims)
-    )
+    path, offset, shape = Path(folder) / info["location"], int(info.get("offset", 0)), tuple(tensor.dims)
+    if not mapped:
+        return np.fromfile(path, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
 def write_weights(path: Path, weights: dict, defer: bool = False) -> None:

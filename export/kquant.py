@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from pathlib import Path
+
 import numpy as np
 
 # Scale candidates (levels - 1 + step) / (max - min): llama.cpp's range of steps, more coarsely, as
@@ -95,22 +97,37 @@ def pack(levels: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, 
     return packed.astype(np.uint8), (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
 
 
-def dequantized(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> np.ndarray:
-    """The [K, N] weight the blocks stand for (K padded to whole blocks)."""
-    values = scales[..., None] * (levels.astype(np.float32) - zeros[..., None])
-    return values.reshape(values.shape[0], -1).T
+def dequantized(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray, columns: int = 4096) -> np.ndarray:
+    """The [K, N] weight the blocks stand for (K padded to whole blocks), contiguous; made
+    `columns` output columns at a time, so that it holds little besides itself."""
+    n = levels.shape[0]
+    out = np.empty((levels.shape[1] * levels.shape[2], n), np.float32)
+    for start in range(0, n, columns):
+        part = slice(start, start + columns)
+        values = scales[part, :, None] * (levels[part].astype(np.float32) - zeros[part, :, None])
+        out[:, part] = values.reshape(len(values), -1).T
+    return out
 
 
-def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importance: np.ndarray | None = None, damp: float = 0.1):
+def gptq(
+    weight: np.ndarray,
+    hessian: np.ndarray,
+    bits: int,
+    block: int,
+    importance: np.ndarray | None = None,
+    damp: float = 0.1,
+    overwrite=False,
+):
     """GPTQ (Frantar et al., 2022) on `weight` [K, N] (K padded to whole blocks) given the Hessian of
     its layer's error, `hessian` = X^T X / tokens [K, K] over the calibration text: the input
     channels are rounded one at a time, in blocks of `_COLUMNS`, and each one's error is spread over
     the channels not yet rounded by the inverse Hessian's Cholesky factor, so that what the layer
     outputs on the text moves least. Each block of `block` channels takes the scale and zero point
-    that `fit`'s search finds for it as it is when its turn comes. Same outputs as `fit`."""
+    that `fit`'s search finds for it as it is when its turn comes. Same outputs as `fit`. Where
+    `overwrite`, a writable float32 `weight` is worked in, not copied."""
     channels, columns = weight.shape
     top = 2**bits - 1
-    w = np.array(weight, np.float32)
+    w = weight if overwrite and weight.dtype == np.float32 and weight.flags.writeable else np.array(weight, np.float32)
     factor = _inverse_factor(hessian, w, damp)
     levels = np.zeros((channels, columns), np.uint8)
     scales = np.zeros((channels // block, columns), np.float32)
@@ -118,6 +135,7 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
     for first in range(0, channels, _COLUMNS):
         last = min(first + _COLUMNS, channels)
         part, errors, u = w[first:last].copy(), np.zeros((last - first, columns), np.float32), factor[first:last, first:last]
+        outer = np.empty_like(part)  # each channel's error spread over those after it (made once a block)
         for i in range(last - first):
             group = (first + i) // block
             if (first + i) % block == 0:
@@ -128,13 +146,21 @@ def gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block: int, importa
             level = np.clip(np.round(part[i] / scales[group]) + zeros[group], 0, top)
             levels[first + i] = level
             errors[i] = (part[i] - scales[group] * (level - zeros[group])) / u[i, i]
-            part[i + 1 :] -= np.outer(u[i, i + 1 :], errors[i])
-        w[last:] -= factor[first:last, last:].T @ errors
+            spread = np.outer(u[i, i + 1 :], errors[i], out=outer[: last - first - i - 1])
+            part[i + 1 :] -= spread
+        for rest in range(last, channels, _rows_within(columns)):  # the channels left take the block's errors
+            end = min(rest + _rows_within(columns), channels)
+            w[rest:end] -= factor[first:last, rest:end].T @ errors
     return (
         levels.T.reshape(columns, channels // block, block),
         scales.T.copy(),
         zeros.T.astype(np.uint8),
     )
+
+
+def _rows_within(columns: int, limit: int = 64 * 2**20) -> int:
+    """How many rows of `columns` float32 values fit in `limit` bytes (at least one)."""
+    return max(1, limit // (4 * columns))
 
 
 def _inverse_factor(hessian: np.ndarray, w: np.ndarray, damp: float) -> np.ndarray:
@@ -157,16 +183,45 @@ def _inverse_factor(hessian: np.ndarray, w: np.ndarray, damp: float) -> np.ndarr
     return torch.linalg.cholesky(inverse, upper=True).numpy()
 
 
-def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessian=None):
+def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessian=None, overwrite: bool = False):
     """`weight` [K, N] (any K) fitted by `gptq` where a Hessian is given, else by `fit` (weighted by
-    `importance` where given), as `fit` returns it (K padded to whole blocks)."""
+    `importance` where given), as `fit` returns it (K padded to whole blocks). `overwrite`: the
+    caller's `weight` (float32) may be worked in, not copied."""
     rows = -(-weight.shape[0] // block) * block
-    weight = np.pad(np.asarray(weight, np.float32), ((0, rows - weight.shape[0]), (0, 0)))
+    if rows != weight.shape[0]:  # (a copy, worked in)
+        weight, overwrite = np.pad(np.asarray(weight, np.float32), ((0, rows - weight.shape[0]), (0, 0))), True
     if hessian is not None:
         if rows > len(hessian):  # (a copy: only where K is not whole blocks)
             hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
-        return gptq(weight, hessian, bits, block, _padded(importance, rows))
+        return gptq(weight, hessian, bits, block, _padded(importance, rows), overwrite=overwrite)
     return fit(weight, bits, block, _padded(importance, rows))
+
+
+class FittedBlocks:
+    """Blocks fitted ahead of the pass that writes them, by weight name: each weight's `fit` result
+    kept in a file of `folder` (a model's 4-bit levels would otherwise sit in memory beside the
+    measure that fits them, and its weights)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self._files, self._made = Path(folder), {}, 0
+
+    def __setitem__(self, name: str, blocks: tuple) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{self._made:05d}.npz"
+        np.savez(path, *blocks)
+        self._files[name], self._made = path, self._made + 1
+
+    def __getitem__(self, name: str) -> tuple:
+        with np.load(self._files[name]) as kept:
+            return tuple(kept[f"arr_{i}"] for i in range(3))
+
+    def pop(self, name: str, default=None):
+        """The blocks of `name`, their file removed; `default` where none were fitted."""
+        if name not in self._files:
+            return default
+        blocks = self[name]
+        self._files.pop(name).unlink()
+        return blocks
 
 
 def statistics(activations, name: str, with_hessian: bool):

@@ -21,7 +21,7 @@ from edgeinfer.sdk.tokenizer import Tokenizer
 from .algorithms import ALGORITHMS, Algorithm
 from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
-from .kquant import dequantized, fit_weight, search_quantizer, statistics
+from .kquant import FittedBlocks, dequantized, fit_weight, search_quantizer, statistics
 from .patches import one_weight_at_a_time, one_weight_loaded
 from .stream import is_deferred, sources_of
 from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
@@ -178,7 +178,7 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
             activations = _calibrated(folder, quantization, scratch)
         else:
             activations = activations.with_sources(_weight_sources(graph))
-        fitted = {}  # 4-bit blocks the auto choice fitted, by weight name, for the pass that writes them
+        fitted = FittedBlocks(scratch / "fitted")  # 4-bit blocks the auto choice fitted, for the pass that writes them
         if quantization.keep_int8 == (AUTO,):
             quantization = replace(quantization, keep_int8=tuple(_auto_kept(folder, quantization, activations, fitted)))
         for bits, algorithm, names in quantization.passes(graph, head_first):
@@ -191,7 +191,7 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
     return quantization
 
 
-def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: dict) -> list[str]:
+def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: FittedBlocks) -> list[str]:
     """The modules `--keep-int8 auto` keeps at 8 bits (export/sensitivity.py), each weight rounded
     as the export rounds it: by k_quant or gptq from the calibration text's activations (their
     blocks kept in `fitted` for the 4-bit pass), else to nearest."""
@@ -200,7 +200,7 @@ def _auto_kept(folder: Path, quantization: Quantization, activations, fitted: di
         return []
 
     def fit(weight, input_name, weight_name):
-        fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, rule.hessian))
+        fitted[weight_name] = fit_weight(weight, 4, block, *statistics(activations, input_name, rule.hessian), overwrite=True)
 
     def rounded(weight, input_name, weight_name):
         return dequantized(*fitted[weight_name])[: len(weight)] if rule.searches else rounded_to_nearest(weight, block)
@@ -215,7 +215,7 @@ def _calibrated(folder: Path, quantization: Quantization, scratch: Path):
     a text). `--keep-int8 auto` reads a given text as tokens alone."""
     if not quantization.calibrated:
         return None
-    return collect(folder, calibration_ids(folder, quantization), scratch)
+    return collect(folder, calibration_ids(folder, quantization), scratch, quantization.rule.hessian)
 
 
 def calibration_ids(folder: Path, quantization: Quantization) -> list[int]:

@@ -9,6 +9,7 @@ lm_head moves its outputs least of all, relative to their size, and the logits m
 
 from __future__ import annotations
 
+import mmap
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded, fit=None) -> li
     `role(node name)` gives a MatMul's (layer, module); `rounded(weight, input name, weight name)`
     the values a weight [K, N] stands for at 4 bits, as the export will round it; `fit` (same
     arguments), where given, is called on each weight alone first, before the measure holds them
-    all and its session (a search's working memory beside its own, not theirs)."""
+    all and its session (a search's working memory beside its own, not theirs), with a copy of
+    its own that it may work in."""
     model = onnx.load(str(export / GRAPH_FILE), load_external_data=False)
     inputs = _module_weights(model.graph, role)
     weights = {module: list(pairs) for module, pairs in inputs.items()}
@@ -40,11 +42,11 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded, fit=None) -> li
     tensors = {t.name: t for t in model.graph.initializer}
     for module, group in weights.items() if fit else ():
         for name in group:
-            fit(np.asarray(tensor_array(tensors[name], export)), inputs[module][name], name)
-    exact = {name: np.asarray(tensor_array(tensors[name], export)) for name in names}
+            fit(tensor_array(tensors[name], export, mapped=False), inputs[module][name], name)
+    exact = {name: np.asarray(tensor_array(tensors[name], export)) for name in names}  # mapped from the data file
     _weights_as_inputs(model, names)
-    if tied:  # a tied table follows its lm_head: read as its transpose, not held a second time
-        _table_from_head(model, tied[0].input[0], tied[1])
+    if tied:  # a tied table is read through its lm_head, not held a second time
+        _gather_from_head(model, tied[0], tied[1])
     onnx.save(model, str(export / _GRAPH))
     try:
         graph = Graph(export / _GRAPH, "cpu", None)
@@ -53,11 +55,14 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded, fit=None) -> li
         reference = [_log_probs(graph, manifest, window, exact) for window in windows]
         costs = []
         for module, group in weights.items():
-            changed = dict(exact)
-            for name in group:
-                changed[name] = rounded(exact[name], inputs[module][name], name).astype(exact[name].dtype)
-            kld = np.mean([_kld(ref, _log_probs(graph, manifest, w, changed)) for ref, w in zip(reference, windows)])
+            for name in group:  # rounded in place of the exact weight, mapped again after
+                weight = exact.pop(name)
+                _let_go_of_pages(weight)  # (mapped again if the rounding reads it)
+                exact[name] = rounded(weight, inputs[module][name], name).astype(weight.dtype, copy=False)
+                del weight
+            kld = np.mean([_kld(ref, _log_probs(graph, manifest, w, exact)) for ref, w in zip(reference, windows)])
             costs.append((module, float(kld), sum(exact[name].size for name in group) // 2))
+            exact.update({name: np.asarray(tensor_array(tensors[name], export)) for name in group})
     finally:
         (export / _GRAPH).unlink(missing_ok=True)
     return sorted(costs, key=lambda cost: cost[1] / cost[2], reverse=True)
@@ -72,6 +77,13 @@ def chosen(costs: list[tuple[str, float, int]], block: int) -> list[str]:
             kept.append(module)
             added += extra
     return kept
+
+
+def _let_go_of_pages(array: np.ndarray) -> None:
+    """Drop the resident pages of `array` where it is mapped from a file: they are read again where touched."""
+    mapping = getattr(array if isinstance(array, np.memmap) else array.base, "_mmap", None)
+    if mapping is not None:
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _module_weights(graph: onnx.GraphProto, role) -> dict[str, dict[str, str]]:
@@ -95,13 +107,21 @@ def _weights_as_inputs(model: onnx.ModelProto, names: list[str]) -> None:
     model.graph.input.extend(inputs)
 
 
-def _table_from_head(model: onnx.ModelProto, table: str, head: str) -> None:
-    """The embedding table `table` [vocab, hidden] made in the graph as the transpose of the tied
-    lm_head's weight input `head` [hidden, vocab]."""
+def _gather_from_head(model: onnx.ModelProto, gather: onnx.NodeProto, head: str) -> None:
+    """The embedding's `gather` of table rows [vocab, hidden] made a Gather of the tied lm_head
+    weight's columns, `head` [hidden, vocab], transposed back ([hidden, *ids] to [*ids, hidden]):
+    the table is never made."""
+    table, ids, out = gather.input[0], gather.input[1], gather.output[0]
     kept = [t for t in model.graph.initializer if t.name != table]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
-    model.graph.node.insert(0, onnx.helper.make_node("Transpose", [head], [table], name="edgeinfer_tied_table", perm=[1, 0]))
+    rank = next(len(i.type.tensor_type.shape.dim) for i in model.graph.input if i.name == ids)
+    at = list(model.graph.node).index(gather)
+    model.graph.node.remove(gather)
+    columns = onnx.helper.make_node("Gather", [head, ids], [f"{out}_columns"], name="edgeinfer_tied_columns", axis=1)
+    back = onnx.helper.make_node("Transpose", [f"{out}_columns"], [out], name="edgeinfer_tied_rows", perm=[*range(1, rank + 1), 0])
+    model.graph.node.insert(at, back)
+    model.graph.node.insert(at, columns)
 
 
 def rounded_to_nearest(weight: np.ndarray, block: int) -> np.ndarray:
@@ -119,7 +139,7 @@ def rounded_to_nearest(weight: np.ndarray, block: int) -> np.ndarray:
 
 
 def _log_probs(graph: Graph, manifest, window: list[int], weights: dict) -> np.ndarray:
-    feeds = {**window_feeds(graph, manifest, window, logits=len(window)), **weights}
+    feeds = {**window_feeds(graph, manifest, [window], logits=len(window)), **weights}
     _, outputs = graph.run(feeds, on_device=[], to_host=["logits"])
     logits = outputs["logits"][0].astype(np.float32, copy=True)
     logits -= logits.max(-1, keepdims=True)

@@ -214,10 +214,11 @@ def calibrate(run: ExportRun) -> None:
     from .calibration import collect_from_model
     from .quantize import calibration_ids
 
-    ids = calibration_ids(run.work, run.options.quantization)
-    check_disk(run.work.parent, calibration_disk(run.torch_model, len(ids)))
-    run.stage.progress(f"the calibration text's {len(ids)} tokens through the model in PyTorch, each linear layer's input kept")
-    run.activations = collect_from_model(run.torch_model, ids, run.work / "calibration")
+    quantization = run.options.quantization
+    ids = calibration_ids(run.work, quantization)
+    check_disk(run.work.parent, calibration_disk(run.torch_model, quantization.rule.hessian))
+    run.stage.progress(f"the calibration text's {len(ids)} tokens through the model in PyTorch, each linear layer's inputs summed")
+    run.activations = collect_from_model(run.torch_model, ids, run.work / "calibration", quantization.rule.hessian)
 
 
 def adopt_checks(run: ExportRun) -> None:

@@ -348,6 +348,7 @@ def test_fitted_blocks_are_what_matmulnbits_multiplies_by(bits):
     x = rng.standard_normal((3, 96)).astype(np.float32)
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x @ kquant.dequantized(levels, scales, zeros), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(kquant.dequantized(levels, scales, zeros, columns=7), kquant.dequantized(levels, scales, zeros))
     error = np.mean((kquant.dequantized(levels, scales, zeros) - weight) ** 2)
     top = 2**bits - 1
     lo, hi = (
@@ -360,8 +361,10 @@ def test_fitted_blocks_are_what_matmulnbits_multiplies_by(bits):
     assert error < np.mean((rounded.reshape(40, 96).T - weight) ** 2)  # below round-to-nearest's
 
 
-def test_gptq_spreads_the_error_so_the_layer_output_moves_less():
-    """On activations with correlated channels, GPTQ's layer output error over them is below k_quant's."""
+def test_gptq_spreads_the_error_so_the_layer_output_moves_less(tmp_path):
+    """On activations with correlated channels, GPTQ's layer output error over them is below
+    k_quant's; fitted in the caller's array (`overwrite`) and kept on disk ahead of its pass
+    (`FittedBlocks`), its blocks are the same."""
     import numpy as np
 
     from edgeinfer.export import kquant
@@ -374,6 +377,14 @@ def test_gptq_spreads_the_error_so_the_layer_output_moves_less():
     for name, blocks in (("fit", kquant.fit(weight, 4, 32)), ("gptq", kquant.gptq(weight, hessian, 4, 32))):
         out[name] = np.mean((x @ kquant.dequantized(*blocks) - x @ weight) ** 2)
     assert out["gptq"] < 0.8 * out["fit"], out
+    x = rng.standard_normal((1024, 256)).astype(np.float32)  # channels past GPTQ's first 128 take its errors
+    weight, hessian = (rng.standard_normal((256, 48)) * 0.05).astype(np.float32), x.T @ x / len(x)
+    worked_in = weight.copy()
+    kept = kquant.FittedBlocks(tmp_path / "fitted")
+    kept["w"] = kquant.fit_weight(worked_in, 4, 32, None, hessian, overwrite=True)
+    assert not np.array_equal(worked_in, weight)  # worked in, not copied
+    assert all(np.array_equal(a, b) for a, b in zip(kept.pop("w"), kquant.gptq(weight, hessian, 4, 32)))
+    assert kept.pop("w") is None and not list((tmp_path / "fitted").iterdir())
 
 
 @pytest.mark.parametrize("algorithm", ["k_quant", "gptq"])

@@ -253,40 +253,51 @@ def test_equal_weights_are_written_once_and_read_under_one_name(tmp_path):
     np.testing.assert_allclose(logits, expected, atol=1e-4)
 
 
-def test_pytorchs_calibration_rows_are_those_the_fp32_graph_gives(tmp_path):
-    """The rows a streamed export keeps from PyTorch (`collect_from_model`, by parameter name, q, k
+def test_pytorchs_calibration_hessians_are_those_the_fp32_graph_gives(tmp_path):
+    """The sums a streamed export keeps from PyTorch (`collect_from_model`, by parameter name, q, k
     and v once) are those the whole export's graph gives its MatMuls over the same tokens
-    (`collect`, by MatMul input), window by window: each of the one's inputs is one of the
-    other's, to float16's rounding."""
+    (`collect`, by MatMul input), window by window: each of the one's Hessians is one of the
+    other's, to fp32 rounding, and its importance is its diagonal."""
     from edgeinfer.export.calibration import collect, collect_from_model
 
     folder = tmp_path / "hf"
     model = build_llama(folder, num_hidden_layers=2)
     export_model(str(folder), tmp_path / "fp32", ExportOptions(fuse=False))
-    ids = [int(i) for i in np.random.default_rng(3).integers(3, 200, 300)]  # a full window and a short one
-    graph = collect(tmp_path / "fp32", ids, tmp_path / "graph")
-    torch_side = collect_from_model(model, ids, tmp_path / "torch")
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, 200, 600)]  # two full windows (one run) and a short one
+    graph = collect(tmp_path / "fp32", ids, tmp_path / "graph", hessian=True)
+    torch_side = collect_from_model(model, ids, tmp_path / "torch", hessian=True)
     assert len(torch_side.names) == 2 * 4 + 1  # q (k, v read it), o, gate (up reads it), down; the lm_head
     assert torch_side.aliases["model.layers.1.self_attn.v_proj.weight"] == "model.layers.1.self_attn.q_proj.weight"
-    found = {name: graph.rows(name) for name in graph.names}
+    assert torch_side.counts["lm_head.weight"] == 3 and torch_side.counts["model.layers.0.mlp.down_proj.weight"] == 600
+    assert set(graph.counts.values()) == {600, 3}
+    found = [graph.hessian(name) for name in graph.names]
     for name in torch_side.names:
-        rows = torch_side.rows(name)
-        assert len(rows) == (2 if name == "lm_head.weight" else 300)  # the lm_head reads each window's last position
-        assert any(r.shape == rows.shape and np.allclose(r, rows, rtol=2e-3, atol=2e-3) for r in found.values()), name
+        hessian = torch_side.hessian(name)
+        assert np.array_equal(np.diagonal(hessian), torch_side.importance(name))
+        assert any(h.shape == hessian.shape and np.allclose(h, hessian, rtol=1e-4, atol=1e-5) for h in found), name
+    q, k = (f"model.layers.1.self_attn.{m}_proj.weight" for m in "qk")
+    assert np.array_equal(torch_side.hessian(k), torch_side.hessian(q)) and torch_side.hessian("nowhere") is None
 
 
-def test_calibration_rows_are_kept_exact_in_two_bytes_where_the_model_runs_in_bfloat16(tmp_path):
-    """Rows past float16's range are kept as bfloat16's bits where the model gave bfloat16 (a
-    streamed export's), float32 where it gave float32; each read back as it was."""
-    from edgeinfer.export.calibration import Activations, save_rows
+@pytest.mark.parametrize("width", [6, 7])
+def test_a_hessian_is_kept_as_one_triangle_and_summed_exactly(tmp_path, width):
+    """`Activations` keeps X^T X of the rows added, pass after pass, in K (K + 1) / 2 floats (an
+    odd K with a zero channel added), read back as the full symmetric matrix; without `hessian`,
+    the channels' mean squares alone."""
+    from edgeinfer.export.calibration import Activations
 
-    large = (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0)) * 3e4).to(torch.bfloat16)
-    save_rows(tmp_path, 0, 0, large)
-    save_rows(tmp_path, 0, 1, large[:1].float().numpy())
-    save_rows(tmp_path, 1, 0, large / 1e3)
-    assert [np.load(p).dtype for p in sorted(tmp_path.glob("*.npy"))] == [np.int16, np.float32, np.float16]
-    rows = Activations(tmp_path, ["wide", "small"]).rows("wide")
-    assert np.array_equal(rows, np.concatenate([large.float().reshape(-1, 8).numpy(), large[0].float().numpy()]))
+    rows = np.random.default_rng(0).standard_normal((40, width)).astype(np.float32)
+    kept, squares = Activations(tmp_path / "h", hessian=True), Activations(tmp_path / "s", hessian=False)
+    for store in (kept, squares):
+        (tmp_path / store.folder.name).mkdir()
+        store.add("x", rows[:25])
+        store.add("x", torch.from_numpy(rows[25:]).to(torch.bfloat16))
+    seen = np.concatenate([rows[:25], torch.from_numpy(rows[25:]).to(torch.bfloat16).float().numpy()])
+    assert np.load(next((tmp_path / "h").glob("*.npy"))).size == (width + width % 2) * (width + width % 2 + 1) // 2
+    np.testing.assert_allclose(kept.hessian("x"), seen.T @ seen / 40, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(kept.hessian("x"), kept.hessian("x").T)
+    np.testing.assert_allclose(squares.importance("x"), np.mean(seen * seen, 0), rtol=1e-5)
+    assert squares.hessian("x") is None and kept.counts == squares.counts == {"x": 40}
 
 
 @pytest.mark.slow  # three exports of the 5-layer model
