@@ -41,7 +41,7 @@ class Activations:
     PyTorch, by parameter name), kept on disk in `folder` as they come (`add`), so that a large
     model's never sit in memory together: the sum of x x^T over the tokens, [K, K], where
     `hessian` (gptq), else of x * x, [K] (k_quant's importance); and how many tokens each saw.
-    A Hessian's sum is symmetric: its file holds one triangle (`fold`), K (K + 1) / 2 floats.
+    A Hessian's sum is symmetric: its file holds one triangle (`fold_into`), K (K + 1) / 2 floats.
     `aliases` maps other names to those kept: a MatMul input to the parameter its weight is made
     from, a parameter to the one whose input it shares."""
 
@@ -55,19 +55,26 @@ class Activations:
         return list(self.counts)
 
     def add(self, name: str, values) -> None:
-        """Add the rows `values` [..., K] (numpy or torch, any float type) to input `name`'s sums."""
+        """Add the rows `values` [..., K] (numpy or torch, any float type) to input `name`'s sums,
+        in their file (mapped: nothing of the sums but the part being added is held)."""
         import torch
 
         x = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.array(values, np.float32))
         x = x.reshape(-1, x.shape[-1]).float()
-        total = fold(x) if self.with_hessian else (x * x).sum(0).numpy()
         path = self._path(name)
-        if name in self.counts:
-            total += np.load(path)
+        if name not in self.counts:
+            k = x.shape[1] + x.shape[1] % 2
+            shape = (k + 1, k // 2) if self.with_hessian else (x.shape[1],)
+            np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape).flush()  # zeros
+            self.widths[name], self.counts[name] = x.shape[1], 0
+        sums = np.load(path, mmap_mode="r+")
+        if self.with_hessian:
+            fold_into(torch.from_numpy(sums), x)
         else:
-            self.widths[name] = x.shape[1]
-        np.save(path, total)
-        self.counts[name] = self.counts.get(name, 0) + len(x)
+            sums += (x * x).sum(0).numpy()
+        sums.flush()
+        del sums
+        self.counts[name] += len(x)
 
     def importance(self, name: str) -> np.ndarray | None:
         """Each channel's mean square [K] float32, or None for an input the text did not reach."""
@@ -107,26 +114,25 @@ class Activations:
         return self.folder / f"{list(self.counts).index(name) if name in self.counts else len(self.counts):04d}.npy"
 
 
-def fold(x) -> np.ndarray:
-    """x^T x of rows `x` [tokens, K] (a torch tensor) as one triangle, [K' + 1, K' / 2] float32
-    with K' = K rounded up to even (a zero channel added): split at m = K' / 2 into
-    [[A, B^T], [B, C]], rows 1..m hold A's lower triangle, rows 0..m-1 C's upper one (the two
-    fill the [m + 1, m] top without overlapping), rows m+1.. hold B."""
+def fold_into(folded, x) -> None:
+    """Add x^T x of rows `x` [tokens, K] (torch) to `folded`, one triangle of a [K', K'] sum kept
+    as [K' + 1, K' / 2] (torch), K' = K rounded up to even (a zero channel added): split at
+    m = K' / 2 into [[A, B^T], [B, C]], rows 1..m hold A's lower triangle, rows 0..m-1 C's upper
+    one (the two fill the [m + 1, m] top without overlapping), rows m+1.. hold B. One [m, m]
+    product is held at a time."""
     import torch
 
     if x.shape[1] % 2:
         x = torch.nn.functional.pad(x, (0, 1))
     m = x.shape[1] // 2
     left, right = x[:, :m], x[:, m:]
-    folded = torch.zeros(2 * m + 1, m)
-    folded[1 : m + 1] += torch.tril(left.T @ left)
-    folded[:m] += torch.triu(right.T @ right)
-    folded[m + 1 :] = right.T @ left
-    return folded.numpy()
+    folded[1 : m + 1] += (left.T @ left).tril_()
+    folded[:m] += (right.T @ right).triu_()
+    folded[m + 1 :] += right.T @ left
 
 
 def unfold(folded: np.ndarray, width: int) -> np.ndarray:
-    """The symmetric [width, width] float32 matrix `fold` kept."""
+    """The symmetric [width, width] float32 matrix `fold_into` kept."""
     m = folded.shape[1]
     a, c, b = np.tril(folded[1 : m + 1]), np.triu(folded[:m]), folded[m + 1 :]
     full = np.empty((2 * m, 2 * m), np.float32)
@@ -150,7 +156,7 @@ def collect(export: Path, ids: list[int], scratch: Path, hessian: bool) -> Activ
     scratch.mkdir(parents=True, exist_ok=True)
     activations = Activations(scratch, hessian)
     try:
-        graph = Graph(export / _GRAPH, "cpu", None)
+        graph = Graph(export / _GRAPH, "cpu", None, packed=False)
         for windows in _passes(ids, max(1, _RUN_BYTES // (4 * width * WINDOW))):
             _, outputs = graph.run(window_feeds(graph, manifest, windows), on_device=[], to_host=names)
             for name in names:

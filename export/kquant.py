@@ -97,7 +97,7 @@ def pack(levels: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, 
     return packed.astype(np.uint8), (zeros[:, 0::2] | (zeros[:, 1::2] << 4)).astype(np.uint8)
 
 
-def dequantized(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray, columns: int = 4096) -> np.ndarray:
+def dequantized(levels: np.ndarray, scales: np.ndarray, zeros: np.ndarray, columns: int = 1024) -> np.ndarray:
     """The [K, N] weight the blocks stand for (K padded to whole blocks), contiguous; made
     `columns` output columns at a time, so that it holds little besides itself."""
     n = levels.shape[0]

@@ -23,7 +23,7 @@ from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
 from .kquant import FittedBlocks, dequantized, fit_weight, search_quantizer, statistics
 from .patches import one_weight_at_a_time, one_weight_loaded
-from .stream import is_deferred, sources_of
+from .stream import is_deferred, refer, sources_of
 from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
 
 BITS = {"int4": 4, "int8": 8}
@@ -185,9 +185,10 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
             included = set(names)
             exclude = [n for n in _matmuls(graph) if n not in included]
             graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)
+        save_graph(graph, folder, weights_from=folder)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    save_graph(graph, folder, weights_from=folder)
+        (folder / _MADE).unlink(missing_ok=True)
     return quantization
 
 
@@ -244,10 +245,35 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
     if rule.searches:
         quantizer.node_quantizer = search_quantizer(config, activations, rule.hessian, fitted)
     (one_weight_loaded if rule.float_zeros else one_weight_at_a_time)(quantizer.node_quantizer, folder)
+    write_as_made(quantizer.node_quantizer, folder / _MADE)
     quantizer.process()
     if tied and not rule.float_zeros:  # GatherBlockQuantized takes integer zero points only
         quantized_embedding(quantizer.model.model.graph, *tied, bits, block)
     return quantizer.model.model
+
+
+_MADE = "quantized.partial"  # each quantized weight's bytes as it is made, until the graph is saved
+
+
+def write_as_made(node_quantizer, path: Path) -> None:
+    """Make `node_quantizer` write the tensors each node's quantizing adds (its blocks, scales,
+    zero points) to the file `path` as they are made, the graph referencing them there: a model's
+    quantized weights are never all in memory (`save_graph` copies them into the export's data
+    file, and the caller removes `path`)."""
+    quantize = node_quantizer.quantize
+
+    def written(node, graph_stack):
+        kept = {id(t) for graph in graph_stack for t in graph.initializer}
+        nodes = quantize(node, graph_stack)
+        with open(path, "ab") as out:
+            for tensor in (t for graph in graph_stack for t in graph.initializer if id(t) not in kept):
+                if tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+                    offset = out.tell()
+                    out.write(tensor.raw_data)
+                    refer(tensor, path.name, offset, out.tell() - offset)
+        return nodes
+
+    node_quantizer.quantize = written
 
 
 def _weight_sources(graph) -> dict[str, list[str]]:
@@ -295,11 +321,11 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
     if lm_head is None or table not in initializers or gather not in graph.node:
         return False
     hidden = initializers[table].dims[1]
-    blocks = numpy_helper.to_array(initializers[lm_head.input[1]])
-    if hidden % block_size or blocks.shape[1] * blocks.shape[2] * 8 // bits != hidden:
+    rows, blocks, per_block = initializers[lm_head.input[1]].dims  # (its bytes may be in a data file)
+    if hidden % block_size or blocks * per_block * 8 // bits != hidden:
         return False
     data, shape = f"{weight}_embedding_Q{bits}", f"{weight}_embedding_shape"
-    graph.initializer.append(numpy_helper.from_array(np.array([blocks.shape[0], -1], np.int64), shape))
+    graph.initializer.append(numpy_helper.from_array(np.array([rows, -1], np.int64), shape))
     position = list(graph.node).index(gather)
     graph.node.remove(gather)
     graph.node.insert(position, helper.make_node("Reshape", [lm_head.input[1], shape], [data], name="edgeinfer_embedding_rows"))

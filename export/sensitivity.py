@@ -49,7 +49,7 @@ def modules_by_cost(export: Path, ids: list[int], role, rounded, fit=None) -> li
         _gather_from_head(model, tied[0], tied[1])
     onnx.save(model, str(export / _GRAPH))
     try:
-        graph = Graph(export / _GRAPH, "cpu", None)
+        graph = Graph(export / _GRAPH, "cpu", None, packed=False)
         manifest = load_manifest(export)
         windows = [ids[start : start + WINDOW] for start in range(0, min(len(ids), TOKENS), WINDOW)]
         reference = [_log_probs(graph, manifest, window, exact) for window in windows]
@@ -141,10 +141,19 @@ def rounded_to_nearest(weight: np.ndarray, block: int) -> np.ndarray:
 def _log_probs(graph: Graph, manifest, window: list[int], weights: dict) -> np.ndarray:
     feeds = {**window_feeds(graph, manifest, [window], logits=len(window)), **weights}
     _, outputs = graph.run(feeds, on_device=[], to_host=["logits"])
-    logits = outputs["logits"][0].astype(np.float32, copy=True)
-    logits -= logits.max(-1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    logits = outputs.pop("logits")[0]
+    out = np.empty(logits.shape, np.float32)
+    for rows in _row_chunks(len(logits)):  # (a chunk's temporaries, not the whole window's)
+        part = logits[rows].astype(np.float32)
+        part -= part.max(-1, keepdims=True)
+        out[rows] = part - np.log(np.exp(part).sum(-1, keepdims=True))
+    return out
 
 
 def _kld(reference: np.ndarray, other: np.ndarray) -> float:
-    return float(np.mean(np.sum(np.exp(reference) * (reference - other), -1)))
+    sums = [np.sum(np.exp(reference[rows]) * (reference[rows] - other[rows]), -1) for rows in _row_chunks(len(reference))]
+    return float(np.mean(np.concatenate(sums)))
+
+
+def _row_chunks(rows: int, size: int = 32) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, rows, size)]

@@ -128,10 +128,16 @@ class Graph:
     """One ONNX graph in one InferenceSession, always run through IO binding. `source` is the
     path of an .onnx file, or a serialized model (the small heads built in memory)."""
 
-    def __init__(self, source: Path | bytes, provider: str, threads: int | None, shared: dict | None = None):
+    def __init__(self, source: Path | bytes, provider: str, threads: int | None, shared: dict | None = None, packed: bool = True):
         """`shared`: initializers (OrtValues, by name) the session uses as they are instead of
-        reading its own copy (the split layout's weights, on the GPU once for both graphs)."""
+        reading its own copy (the split layout's weights, on the GPU once for both graphs).
+        `packed=False`: for a few runs of an export's own (a session to serve packs): the CPU
+        kernels read the weights where the data file is mapped instead of packing a copy of each
+        as the session loads, and a run's buffers go back as it ends instead of staying in an arena."""
         options = ort.SessionOptions()
+        if not packed:
+            options.add_session_config_entry("session.disable_prepacking", "1")
+            options.enable_cpu_mem_arena = False
         if shared:
             options.add_external_initializers(list(shared), list(shared.values()))
         options.intra_op_num_threads = threads or 0

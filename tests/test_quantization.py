@@ -445,6 +445,7 @@ def test_keep_int8_auto_writes_what_naming_its_choice_writes(tmp_path, tiny_llam
 
     _, auto, named = two_copies(tmp_path, tiny_llama, tied=False)
     done = quantize_graph(auto, Quantization("int4", algorithm="gptq", keep_int8=("auto",)))
+    assert not any((Path(auto) / left).exists() for left in ("quantized.partial", "calibration"))  # its scratch removed
     assert (
         done.keep_int8
         and "auto" not in done.keep_int8
