@@ -76,19 +76,20 @@ def streamed_disk(sizes: Sizes, layers: int, total: int, quantization: Quantizat
 def check_memory_streamed(sizes: Sizes, layers: int, total: int) -> None:
     """Refuse, before any weight is read, where this machine cannot hold a streamed export: its
     check copy, exported as `check_memory_before_load` counts a model; then the model, whose
-    checkpoint is mapped from its files and let go as it is read, so that what it holds is its
-    quantized weights (about a byte a weight), its largest tensor twice in fp32 (made, then
-    copied for the quantizer) and `EXPORT_MEMORY_BASE` twice."""
+    checkpoint is mapped from its files and let go as it is read, and whose quantized weights go
+    to disk as they are made, so that what it holds is its largest tensor twice in fp32 (made,
+    then copied for the quantizer), GPTQ's Hessian of its widest input and two arrays as large
+    (fp32), and `EXPORT_MEMORY_BASE` twice."""
     available = available_memory()
     copy = (1 + EXPORT_MEMORY_FACTOR) * 4 * _copy_parameters(sizes, layers, total) + EXPORT_MEMORY_BASE
-    model = sizes.parameters + 8 * sizes.largest + 2 * EXPORT_MEMORY_BASE
+    model = 8 * sizes.largest + 12 * sizes.widest**2 + 2 * EXPORT_MEMORY_BASE
     need = max(copy, model)
     if available is None or need <= available:
         return
     what = (
         f"a copy of its first {layers} layers in fp32, checked against PyTorch"
         if copy >= model
-        else "its quantized weights and its largest tensor twice in fp32"
+        else "its largest tensor twice in fp32 and GPTQ's working memory for its widest input"
     )
     raise ExportError(
         f"exporting this model needs about {size_text(need)} of memory ({what}), and this machine has "

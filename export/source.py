@@ -218,6 +218,7 @@ class Sizes:
     stored: int  # their bytes as stored (bfloat16 for most)
     largest: int  # the most weights in one tensor
     layered: int  # the weights of the numbered layers (names with `.N.`), the rest being embeddings, norms, heads
+    widest: int = 0  # the most input channels of a matrix (a linear layer's [out, in]: in)
 
 
 def source_sizes(source: Source) -> Sizes | None:
@@ -230,7 +231,8 @@ def source_sizes(source: Source) -> Sizes | None:
     counts = {name: int(np.prod(entry.get("shape", []), dtype=np.int64)) for name, entry in entries.items()}
     stored = sum(end - start for entry in entries.values() for start, end in [entry.get("data_offsets", (0, 0))])
     layered = sum(count for name, count in counts.items() if re.search(r"\.\d+\.", name))
-    return Sizes(parameters=sum(counts.values()), stored=stored, largest=max(counts.values(), default=0), layered=layered)
+    widest = max((entry["shape"][1] for entry in entries.values() if len(entry.get("shape", [])) == 2), default=0)
+    return Sizes(sum(counts.values()), stored, max(counts.values(), default=0), layered, widest)
 
 
 def source_parameters(source: Source) -> int | None:

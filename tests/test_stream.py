@@ -143,6 +143,7 @@ def test_stream_is_refused_where_it_cannot_apply_and_left_out_for_small_models(d
     assert said[0] == "[1/6] load" and not any("check copy" in line for line in said)
     sizes = source_sizes(Source("deep", str(folder)))
     assert sizes.stored == 2 * sizes.parameters and sizes.largest == 320 * 64  # bfloat16; the embedding table
+    assert sizes.widest == deep_bf16_llama[1].config.intermediate_size  # down_proj's input
 
 
 def test_a_streamed_export_too_big_for_the_machine_is_refused_before_loading(deep_bf16_llama, tmp_path, monkeypatch):
@@ -150,7 +151,7 @@ def test_a_streamed_export_too_big_for_the_machine_is_refused_before_loading(dee
     monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**10)
     monkeypatch.setattr(stages, "load_model", lambda *a, **k: pytest.fail("loaded"))
     for algorithm in ("gptq", "rtn"):  # neither holds the fp32 graph: gptq's calibration runs in PyTorch
-        with pytest.raises(ExportError, match=r"needs about 1.00 GiB of memory \(its quantized weights and its largest tensor twice"):
+        with pytest.raises(ExportError, match=r"needs about 1.00 GiB of memory \(its largest tensor twice in fp32 and GPTQ's working memory"):
             quantization = Quantization("int4", algorithm=algorithm)
             export_model(str(folder), tmp_path / "out", ExportOptions(stream=True, quantization=quantization))
     assert not re.search("partial", " ".join(p.name for p in tmp_path.iterdir()))
