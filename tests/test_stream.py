@@ -151,7 +151,9 @@ def test_a_streamed_export_too_big_for_the_machine_is_refused_before_loading(dee
     monkeypatch.setattr(budget, "available_memory", lambda: 100 * 2**10)
     monkeypatch.setattr(stages, "load_model", lambda *a, **k: pytest.fail("loaded"))
     for algorithm in ("gptq", "rtn"):  # neither holds the fp32 graph: gptq's calibration runs in PyTorch
-        with pytest.raises(ExportError, match=r"needs about 1.00 GiB of memory \(its largest tensor twice in fp32 and GPTQ's working memory"):
+        with pytest.raises(
+            ExportError, match=r"needs about 1.00 GiB of memory \(its largest tensor twice in fp32 and GPTQ's working memory"
+        ):
             quantization = Quantization("int4", algorithm=algorithm)
             export_model(str(folder), tmp_path / "out", ExportOptions(stream=True, quantization=quantization))
     assert not re.search("partial", " ".join(p.name for p in tmp_path.iterdir()))
