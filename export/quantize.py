@@ -185,6 +185,7 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
             included = set(names)
             exclude = [n for n in _matmuls(graph) if n not in included]
             graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)
+        shutil.rmtree(scratch, ignore_errors=True)  # (before the data file is written beside the blocks made)
         save_graph(graph, folder, weights_from=folder)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -257,23 +258,55 @@ _MADE = "quantized.partial"  # each quantized weight's bytes as it is made, unti
 
 def write_as_made(node_quantizer, path: Path) -> None:
     """Make `node_quantizer` write the tensors each node's quantizing adds (its blocks, scales,
-    zero points) to the file `path` as they are made, the graph referencing them there: a model's
-    quantized weights are never all in memory (`save_graph` copies them into the export's data
-    file, and the caller removes `path`)."""
+    zero points) to the file `path` as they are made, the graph taking only a reference to them
+    there: a model's quantized weights are never all in memory (a message's bytes stay in its
+    arena until the whole graph goes, cleared or not). `save_graph` copies them into the
+    export's data file; the caller removes `path`."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as module
+
     quantize = node_quantizer.quantize
 
     def written(node, graph_stack):
-        kept = {id(t) for graph in graph_stack for t in graph.initializer}
-        nodes = quantize(node, graph_stack)
-        with open(path, "ab") as out:
-            for tensor in (t for graph in graph_stack for t in graph.initializer if id(t) not in kept):
+        original = module.get_initializer
+
+        def get_initializer(name, graph_path):
+            found, graph = original(name, graph_path)
+            return found, (_WrittenAsAdded(graph, path) if found is not None else graph)
+
+        module.get_initializer = get_initializer
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            module.get_initializer = original
+
+    node_quantizer.quantize = written
+
+
+class _WrittenAsAdded:
+    """A graph whose `initializer.extend` writes each tensor's bytes (1 KiB or more) to `path`
+    first, so that the graph's message holds a reference to them, not the bytes."""
+
+    def __init__(self, graph, path: Path):
+        self._graph, self._path = graph, path
+
+    def __getattr__(self, name):
+        return getattr(self._graph, name)
+
+    @property
+    def initializer(self):
+        return self
+
+    def extend(self, tensors) -> None:
+        with open(self._path, "ab") as out:
+            for tensor in tensors:
                 if tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
                     offset = out.tell()
                     out.write(tensor.raw_data)
-                    refer(tensor, path.name, offset, out.tell() - offset)
-        return nodes
+                    refer(tensor, self._path.name, offset, out.tell() - offset)
+        self._graph.initializer.extend(tensors)
 
-    node_quantizer.quantize = written
+    def __iter__(self):
+        return iter(self._graph.initializer)
 
 
 def _weight_sources(graph) -> dict[str, list[str]]:
