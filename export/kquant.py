@@ -193,7 +193,14 @@ def fit_weight(weight: np.ndarray, bits: int, block: int, importance=None, hessi
     if hessian is not None:
         if rows > len(hessian):  # (a copy: only where K is not whole blocks)
             hessian = np.pad(hessian, ((0, rows - len(hessian)), (0, rows - len(hessian))))
-        return gptq(weight, hessian, bits, block, _padded(importance, rows), overwrite=overwrite)
+        columns = weight.shape[1]
+        step = max(_rows_within(rows), block)  # output columns are independent: a wide lm_head in parts
+        if step >= columns:
+            return gptq(weight, hessian, bits, block, _padded(importance, rows), overwrite=overwrite)
+        parts = [
+            gptq(weight[:, start : start + step], hessian, bits, block, _padded(importance, rows)) for start in range(0, columns, step)
+        ]
+        return tuple(np.concatenate(part) for part in zip(*parts))
     return fit(weight, bits, block, _padded(importance, rows))
 
 

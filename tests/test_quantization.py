@@ -361,10 +361,10 @@ def test_fitted_blocks_are_what_matmulnbits_multiplies_by(bits):
     assert error < np.mean((rounded.reshape(40, 96).T - weight) ** 2)  # below round-to-nearest's
 
 
-def test_gptq_spreads_the_error_so_the_layer_output_moves_less(tmp_path):
+def test_gptq_spreads_the_error_so_the_layer_output_moves_less(tmp_path, monkeypatch):
     """On activations with correlated channels, GPTQ's layer output error over them is below
     k_quant's; fitted in the caller's array (`overwrite`) and kept on disk ahead of its pass
-    (`FittedBlocks`), its blocks are the same."""
+    (`FittedBlocks`), or in parts of its output columns (a wide lm_head), its blocks are the same."""
     import numpy as np
 
     from edgeinfer.export import kquant
@@ -385,6 +385,10 @@ def test_gptq_spreads_the_error_so_the_layer_output_moves_less(tmp_path):
     assert not np.array_equal(worked_in, weight)  # worked in, not copied
     assert all(np.array_equal(a, b) for a, b in zip(kept.pop("w"), kquant.gptq(weight, hessian, 4, 32)))
     assert kept.pop("w") is None and not list((tmp_path / "fitted").iterdir())
+    wide = (rng.standard_normal((256, 300)) * 0.05).astype(np.float32)
+    whole = kquant.gptq(wide, hessian, 4, 32)
+    monkeypatch.setattr(kquant, "_rows_within", lambda columns: 96)  # fitted in parts of 96 output columns
+    assert all(np.array_equal(a, b) for a, b in zip(kquant.fit_weight(wide, 4, 32, None, hessian), whole))
 
 
 @pytest.mark.parametrize("algorithm", ["k_quant", "gptq"])
