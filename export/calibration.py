@@ -81,9 +81,11 @@ class Activations:
         name = self._kept(name)
         if name is None:
             return None
-        sums = np.load(self._path(name))
-        squares = np.diagonal(unfold(sums, self.widths[name])) if self.with_hessian else sums
-        return squares / self.counts[name]
+        sums = np.load(self._path(name), mmap_mode="r")
+        if self.with_hessian:  # the diagonal: A's from rows 1..m, C's from rows 0..m-1 (`fold_into`)
+            m = sums.shape[1]
+            sums = np.concatenate([np.diagonal(sums[1 : m + 1]), np.diagonal(sums[:m])])[: self.widths[name]]
+        return sums / np.float32(self.counts[name])
 
     def hessian(self, name: str) -> np.ndarray | None:
         """X^T X / tokens [K, K] float32, or None for an input the text did not reach (or all
