@@ -168,6 +168,14 @@ PATCHES = (
         "the HQQ quantizer reads a weight with onnx's reader, which takes no file path: it expects every fp32 weight "
         "loaded into the graph before it starts",
     ),
+    Patch(
+        "write_as_made",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_quantization.py::test_one_weight_at_a_time_writes_the_quantizers_own_graph",),
+        "MatMulNBitsQuantizer adds each node's blocks to the graph's message, whose bytes stay in its arena until the "
+        "whole graph goes: a model's quantized weights would all be in memory at once",
+    ),
 )
 
 
@@ -975,6 +983,61 @@ def one_weight_loaded(node_quantizer, folder: Path) -> None:
             weight.CopyFrom(reference)
 
     node_quantizer.quantize = one_weight
+
+
+def write_as_made(node_quantizer, path: Path) -> None:
+    """Make `node_quantizer` write the tensors each node's quantizing adds (its blocks, scales,
+    zero points) to the file `path` as they are made, the graph taking only a reference to them
+    there: a model's quantized weights are never all in memory (a message's bytes stay in its
+    arena until the whole graph goes, cleared or not). `save_graph` copies them into the
+    export's data file; the caller removes `path`."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as module
+
+    quantize = node_quantizer.quantize
+
+    def written(node, graph_stack):
+        original = module.get_initializer
+
+        def get_initializer(name, graph_path):
+            found, graph = original(name, graph_path)
+            return found, (_WrittenAsAdded(graph, path) if found is not None else graph)
+
+        module.get_initializer = get_initializer
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            module.get_initializer = original
+
+    node_quantizer.quantize = written
+
+
+class _WrittenAsAdded:
+    """A graph whose `initializer.extend` writes each tensor's bytes (1 KiB or more) to `path`
+    first, so that the graph's message holds a reference to them, not the bytes."""
+
+    def __init__(self, graph, path: Path):
+        self._graph, self._path = graph, path
+
+    def __getattr__(self, name):
+        return getattr(self._graph, name)
+
+    @property
+    def initializer(self):
+        return self
+
+    def extend(self, tensors) -> None:
+        from .stream import refer
+
+        with open(self._path, "ab") as out:
+            for tensor in tensors:
+                if tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+                    offset = out.tell()
+                    out.write(tensor.raw_data)
+                    refer(tensor, self._path.name, offset, out.tell() - offset)
+        self._graph.initializer.extend(tensors)
+
+    def __iter__(self):
+        return iter(self._graph.initializer)
 
 
 def quantized_deferred(quantize, node, graph_stack, weight):

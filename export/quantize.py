@@ -22,8 +22,8 @@ from .algorithms import ALGORITHMS, Algorithm
 from .calibration import CALIBRATION_TEXT, collect
 from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
 from .kquant import FittedBlocks, dequantized, fit_weight, search_quantizer, statistics
-from .patches import one_weight_at_a_time, one_weight_loaded
-from .stream import is_deferred, refer, sources_of
+from .patches import one_weight_at_a_time, one_weight_loaded, write_as_made
+from .stream import is_deferred, sources_of
 from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
 
 BITS = {"int4": 4, "int8": 8}
@@ -254,59 +254,6 @@ def _quantized(graph, folder: Path, quantization: Quantization, bits: int, algor
 
 
 _MADE = "quantized.partial"  # each quantized weight's bytes as it is made, until the graph is saved
-
-
-def write_as_made(node_quantizer, path: Path) -> None:
-    """Make `node_quantizer` write the tensors each node's quantizing adds (its blocks, scales,
-    zero points) to the file `path` as they are made, the graph taking only a reference to them
-    there: a model's quantized weights are never all in memory (a message's bytes stay in its
-    arena until the whole graph goes, cleared or not). `save_graph` copies them into the
-    export's data file; the caller removes `path`."""
-    from onnxruntime.quantization import matmul_nbits_quantizer as module
-
-    quantize = node_quantizer.quantize
-
-    def written(node, graph_stack):
-        original = module.get_initializer
-
-        def get_initializer(name, graph_path):
-            found, graph = original(name, graph_path)
-            return found, (_WrittenAsAdded(graph, path) if found is not None else graph)
-
-        module.get_initializer = get_initializer
-        try:
-            return quantize(node, graph_stack)
-        finally:
-            module.get_initializer = original
-
-    node_quantizer.quantize = written
-
-
-class _WrittenAsAdded:
-    """A graph whose `initializer.extend` writes each tensor's bytes (1 KiB or more) to `path`
-    first, so that the graph's message holds a reference to them, not the bytes."""
-
-    def __init__(self, graph, path: Path):
-        self._graph, self._path = graph, path
-
-    def __getattr__(self, name):
-        return getattr(self._graph, name)
-
-    @property
-    def initializer(self):
-        return self
-
-    def extend(self, tensors) -> None:
-        with open(self._path, "ab") as out:
-            for tensor in tensors:
-                if tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
-                    offset = out.tell()
-                    out.write(tensor.raw_data)
-                    refer(tensor, self._path.name, offset, out.tell() - offset)
-        self._graph.initializer.extend(tensors)
-
-    def __iter__(self):
-        return iter(self._graph.initializer)
 
 
 def _weight_sources(graph) -> dict[str, list[str]]:
