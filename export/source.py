@@ -19,7 +19,7 @@ from edgeinfer.models.fetch import download_from_hub, fetch_source
 from edgeinfer.sdk.errors import ExportError, ModelNotFoundError
 from edgeinfer.sdk.manifest import MANIFEST_NAME
 
-from .families import UNSUPPORTED, VISION_LANGUAGE, not_a_decoder
+from .families import UNSUPPORTED, VISION_LANGUAGE, causal_lm_class, not_a_decoder
 from .patches import faster_gguf
 
 
@@ -84,7 +84,7 @@ def load_model(source: Source, with_tokenizer: bool = True, layers: int | None =
     the first that many of its layers (a check copy, `truncated`); `precision`: "fp32", or
     "source" for the checkpoint's own (bfloat16 for most), half the memory."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if not source.gguf_file:
@@ -98,7 +98,7 @@ def load_model(source: Source, with_tokenizer: bool = True, layers: int | None =
                 config = truncated(config, layers)
             dtype = torch.float32 if precision == "fp32" else "auto"
             with _quiet(layers is not None):  # a check copy leaves most weights unread, which transformers would list
-                auto = AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else AutoModelForCausalLM
+                auto = AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else _causal_lm(config)
                 model = auto.from_pretrained(source.path, config=config, dtype=dtype, **kwargs).eval()
             tokenizer = None
             if with_tokenizer:
@@ -118,6 +118,17 @@ def load_model(source: Source, with_tokenizer: bool = True, layers: int | None =
     if tokenizer is not None and not tokenizer.is_fast:
         raise ExportError(f"{source.name} has no fast tokenizer (tokenizer.json), which edgeinfer's runtime needs")
     return model, tokenizer
+
+
+def _causal_lm(config):
+    """AutoModelForCausalLM, or the family's causal-LM class where the auto mapping has no entry for
+    this config (a composite model's text model saved as its own type)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    return causal_lm_class(type(config)) or AutoModelForCausalLM
 
 
 def _special_tokens_as_gguf(tokenizer, gguf_path: Path) -> None:

@@ -275,6 +275,9 @@ ADJUSTED = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
+    # Inkling 2: a checkpoint's unembedding is padded past the vocabulary the head gives out
+    "inkling2_text": {"unpadded_vocab_size": 300},
+    "inkling2_loop_text": {"unpadded_vocab_size": 300},
     # Gemma 3n: the last two of four layers read the keys and values of the last earlier layer of their kind
     "gemma3n_text": {
         "num_hidden_layers": 4,
@@ -311,6 +314,7 @@ SHRUNK = (
     "diffllama",
     "doge",
     "dots1",
+    "emu3_text_model",
     "ernie4_5",
     "ernie4_5_moe",
     "exaone",
@@ -351,6 +355,7 @@ SHRUNK = (
     "minimax_m3_vl_text",
     "ministral",
     "mixtral",
+    "mllama_text_model",
     "modernbert-decoder",
     "moshi",
     "moss_transcribe_diarize",

@@ -53,8 +53,15 @@ def tiny_model(model_type: str):
     """The family's tiny model, checked to run in transformers: a prompt, then two tokens on its cache."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model = AutoModelForCausalLM.from_config(config_of(model_type), dtype=torch.float32).eval()
+    from edgeinfer.export.families import causal_lm_class
+
+    config = config_of(model_type)
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:  # a composite model's text model, saved as its own type (Emu3's emu3_text_model)
+        model = causal_lm_class(type(config))._from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # a router initialized to zeros ties every expert: real checkpoints' are not
         for parameter in model.parameters():
             if parameter.dim() >= 2 and not parameter.any():

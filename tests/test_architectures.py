@@ -228,6 +228,7 @@ def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
         ("bart", "it is an encoder-decoder"),
         ("bert", "it is an encoder \\(a masked language model\\)"),
         ("vit", "transformers has no causal language model of this type"),
+        ("gemma4_assistant", "it is a draft model that reads its target model's keys and values .* export the target model"),
         ("made_up_lm", "transformers has no model of this type \\(a checkpoint that needs trust_remote_code"),
     ]:
         folder = tmp_path / model_type_

@@ -13,6 +13,8 @@ against PyTorch decide. It knows three things about families:
 
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,6 +136,7 @@ FAMILIES = {
     "diffllama": AS_IS,
     "doge": AS_IS,
     "dots1": AS_IS,
+    "emu3_text_model": AS_IS,  # the text model Emu3's causal model saves
     "ernie4_5": AS_IS,
     "ernie4_5_moe": AS_IS,
     "exaone": AS_IS,
@@ -168,6 +171,7 @@ FAMILIES = {
     "minimax_m3_vl_text": AS_IS,
     "ministral": AS_IS,
     "mixtral": AS_IS,
+    "mllama_text_model": AS_IS,  # the text model Mllama's causal model saves
     "modernbert-decoder": AS_IS,
     "moshi": AS_IS,
     "moss_transcribe_diarize": AS_IS,
@@ -210,18 +214,45 @@ UNSUPPORTED = {
 def not_a_decoder(model_type: str) -> str | None:
     """Why `model_type` cannot be a decoder-only language model, in words; None where it can be."""
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     if model_type in VISION_LANGUAGE:
         return None
     if model_type not in CONFIG_MAPPING:
         return "transformers has no model of this type (a checkpoint that needs trust_remote_code, which edgeinfer does not run)"
-    if CONFIG_MAPPING[model_type] not in MODEL_FOR_CAUSAL_LM_MAPPING:  # transformers' own, and any registered in this process
+    causal = causal_lm_class(CONFIG_MAPPING[model_type])
+    if causal is None:
         return "transformers has no causal language model of this type"
+    if "shared_kv_states" in inspect.signature(causal.forward).parameters:
+        return (
+            "it is a draft model that reads its target model's keys and values (shared_kv_states), not a language "
+            "model alone: export the target model"
+        )
     if _default_config(CONFIG_MAPPING[model_type]).get("is_encoder_decoder") is True:
         return "it is an encoder-decoder"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "it is an encoder (a masked language model), whose causal head is a decoder mode"
+    return None
+
+
+def causal_lm_class(config_class):
+    """The causal language model class that takes `config_class`: AutoModelForCausalLM's (transformers'
+    own, and any registered in this process), or the causal-LM class of the same family whose config
+    is this one (a composite model's text model, which its causal model saves as its own type:
+    Emu3's `emu3_text_model`, Mllama's `mllama_text_model`); None where there is none."""
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config_class in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    module = config_class.__module__.split(".")
+    family_module = module[2] if module[:2] == ["transformers", "models"] else None
+    for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if family_module and model_type_to_module_name(model_type) == family_module:
+            found = getattr(transformers, name, None)
+            if found is not None and found.config_class is config_class:
+                return found
     return None
 
 
