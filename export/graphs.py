@@ -28,7 +28,7 @@ from .patches import onnx_float, weights_apart
 from .source import first_line
 from . import stream
 from .stream import FoldedWeight, hollow_weights, is_deferred, made, streamed
-from .trace import PAST_PREFIX, PRESENT_PREFIX, STATE_KINDS, trace, trace_hidden
+from .trace import PAST_PREFIX, PRESENT_PREFIX, is_state, trace, trace_hidden
 
 GRAPH_FILE = "model.onnx"
 LAST_POSITION_NODE = "edgeinfer_last_position"  # the Slice before the lm_head (attention.py replaces it)
@@ -333,7 +333,7 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
     each, the sequence axis the one named past_sequence_length."""
     graph = onnx.load(str(folder / spec.file), load_external_data=False).graph
     inputs = [i for i in graph.input if i.name.startswith(PAST_PREFIX)]
-    past = [i for i in inputs if not i.name.endswith(STATE_KINDS)]
+    past = [i for i in inputs if not is_state(i.name)]
     dims = [p.type.tensor_type.shape.dim for p in past]
     # a model of state layers alone (Mamba's) has no keys and values: no layer, axis 2 by convention
     sequence_axis = next((k for k, d in enumerate(dims[0]) if "past_sequence_length" in d.dim_param), 2) if dims else 2
@@ -354,7 +354,7 @@ def kv_layout(folder: Path, spec: GraphSpec) -> KVSpec:
         layers=layers if any(layer != layers[0] for layer in layers) else [],
         # a model of state layers alone writes its states in place: rows of a slot cache, as a fused graph's
         in_place=not layers,
-        state=[_state_entry(i) for i in inputs if i.name.endswith(STATE_KINDS)],
+        state=[_state_entry(i) for i in inputs if is_state(i.name)],
     )
 
 

@@ -25,7 +25,7 @@ def manifest_of(source, model, graph, kv, tokenizer_spec, context: int) -> Manif
         source=source,
         architecture=config.model_type,
         dtype="float32",
-        vocab_size=text.vocab_size,
+        vocab_size=logits_width(model),
         max_context=context,
         bos_token_id=bos,
         eos_token_ids=sorted({eos} if isinstance(eos, int) else set(eos or [])),
@@ -35,6 +35,13 @@ def manifest_of(source, model, graph, kv, tokenizer_spec, context: int) -> Manif
         generation=generation_defaults(generation),
         tools=_tool_versions(),
     )
+
+
+def logits_width(model) -> int:
+    """The ids the model's head scores: its vocabulary, or fewer where a checkpoint pads the
+    embedding table past them (Inkling 2's `unpadded_vocab_size`)."""
+    head = model.get_output_embeddings()
+    return getattr(head, "out_features", None) or model.config.get_text_config().vocab_size
 
 
 def generation_defaults(generation) -> dict:

@@ -169,6 +169,14 @@ PATCHES = (
         "loaded into the graph before it starts",
     ),
     Patch(
+        "traceable_inkling",
+        "transformers",
+        "5.24",
+        ("tests/test_architectures.py::test_family_matches_transformers",),
+        "transformers' Inkling short convolutions decode one token through a fused update kernel and a prompt through "
+        "another path, which a trace freezes at the traced length",
+    ),
+    Patch(
         "write_as_made",
         "onnxruntime",
         "1.31",
@@ -574,6 +582,28 @@ def traceable_routed_experts():
         modeling_jetmoe.JetMoeParallelExperts: experts.jetmoe_experts_forward,
         modeling_jetmoe.JetMoeMoE: experts.jetmoe_moe_forward,
         (modeling_jetmoe.JetMoeMoA, "reduce"): experts.jetmoe_moa_reduce,
+    }
+    with forwards_replaced(forwards):
+        yield
+
+
+@contextmanager
+def traceable_inkling():
+    """While a model is traced, Inkling's and Inkling 2's short convolutions run
+    export/families/inkling.py's forwards: one path for a prompt and a token, from a state of the
+    kernel's last K - 1 inputs, where transformers' decode a token through a fused update."""
+    from transformers.models.inkling import modeling_inkling
+    from transformers.models.inkling2 import modeling_inkling2
+    from transformers.models.inkling2_loop import modeling_inkling2_loop
+
+    from .families import inkling
+
+    forwards = {
+        modeling_inkling.InklingShortConvolution: inkling.inkling_short_conv_forward,
+        modeling_inkling2.Inkling2ShortConvolution: inkling.inkling2_short_conv_forward,
+        modeling_inkling2.Inkling2DynamicShortConvolution: inkling.inkling2_dynamic_conv_forward,
+        modeling_inkling2_loop.Inkling2LoopShortConvolution: inkling.inkling2_short_conv_forward,
+        modeling_inkling2_loop.Inkling2LoopDynamicShortConvolution: inkling.inkling2_dynamic_conv_forward,
     }
     with forwards_replaced(forwards):
         yield

@@ -29,6 +29,17 @@ from .patches import constant_repeat_interleave, missing_symbolics
 
 STATE_KINDS = ("conv", "recurrent")  # a linear-attention layer's state (export/linear_attention.py)
 
+
+def is_state(name: str) -> bool:
+    """Whether a cache tensor's name is a state's: its kind conv or recurrent, a layer's second and
+    later convolution states numbered (`conv1`, Inkling's four per layer)."""
+    return name.rsplit(".", 1)[-1].rstrip("0123456789") in STATE_KINDS
+
+
+def _conv_kind(index: int) -> str:
+    return "conv" if index == 0 else f"conv{index}"
+
+
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 OPSET = 14  # the opset optimum-onnx exported decoders with: the patterns export/attention_pattern.py reads were found in it
 # The dummy inputs' sizes: all different, so that the tracer cannot mistake one axis for another.
@@ -66,7 +77,10 @@ def trace(model, path: Path) -> None:
     ids = _dummy_ids(text.vocab_size, _PAST + _NEW)
     record = family(model.config.model_type)
     with torch.no_grad(), traceable_experts(model.config):
-        kinds, past = _cache_tensors(model(input_ids=ids[:, :_PAST], use_cache=True).cache)
+        prompt = model(input_ids=ids[:, :_PAST], use_cache=True)
+    kinds, past = _cache_tensors(prompt.cache)
+    # the head's width: the vocabulary, or fewer rows where a checkpoint pads its table (Inkling 2's)
+    logits_width = prompt.logits.shape[-1]
     if record.scan_state_transposed:
         past = _transposed_states(kinds, past)
     image_token = model.config.image_token_id if record.vision is not None else None
@@ -113,7 +127,7 @@ def trace(model, path: Path) -> None:
             opset_version=OPSET,
             do_constant_folding=True,
         )
-    _outputs_shaped(path, text.vocab_size)
+    _outputs_shaped(path, logits_width)
 
 
 def _outputs_shaped(path: Path, vocab_size: int) -> None:
@@ -170,7 +184,7 @@ def _dummy_ids(vocab_size: int, length: int):
 
 def _cache_axes(name: str, length: str) -> dict[int, str]:
     """A cache tensor's dynamic axes: keys and values grow along axis 2; a state has a fixed size."""
-    return {0: _AXES["batch"]} if name.endswith(STATE_KINDS) else {0: _AXES["batch"], 2: length}
+    return {0: _AXES["batch"]} if is_state(name) else {0: _AXES["batch"], 2: length}
 
 
 def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
@@ -182,7 +196,7 @@ def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
     kinds, tensors = [], []
     for names, values in map(_layer_tensors, cache.layers):
         kinds.append(names)
-        tensors += [value[..., 1:] if name == "conv" else value for name, value in zip(names, values)]
+        tensors += [value[..., 1:] if name.startswith("conv") else value for name, value in zip(names, values)]
     while kinds and not kinds[-1]:
         kinds.pop()
     return kinds, tensors
@@ -216,8 +230,11 @@ def _cache_layer(tensors: dict):
         return DummyLayer()
     if "conv" in tensors:
         layer = LinearAttentionAndFullAttentionLayer() if "key" in tensors else LinearAttentionLayer()
+        convs = [tensors[kind] for kind in map(_conv_kind, range(len(tensors))) if kind in tensors]
         # a short convolution's layer has no recurrent state
-        layer.conv_states, layer.recurrent_states = {0: tensors["conv"]}, {0: tensors.get("recurrent")}
+        layer.conv_states = dict(enumerate(convs))
+        layer.recurrent_states = {i: tensors.get("recurrent") if i == 0 else None for i in range(len(convs))}
+        layer.has_previous_state = {i: True for i in range(len(convs))}
     else:
         layer = DynamicLayer()
     if "key" in tensors:
@@ -317,8 +334,10 @@ def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
     runs attention and a mixer side by side (Falcon-H1's); none for a layer without a cache."""
     kinds, tensors = (("key", "value"), (layer.keys, layer.values)) if getattr(layer, "keys", None) is not None else ((), ())
     if hasattr(layer, "recurrent_states"):
-        states = tuple(t for t in (layer.conv_states[0], layer.recurrent_states[0]) if t is not None)
-        kinds, tensors = kinds + STATE_KINDS[: len(states)], tensors + states
+        convs = [layer.conv_states[i] for i in sorted(layer.conv_states) if layer.conv_states[i] is not None]
+        recurrent = layer.recurrent_states.get(0)
+        kinds += tuple(map(_conv_kind, range(len(convs)))) + (("recurrent",) if recurrent is not None else ())
+        tensors += (*convs, *((recurrent,) if recurrent is not None else ()))
     return kinds, tensors
 
 

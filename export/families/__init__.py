@@ -24,6 +24,7 @@ from ..patches import (
     traceable_linear_attention,
     traceable_mamba,
     traceable_mamba2,
+    traceable_inkling,
     traceable_routed_experts,
 )
 from . import gemma3, idefics3, qwen_vl
@@ -48,6 +49,7 @@ AS_IS = Family()
 LINEAR_ATTENTION = Family(patches=(traceable_linear_attention,))  # gated DeltaNet layers, short convolutions
 MAMBA2 = Family(patches=(traceable_mamba2,), scan_state_transposed=True)  # Mamba-2 mixers beside attention layers
 MAMBA = Family(patches=(traceable_mamba,))  # Mamba-1 mixers, alone or beside attention layers
+INKLING = Family(patches=(traceable_inkling,))  # attention layers with four short convolutions each
 
 # Every family the tests prove (tests/test_architectures.py, tests/test_vision_families.py); others
 # are tried as AS_IS.
@@ -119,6 +121,9 @@ FAMILIES = {
     "dbrx": Family(patches=(traceable_routed_experts,)),
     "jetmoe": Family(patches=(traceable_routed_experts,)),
     "longcat_flash": Family(patches=(traceable_routed_experts,)),
+    "inkling_text": INKLING,
+    "inkling2_text": INKLING,
+    "inkling2_loop_text": INKLING,
     # proven on their config class's defaults, shrunk (tests/architectures.py SHRUNK): as they trace
     "afmoe": AS_IS,
     "apertus": AS_IS,
