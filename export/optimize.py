@@ -20,7 +20,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-from .patches import fast_model_class, state_op_shapes, weighted_norms_only
+from .patches import fast_model_class, scalar_quick_gelu_only, state_op_shapes, weighted_norms_only
 from .stream import is_deferred
 
 # The inputs that only matrix products and embedding lookups read: the weights, whose values no fusion needs.
@@ -50,7 +50,7 @@ def optimize(model: onnx.ModelProto, num_heads: int, hidden_size: int, progress=
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
 
-    with state_op_shapes(), weighted_norms_only():
+    with state_op_shapes(), weighted_norms_only(), scalar_quick_gelu_only():
         optimizer = fast_model_class(Gpt2OnnxModel)(model, num_heads, hidden_size)
         optimizer.progress = progress
         optimizer.optimize(FusionOptions("gpt2"))

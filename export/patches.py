@@ -136,6 +136,14 @@ PATCHES = (
         "without a weight (NanoChat's) that is a product of activations, and the fused graph has a cycle",
     ),
     Patch(
+        "scalar_quick_gelu_only",
+        "onnxruntime",
+        "1.31",
+        ("tests/test_patches.py::test_a_gate_scaled_by_a_vector_is_not_fused_as_quick_gelu",),
+        "the transformer optimizer's QuickGelu fusion reads the scale under x * sigmoid(scale * x) as one number and "
+        "raises where it is a vector (Dory's attention gate)",
+    ),
+    Patch(
         "faster_gguf",
         "gguf",
         "0.19",
@@ -951,6 +959,40 @@ def weighted_norms_only():
             yield
         finally:
             FusionSimplifiedLayerNormalization.fuse = original
+
+
+_QUICK_GELU = threading.Lock()  # the patch is process-wide: one optimizer run uses it at a time
+
+
+@contextmanager
+def scalar_quick_gelu_only():
+    """While ONNX Runtime's transformer optimizer runs, its QuickGelu fusion (x * sigmoid(alpha * x))
+    is tried only where the Mul under the Sigmoid takes one number: it reads that input with
+    `.item()`, which raises on a vector of scales (Dory's attention gate, x * sigmoid(x * s^2)) and
+    on an input that is not a constant."""
+    from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
+
+    # the class as the optimizer's own modules import it, read off the module that calls it
+    FusionQuickGelu = sys.modules[Gpt2OnnxModel.__mro__[1].__module__].FusionQuickGelu
+
+    def scalar_only(original):
+        def fuse(self, node, input_name_to_nodes, output_name_to_node):
+            path = self.model.match_parent_path(node, ["Sigmoid", "Mul"], [1, 0]) if node.op_type == "Mul" else None
+            if path is not None:
+                scale = self.model.get_constant_value(path[1].input[1])
+                if scale is None or scale.size != 1:
+                    return None
+            return original(self, node, input_name_to_nodes, output_name_to_node)
+
+        return fuse
+
+    with _QUICK_GELU:  # the original is read under the lock: another run may have patched it until now
+        original = FusionQuickGelu.fuse
+        FusionQuickGelu.fuse = scalar_only(original)
+        try:
+            yield
+        finally:
+            FusionQuickGelu.fuse = original
 
 
 # --- onnxruntime: the quantizer reads one weight at a time -----------------------------------------

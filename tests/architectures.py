@@ -275,6 +275,15 @@ ADJUSTED = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # Mamba 2 alone: eight heads of 16 (the mixer's 128 = 2 x 64), as MAMBA2 above
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 8, "time_step_rank": 8, "chunk_size": 16},
+    # Dory: one input layer, two layers looped twice (each loop its own keys and values), one output layer
+    "dory": {
+        "num_hidden_layers": 4,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": WINDOW,
+    },
     # Inkling 2: a checkpoint's unembedding is padded past the vocabulary the head gives out
     "inkling2_text": {"unpadded_vocab_size": 300},
     "inkling2_loop_text": {"unpadded_vocab_size": 300},
@@ -313,6 +322,7 @@ SHRUNK = (
     "deepseek_v2",
     "diffllama",
     "doge",
+    "dory",
     "dots1",
     "emu3_text_model",
     "ernie4_5",

@@ -259,3 +259,36 @@ def test_a_norm_without_a_weight_is_not_fused_with_the_next_mul(tmp_path):
     onnx.save(optimized, str(tmp_path / "o.onnx"))
     (got,) = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
     assert np.abs(got - model(x).detach().numpy()).max() < 1e-5
+
+
+def test_a_gate_scaled_by_a_vector_is_not_fused_as_quick_gelu(tmp_path):
+    """x * sigmoid(x * s) with s a vector (Dory's attention gate) is left as ops by the optimizer,
+    under `scalar_quick_gelu_only`, and runs as traced; x * sigmoid(1.702 * x) beside it is still
+    fused. Without the patch the optimizer raises (`.item()` on the vector)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    from edgeinfer.export.optimize import optimize
+
+    class Gates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.rand(16) + 0.5)
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            gated = x * torch.sigmoid(x * self.scale.square())
+            h = self.linear(gated)
+            return h * torch.sigmoid(1.7021484375 * h)
+
+    torch.manual_seed(0)
+    model, x = Gates().eval(), torch.randn(2, 3, 16)
+    torch.onnx.export(model, (x,), str(tmp_path / "m.onnx"), dynamo=False, input_names=["x"], opset_version=14)
+    optimized = optimize(onnx.load(str(tmp_path / "m.onnx")), 4, 16)
+    assert [n.op_type for n in optimized.graph.node].count("QuickGelu") == 1
+    assert [n.op_type for n in optimized.graph.node].count("Sigmoid") == 1
+    onnx.save(optimized, str(tmp_path / "o.onnx"))
+    (got,) = ort.InferenceSession(str(tmp_path / "o.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    assert np.abs(got - model(x).detach().numpy()).max() < 1e-5

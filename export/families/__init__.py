@@ -140,6 +140,7 @@ FAMILIES = {
     "cwm": AS_IS,
     "diffllama": AS_IS,
     "doge": AS_IS,
+    "dory": AS_IS,
     "dots1": AS_IS,
     "emu3_text_model": AS_IS,  # the text model Emu3's causal model saves
     "ernie4_5": AS_IS,
