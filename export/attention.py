@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .attention_pattern import GraphView, LayerAttention, PatternError, find_layer, key_value_pairs
 from .graphs import LAST_POSITION_NODE, LOGITS_TO_KEEP, PAST_PREFIX, PRESENT_PREFIX, drop_unused_initializers
+from .trace import is_state
 
 __all__ = ["PatternError", "cached_windows", "layer_windows", "rewrite_attention"]
 
@@ -350,11 +351,11 @@ def _drop_dead_nodes(graph) -> None:
 
 
 def _name_cache_axes(graph) -> None:
-    """Past and present are now one buffer of `cache_capacity` slots, and the mask covers the
-    longest row: name the axes so."""
+    """Past and present keys and values are now one buffer of `cache_capacity` slots, and the mask
+    covers the longest row: name the axes so (a state's axes are its fixed sizes)."""
     for value in list(graph.input) + list(graph.output):
         dims = value.type.tensor_type.shape.dim
-        if value.name.startswith((PAST_PREFIX, PRESENT_PREFIX)):
+        if value.name.startswith((PAST_PREFIX, PRESENT_PREFIX)) and not is_state(value.name):
             dims[2].Clear()
             dims[2].dim_param = "cache_capacity"
         elif value.name == "attention_mask":

@@ -78,7 +78,7 @@ def trace(model, path: Path) -> None:
     record = family(model.config.model_type)
     with torch.no_grad(), traceable_experts(model.config):
         prompt = model(input_ids=ids[:, :_PAST], use_cache=True)
-    kinds, past = _cache_tensors(prompt.cache)
+    kinds, past = _cache_tensors(prompt.cache, record.conv_state_whole)
     # the head's width: the vocabulary, or fewer rows where a checkpoint pads its table (Inkling 2's)
     logits_width = prompt.logits.shape[-1]
     if record.scan_state_transposed:
@@ -187,16 +187,18 @@ def _cache_axes(name: str, length: str) -> dict[int, str]:
     return {0: _AXES["batch"]} if is_state(name) else {0: _AXES["batch"], 2: length}
 
 
-def _cache_tensors(cache) -> tuple[list[tuple[str, ...]], list]:
+def _cache_tensors(cache, conv_state_whole: bool = False) -> tuple[list[tuple[str, ...]], list]:
     """Each cached layer's tensor kinds and its tensors, in order, from the cache transformers
     filled for a prompt: a linear-attention layer's convolution state there holds the kernel's K
-    inputs, the op's K - 1. A layer with no cache of its own (an MLP or experts layer between
+    inputs, the op's K - 1 (all K where the family's own convolutions read them, `conv_state_whole`). A layer with no cache of its own (an MLP or experts layer between
     others, Nemotron-H's) is kept, holding nothing; the last layers that read another layer's cache
     (Gemma 4's KV sharing) are left out."""
     kinds, tensors = [], []
     for names, values in map(_layer_tensors, cache.layers):
         kinds.append(names)
-        tensors += [value[..., 1:] if name.startswith("conv") else value for name, value in zip(names, values)]
+        tensors += [
+            value[..., 1:] if name.startswith("conv") and not conv_state_whole else value for name, value in zip(names, values)
+        ]
     while kinds and not kinds[-1]:
         kinds.pop()
     return kinds, tensors
@@ -235,11 +237,31 @@ def _cache_layer(tensors: dict):
         layer.conv_states = dict(enumerate(convs))
         layer.recurrent_states = {i: tensors.get("recurrent") if i == 0 else None for i in range(len(convs))}
         layer.has_previous_state = {i: True for i in range(len(convs))}
+        _assign_states_in_updates(layer)
     else:
         layer = DynamicLayer()
     if "key" in tensors:
         layer.keys, layer.values, layer.device, layer.is_initialized = tensors["key"], tensors["value"], tensors["key"].device, True
     return layer
+
+
+def _assign_states_in_updates(layer) -> None:
+    """Make the layer's state updates assign the new state instead of copying into the old one in
+    place (transformers' `copy_`, which a trace of the cache's inputs cannot follow): a family whose
+    own code updates its states (ZAYA's) then gives the new states as the pass's outputs."""
+
+    def update_conv_state(conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+        full = torch.cat([layer.conv_states[state_idx], conv_states], dim=-1)
+        layer.conv_states[state_idx] = full[..., -layer.conv_states[state_idx].shape[-1] :]
+        return full
+
+    def update_recurrent_state(recurrent_states, state_idx=0, **kwargs):
+        layer.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    import torch
+
+    layer.update_conv_state, layer.update_recurrent_state = update_conv_state, update_recurrent_state
 
 
 def _decoder_class():

@@ -284,6 +284,8 @@ ADJUSTED = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "sliding_window": WINDOW,
     },
+    # ZAYA: its convolutional attention's own check (one expert per token)
+    "zaya": {"num_experts_per_tok": 1},
     # Inkling 2: a checkpoint's unembedding is padded past the vocabulary the head gives out
     "inkling2_text": {"unpadded_vocab_size": 300},
     "inkling2_loop_text": {"unpadded_vocab_size": 300},
@@ -387,6 +389,7 @@ SHRUNK = (
     "xglm",
     "youtu",
     "zamba",
+    "zaya",
 )
 
 

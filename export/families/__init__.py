@@ -43,6 +43,9 @@ class Family:
     # a selective scan's state kept [batch, heads, state size, head size] (LinearAttention's key by
     # value), where transformers keeps it [batch, heads, head size, state size]
     scan_state_transposed: bool = False
+    # the convolution state as transformers keeps it, all K inputs (the family's own convolutions
+    # read them: ZAYA's), not the K - 1 that CausalConvWithState takes
+    conv_state_whole: bool = False
 
 
 AS_IS = Family()
@@ -121,6 +124,7 @@ FAMILIES = {
     "dbrx": Family(patches=(traceable_routed_experts,)),
     "jetmoe": Family(patches=(traceable_routed_experts,)),
     "longcat_flash": Family(patches=(traceable_routed_experts,)),
+    "zaya": Family(conv_state_whole=True),
     "inkling_text": INKLING,
     "inkling2_text": INKLING,
     "inkling2_loop_text": INKLING,
