@@ -185,6 +185,14 @@ PATCHES = (
         "another path, which a trace freezes at the traced length",
     ),
     Patch(
+        "traceable_minimax",
+        "transformers",
+        "5.24",
+        ("tests/test_architectures.py::test_family_matches_transformers",),
+        "transformers' MiniMax lightning attention runs a prompt in Python blocks and decodes token by token, which a "
+        "trace unrolls for the traced length",
+    ),
+    Patch(
         "write_as_made",
         "onnxruntime",
         "1.31",
@@ -592,6 +600,19 @@ def traceable_routed_experts():
         (modeling_jetmoe.JetMoeMoA, "reduce"): experts.jetmoe_moa_reduce,
     }
     with forwards_replaced(forwards):
+        yield
+
+
+@contextmanager
+def traceable_minimax():
+    """While a model is traced, MiniMax's lightning attention runs export/families/minimax.py's
+    forward: one LinearAttention for a prompt and a token, where transformers' runs Python blocks
+    and a token loop."""
+    from transformers.models.minimax import modeling_minimax
+
+    from .families import minimax
+
+    with forwards_replaced({modeling_minimax.MiniMaxLightningAttention: minimax.lightning_attention_forward}):
         yield
 
 

@@ -84,7 +84,8 @@ def trace(model, path: Path) -> None:
     if record.scan_state_transposed:
         past = _transposed_states(kinds, past)
     image_token = model.config.image_token_id if record.vision is not None else None
-    decoder = Decoder(model, kinds, image_token, record.images_attend_both_ways).eval()
+    cache_class = type(prompt.cache) if record.own_cache else None
+    decoder = Decoder(model, kinds, image_token, record.images_attend_both_ways, cache_class).eval()
     inputs = {"input_ids": ids[:, _PAST:]}
     if image_token is not None:
         inputs["image_features"] = torch.randn(_PAST, text.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -194,7 +195,11 @@ def _cache_tensors(cache, conv_state_whole: bool = False) -> tuple[list[tuple[st
     others, Nemotron-H's) is kept, holding nothing; the last layers that read another layer's cache
     (Gemma 4's KV sharing) are left out."""
     kinds, tensors = [], []
-    for names, values in map(_layer_tensors, cache.layers):
+    own = getattr(cache, "linear_cache", [])  # MiniMax's cache keeps its linear layers' states apart
+    for index in range(max(len(cache.layers), len(own))):
+        names, values = _layer_tensors(cache.layers[index]) if index < len(cache.layers) else ((), ())
+        if index < len(own) and hasattr(own[index], "shape"):
+            names, values = (*names, "recurrent"), (*values, own[index])
         kinds.append(names)
         tensors += [
             value[..., 1:] if name.startswith("conv") and not conv_state_whole else value for name, value in zip(names, values)
@@ -211,14 +216,15 @@ def _transposed_states(kinds: list[tuple[str, ...]], past: list) -> list:
     return [t.transpose(-1, -2).contiguous() if name == "recurrent" else t for name, t in zip(names, past)]
 
 
-def full_length_cache(past, kinds):
+def full_length_cache(past, kinds, cache_class=None):
     """A transformers cache holding `past` (each layer's tensors, of `kinds`): attention layers
     that keep every token, linear-attention layers holding their state, layers with both, and
     layers with none. Built without `update`, whose first concatenation is with an empty tensor of
-    another rank, which ONNX's Concat does not take."""
+    another rank, which ONNX's Concat does not take. `cache_class`: a DynamicCache of the model's
+    own (MiniMax's, which its model requires), else DynamicCache."""
     from transformers.cache_utils import DynamicCache
 
-    cache, tensors = DynamicCache(), iter(past)
+    cache, tensors = (cache_class or DynamicCache)(), iter(past)
     for names in kinds:
         cache.layers.append(_cache_layer(dict(zip(names, tensors))))
     return cache
@@ -230,13 +236,14 @@ def _cache_layer(tensors: dict):
 
     if not tensors:
         return DummyLayer()
-    if "conv" in tensors:
+    if "conv" in tensors or "recurrent" in tensors:
         layer = LinearAttentionAndFullAttentionLayer() if "key" in tensors else LinearAttentionLayer()
         convs = [tensors[kind] for kind in map(_conv_kind, range(len(tensors))) if kind in tensors]
-        # a short convolution's layer has no recurrent state
-        layer.conv_states = dict(enumerate(convs))
-        layer.recurrent_states = {i: tensors.get("recurrent") if i == 0 else None for i in range(len(convs))}
-        layer.has_previous_state = {i: True for i in range(len(convs))}
+        states = max(1, len(convs))
+        # a short convolution's layer has no recurrent state; a linear attention's may have no convolution
+        layer.conv_states = {i: convs[i] if i < len(convs) else None for i in range(states)}
+        layer.recurrent_states = {i: tensors.get("recurrent") if i == 0 else None for i in range(states)}
+        layer.has_previous_state = dict.fromkeys(range(states), True)
         _assign_states_in_updates(layer)
     else:
         layer = DynamicLayer()
@@ -271,10 +278,12 @@ def _decoder_class():
         """The model as a function of plain tensors: (input_ids[, image_features], attention_mask[,
         position_ids], past...) -> (logits, present...)."""
 
-        def __init__(self, model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False):
+        def __init__(
+            self, model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False, cache_class=None
+        ):
             super().__init__()
             self.model, self.kinds, self.positions, self.image_token = model, kinds, takes_positions(model), image_token
-            self.blocks = blocks
+            self.blocks, self.cache_class = blocks, cache_class
 
         def forward(self, input_ids, *rest):
             tokens = {"input_ids": input_ids}
@@ -284,7 +293,7 @@ def _decoder_class():
             attention_mask, rest = rest[0], rest[1:]
             positions = {"position_ids": rest[0]} if self.positions else {}
             past = rest[1:] if self.positions else rest
-            cache = full_length_cache(past, self.kinds)
+            cache = full_length_cache(past, self.kinds, self.cache_class)
             mask = (
                 self._block_masks(input_ids, tokens["inputs_embeds"], attention_mask, cache, positions)
                 if self.blocks
@@ -363,8 +372,8 @@ def _layer_tensors(layer) -> tuple[tuple[str, ...], tuple]:
     return kinds, tensors
 
 
-def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False):  # noqa: N802 - builds the class on first use
-    return _decoder_class()(model, kinds, image_token, blocks)
+def Decoder(model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False, cache_class=None):  # noqa: N802 - builds the class on first use
+    return _decoder_class()(model, kinds, image_token, blocks, cache_class)
 
 
 @contextmanager

@@ -366,6 +366,7 @@ SHRUNK = (
     "mamba2",
     "mellum",
     "mimo_v2_flash",
+    "minimax",
     "minimax_m2",
     "minimax_m3_vl_text",
     "ministral",

@@ -25,6 +25,7 @@ from ..patches import (
     traceable_mamba,
     traceable_mamba2,
     traceable_inkling,
+    traceable_minimax,
     traceable_routed_experts,
 )
 from . import gemma3, idefics3, qwen_vl
@@ -46,6 +47,7 @@ class Family:
     # the convolution state as transformers keeps it, all K inputs (the family's own convolutions
     # read them: ZAYA's), not the K - 1 that CausalConvWithState takes
     conv_state_whole: bool = False
+    own_cache: bool = False  # the trace builds the model's own cache class around its layers (MiniMax's)
 
 
 AS_IS = Family()
@@ -125,6 +127,7 @@ FAMILIES = {
     "jetmoe": Family(patches=(traceable_routed_experts,)),
     "longcat_flash": Family(patches=(traceable_routed_experts,)),
     "zaya": Family(conv_state_whole=True),
+    "minimax": Family(patches=(traceable_minimax,), own_cache=True),
     "inkling_text": INKLING,
     "inkling2_text": INKLING,
     "inkling2_loop_text": INKLING,
