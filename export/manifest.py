@@ -69,8 +69,8 @@ STATE_ONLY_CONTEXT = 2**20
 
 def max_context(config, tokenizer, requested: int | None, attention: bool = True) -> int:
     """The context the export serves: `requested`, else the model's limit (its config, else its
-    tokenizer's model_max_length); for a model without `attention` layers, STATE_ONLY_CONTEXT
-    where it names none."""
+    tokenizer's model_max_length); for a model without `attention` layers that keep every token
+    (states, sliding windows), STATE_ONLY_CONTEXT where it names none."""
     names = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
     limit = next((int(getattr(config, n)) for n in names if getattr(config, n, None)), None)
     if limit is None and 0 < (tokenizer.model_max_length or 0) < 10**7:  # tokenizers say 1e30 for "no limit"

@@ -193,6 +193,14 @@ PATCHES = (
         "trace unrolls for the traced length",
     ),
     Patch(
+        "traceable_recurrent_gemma",
+        "transformers",
+        "5.24",
+        ("tests/test_architectures.py::test_family_matches_transformers",),
+        "transformers' RecurrentGemma blocks keep their states on the modules, decode a token through another path and "
+        "scan a prompt token by token in Python, which a trace unrolls for the traced length",
+    ),
+    Patch(
         "write_as_made",
         "onnxruntime",
         "1.31",
@@ -600,6 +608,19 @@ def traceable_routed_experts():
         (modeling_jetmoe.JetMoeMoA, "reduce"): experts.jetmoe_moa_reduce,
     }
     with forwards_replaced(forwards):
+        yield
+
+
+@contextmanager
+def traceable_recurrent_gemma():
+    """While a model is traced, RecurrentGemma's recurrent blocks run
+    export/families/recurrent_gemma.py's forward: their states in the cache, one path for a prompt
+    and a token, the recurrence in one LinearAttention."""
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma
+
+    from .families import recurrent_gemma
+
+    with forwards_replaced({modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock: recurrent_gemma.recurrent_block_forward}):
         yield
 
 

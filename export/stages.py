@@ -19,6 +19,7 @@ from edgeinfer.sdk.errors import ExportError
 from edgeinfer.sdk.manifest import ADAPTERS_FORMAT_VERSION, GraphSpec, KVSpec, Manifest, describe_files
 from edgeinfer.sdk.memory import give_back_freed_memory, size_text
 
+from .attention import layer_windows
 from .budget import (
     check_free_space,
     check_memory,
@@ -180,7 +181,10 @@ def write_tokenizer(run: ExportRun) -> None:
     model, graph = run.torch_model, run.graph
     tokenizer_spec = save_tokenizer(model, run.tokenizer, run.work)
     kv = kv_layout(run.work, graph)
-    context = max_context(model.config.get_text_config(), run.tokenizer, run.options.max_context, attention=kv.num_layers > 0)
+    text = model.config.get_text_config()
+    # a cache that grows with the text: some attention layer keeps every token (not only a window)
+    growing = any(window < 0 for window in layer_windows(text, kv.num_layers))
+    context = max_context(text, run.tokenizer, run.options.max_context, attention=growing)
     run.manifest = manifest_of(run.source.name, model, graph, kv, tokenizer_spec, context)
     run.manifest.save(run.work)
 

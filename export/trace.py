@@ -76,15 +76,16 @@ def trace(model, path: Path) -> None:
     text = model.config.get_text_config()
     ids = _dummy_ids(text.vocab_size, _PAST + _NEW)
     record = family(model.config.model_type)
-    with torch.no_grad(), traceable_experts(model.config):
-        prompt = model(input_ids=ids[:, :_PAST], use_cache=True)
-    kinds, past = _cache_tensors(prompt.cache, record.conv_state_whole)
+    if record.prepare is not None:
+        record.prepare(model)
+    prompt, prompt_cache = _prompted(model, ids[:, :_PAST], record)
+    kinds, past = _cache_tensors(prompt_cache, record.conv_state_whole or record.prompt_patched)
     # the head's width: the vocabulary, or fewer rows where a checkpoint pads its table (Inkling 2's)
     logits_width = prompt.logits.shape[-1]
     if record.scan_state_transposed:
         past = _transposed_states(kinds, past)
     image_token = model.config.image_token_id if record.vision is not None else None
-    cache_class = type(prompt.cache) if record.own_cache else None
+    cache_class = type(prompt_cache) if record.own_cache else None
     decoder = Decoder(model, kinds, image_token, record.images_attend_both_ways, cache_class).eval()
     inputs = {"input_ids": ids[:, _PAST:]}
     if image_token is not None:
@@ -129,6 +130,23 @@ def trace(model, path: Path) -> None:
             do_constant_folding=True,
         )
     _outputs_shaped(path, logits_width)
+
+
+def _prompted(model, ids, record):
+    """The model's outputs for the dummy prompt `ids`, and the cache it filled: transformers' own
+    forwards, or (`record.prompt_patched`) the family's patched ones on a cache made here, which
+    then holds the states as the ops keep them."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    with torch.no_grad(), traceable_experts(model.config), ExitStack() as patched:
+        if not record.prompt_patched:
+            prompt = model(input_ids=ids, use_cache=True)
+            return prompt, prompt.cache
+        for patch in record.patches:
+            patched.enter_context(patch())
+        cache = DynamicCache(config=model.config)
+        return model(input_ids=ids, use_cache=True, cache=cache), cache
 
 
 def _outputs_shaped(path: Path, vocab_size: int) -> None:
@@ -300,7 +318,7 @@ def _decoder_class():
                 else attention_mask
             )
             out = self.model(**tokens, attention_mask=mask, cache=cache, use_cache=True, **positions)
-            return out.logits, *_present(out.cache)
+            return out.logits, *_present(cache)  # the cache passed in, filled (not every output carries it)
 
         def _block_masks(self, input_ids, embeds, attention_mask, cache, positions) -> dict:
             """The causal masks (full and sliding) with each run of image tokens among the pass's

@@ -53,15 +53,18 @@ def torch_reference(model, ids: list[int], new_tokens: int = 1) -> Reference:
 
 def transformers_greedy(model, ids: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy tokens after `ids`, exactly `new_tokens` of them: the model's forward
-    with its own KV cache, the largest logit each step (`generate` would stop at, or suppress, EOS)."""
+    with its own KV cache, the largest logit each step (`generate` would stop at, or suppress, EOS).
+    A model whose output carries no cache (RecurrentGemma's, which keeps its states on its
+    modules) reads the whole text again at each step, without a cache."""
     import torch
 
     tokens, past, new_ids = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(new_tokens):
-            out = model(new_ids, cache=past, use_cache=True)
+            out = model(new_ids, cache=past, use_cache=not tokens or past is not None)
             tokens.append(int(out.logits[0, -1].argmax()))
-            past, new_ids = out.cache, torch.tensor([[tokens[-1]]])
+            past = getattr(out, "cache", None)
+            new_ids = torch.tensor([[tokens[-1]]] if past is not None else [ids + tokens])
     return tokens
 
 

@@ -284,6 +284,8 @@ ADJUSTED = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "sliding_window": WINDOW,
     },
+    # RecurrentGemma: two recurrent blocks, then a sliding attention block
+    "recurrent_gemma": {"num_hidden_layers": 3, "attention_window_size": WINDOW},
     # ZAYA: its convolutional attention's own check (one expert per token)
     "zaya": {"num_experts_per_tok": 1},
     # Inkling 2: a checkpoint's unembedding is padded past the vocabulary the head gives out
@@ -381,6 +383,7 @@ SHRUNK = (
     "phi4_multimodal",
     "phimoe",
     "qwen2_moe",
+    "recurrent_gemma",
     "sarvam_mla",
     "sarvam_moe",
     "solar_open",

@@ -68,7 +68,7 @@ def tiny_model(model_type: str):
                 parameter.normal_(0.0, 0.02)
     ids = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+        cache = getattr(model(input_ids=ids[:, :4], use_cache=True), "past_key_values", None)  # RecurrentGemma's has none
         model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True)
     return model
 

@@ -26,9 +26,10 @@ from ..patches import (
     traceable_mamba2,
     traceable_inkling,
     traceable_minimax,
+    traceable_recurrent_gemma,
     traceable_routed_experts,
 )
-from . import gemma3, idefics3, qwen_vl
+from . import gemma3, idefics3, qwen_vl, recurrent_gemma
 from .processor import VisionEncoder
 
 
@@ -48,6 +49,10 @@ class Family:
     # read them: ZAYA's), not the K - 1 that CausalConvWithState takes
     conv_state_whole: bool = False
     own_cache: bool = False  # the trace builds the model's own cache class around its layers (MiniMax's)
+    # the trace's dummy prompt runs the patched forwards too, its states then in the cache as the
+    # ops keep them (RecurrentGemma's blocks keep theirs on the modules otherwise)
+    prompt_patched: bool = False
+    prepare: Callable | None = None  # called with the model before the trace (numbering RecurrentGemma's blocks)
 
 
 AS_IS = Family()
@@ -128,6 +133,7 @@ FAMILIES = {
     "longcat_flash": Family(patches=(traceable_routed_experts,)),
     "zaya": Family(conv_state_whole=True),
     "minimax": Family(patches=(traceable_minimax,), own_cache=True),
+    "recurrent_gemma": Family(patches=(traceable_recurrent_gemma,), prompt_patched=True, prepare=recurrent_gemma.number_blocks),
     "inkling_text": INKLING,
     "inkling2_text": INKLING,
     "inkling2_loop_text": INKLING,
