@@ -24,6 +24,8 @@ import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from edgeinfer.sdk.errors import ExportError
+
 from .families import family
 from .patches import constant_repeat_interleave, missing_symbolics
 
@@ -79,6 +81,13 @@ def trace(model, path: Path) -> None:
     if record.prepare is not None:
         record.prepare(model)
     prompt, prompt_cache = _prompted(model, ids[:, :_PAST], record)
+    if prompt_cache is None:
+        why = (
+            'it runs with a cache only as a decoder: set "is_decoder": true in its config.json'
+            if getattr(model.config, "is_decoder", None) is False
+            else "transformers' model of this family has none (each step reads the whole text again)"
+        )
+        raise ExportError(f"this {model.config.model_type} model keeps no cache for a prompt, which edgeinfer's graphs need: {why}")
     kinds, past = _cache_tensors(prompt_cache, record.conv_state_whole or record.prompt_patched)
     # the head's width: the vocabulary, or fewer rows where a checkpoint pads its table (Inkling 2's)
     logits_width = prompt.logits.shape[-1]
@@ -142,7 +151,7 @@ def _prompted(model, ids, record):
     with torch.no_grad(), traceable_experts(model.config), ExitStack() as patched:
         if not record.prompt_patched:
             prompt = model(input_ids=ids, use_cache=True)
-            return prompt, prompt.cache
+            return prompt, getattr(prompt, "cache", None)
         for patch in record.patches:
             patched.enter_context(patch())
         cache = DynamicCache(config=model.config)

@@ -284,6 +284,8 @@ ADJUSTED = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "sliding_window": WINDOW,
     },
+    # BERT for generation: its decoder mode, causal with a cache (transformers' own word for a decoder alone)
+    "bert-generation": {"is_decoder": True},
     # RecurrentGemma: two recurrent blocks, then a sliding attention block
     "recurrent_gemma": {"num_hidden_layers": 3, "attention_window_size": WINDOW},
     # ZAYA: its convolutional attention's own check (one expert per token)
@@ -315,6 +317,7 @@ SHRUNK = (
     "axk1",
     "bailing_hybrid",
     "beam",
+    "bert-generation",
     "biogpt",
     "bitnet",
     "cohere2",

@@ -241,6 +241,34 @@ def test_unsupported_and_unknown_model_types_are_refused_in_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "settings", "why"),
+    [
+        (
+            "bert-generation",
+            {"is_decoder": False},
+            'it runs with a cache only as a decoder: set "is_decoder": true in its config.json',
+        ),
+        ("openai-gpt", {}, "transformers' model of this family has none \\(each step reads the whole text again\\)"),
+    ],
+)
+def test_a_model_that_keeps_no_cache_is_refused_with_the_way_out(tmp_path, tokenizer, name, settings, why):
+    """A model whose forward returns no cache for a prompt (BERT for generation outside its decoder
+    mode, GPT-1) fails at the trace with the reason, the way out where there is one, and leaves no
+    export folder."""
+    from generic_tiny import config_of
+
+    torch.manual_seed(0)
+    config = config_of(name)
+    for key, value in settings.items():
+        setattr(config, key, value)
+    AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ExportError, match=f"this {name} model keeps no cache for a prompt, which edgeinfer's graphs need: {why}"):
+        export_model(str(tmp_path / "hf"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_context_comes_from_the_config_else_the_tokenizer_else_the_flag():
     from types import SimpleNamespace
 

@@ -144,6 +144,7 @@ FAMILIES = {
     "aria_text": AS_IS,
     "axk1": AS_IS,
     "beam": AS_IS,
+    "bert-generation": AS_IS,  # in its decoder mode (is_decoder), which keeps a cache
     "biogpt": AS_IS,
     "bitnet": AS_IS,
     "cohere2": AS_IS,
