@@ -370,18 +370,32 @@ def quality_reference(model, folder: Path) -> QualityReference:
 
     manifest = load_manifest(folder)
     ids = Tokenizer(Path(folder), manifest.tokenizer).encode(QUALITY_TEXT.read_text())[: manifest.max_context]
-    targets, parts, past = np.array(ids[1:]), [], None
-    with torch.no_grad():  # _CHUNK positions a pass on the model's own cache: one pass over the whole text
-        for start in range(0, len(targets), _CHUNK):  # would hold all its logits and the activations behind them
-            out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), cache=past, use_cache=True)
-            parts.append(_scores(out.logits[0].float().numpy(), targets[start : start + _CHUNK]))
-            past = out.cache
+    targets = np.array(ids[1:])
+    with torch.no_grad():
+        parts = _chunked_scores(model, ids, targets)
         windowed = [
             second_half(_scores(model(torch.tensor([w])).logits[0, :-1].float().numpy(), np.array(w[1:]))[1], len(w))
             for w in windows(ids, manifest.max_context, leading_bos(ids, manifest))
         ]
     top, scores = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
     return QualityReference(ids, top, scores, np.concatenate(windowed))
+
+
+def _chunked_scores(model, ids: list[int], targets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The model's (top token, score) parts over the text, _CHUNK positions a pass on its own cache
+    (one pass over the whole text would hold all its logits and the activations behind them); one
+    pass where the model's output carries no cache (RecurrentGemma's keeps its states on its
+    modules)."""
+    import torch
+
+    parts, past = [], None
+    for start in range(0, len(targets), _CHUNK):
+        out = model(torch.tensor([ids[start : min(start + _CHUNK, len(targets))]]), cache=past, use_cache=True)
+        past = getattr(out, "cache", None)
+        if past is None and start + _CHUNK < len(targets):
+            return [_scores(model(torch.tensor([ids[: len(targets)]])).logits[0].float().numpy(), targets)]
+        parts.append(_scores(out.logits[0].float().numpy(), targets[start : start + _CHUNK]))
+    return parts
 
 
 def quality(reference: QualityReference, folder: Path) -> dict:

@@ -87,8 +87,9 @@ def _let_go_of_pages(array: np.ndarray) -> None:
 
 
 def _module_weights(graph: onnx.GraphProto, role) -> dict[str, dict[str, str]]:
-    """{module: {weight name: input name}} of the MatMuls with a constant weight."""
-    initializers = {t.name for t in graph.initializer}
+    """{module: {weight name: input name}} of the MatMuls with a constant weight [K, N] (the
+    quantizer's: a batched weight, experts' [experts, K, N], stays as it is)."""
+    initializers = {t.name for t in graph.initializer if len(t.dims) == 2}
     groups = defaultdict(dict)
     for node in graph.node:
         if node.op_type == "MatMul" and node.input[1] in initializers:

@@ -51,7 +51,8 @@ class KVSpec:
     sliding ones), `layers` gives each layer's `kv_heads`, `head_size` and `value_head_size`, and
     the fields above are layer 0's; else it is empty and they hold for every layer. `past` and
     `present` name the keys and values alone: layers of linear attention keep a fixed-size state
-    instead, listed in `state` (`layer`, its `kind`, conv or recurrent, the `past` input and
+    instead, listed in `state` (`layer`, its `kind`, conv or recurrent, a layer's later convolutions
+    conv1, conv2, ..., the `past` input and
     `present` output, and its `shape` after the rows axis), whose present replaces its past after
     every pass. `windows`: each layer's sliding window where its attention keeps only the window
     (GroupQueryAttention's `sliding_window_cache`: the buffer holds the latest positions from slot

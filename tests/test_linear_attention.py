@@ -206,6 +206,9 @@ def test_the_optimizer_fuses_a_hybrid_graphs_norms(qwen):
 
 
 HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "lfm2", "lfm2_moe", "olmo_hybrid", "lfm3", *list(STATE_LAYERS)[1:]]
+# families whose states have their own shapes: four convolutions a layer (Inkling), the convolution
+# kept whole (ZAYA), a state without a convolution (MiniMax), a state per channel (RecurrentGemma)
+HYBRIDS += ["inkling_text", "zaya", "minimax", "recurrent_gemma"]
 
 
 @pytest.mark.parametrize("name", [n if n == "qwen3_5_text" else pytest.param(n, marks=pytest.mark.slow) for n in HYBRIDS])
