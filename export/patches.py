@@ -1058,7 +1058,7 @@ def one_weight_at_a_time(node_quantizer, folder: Path) -> None:
         if weight is None or not uses_external_data(weight):
             return quantize(node, graph_stack)
         if is_deferred(weight):
-            return quantized_deferred(quantize, node, graph_stack, weight)
+            return quantized_deferred(quantize, node, graph_stack, weight, folder)
         (location,) = [entry for entry in weight.external_data if entry.key == "location"]
         relative, location.value = location.value, str(Path(folder).resolve() / location.value)
         try:
@@ -1154,13 +1154,23 @@ class _WrittenAsAdded:
         return iter(self._graph.initializer)
 
 
-def quantized_deferred(quantize, node, graph_stack, weight):
-    """`quantize(node, graph_stack)` with the node's deferred `weight` (export/stream.py) made for
-    the time it takes, then let go where the node no longer reads it."""
-    from .stream import forget, standalone
+_MADE_APART = "deferred.partial"  # a deferred weight made for the node that quantizes it
 
-    with initializer_standing_in(standalone(weight)):
-        quantized = quantize(node, graph_stack)
+
+def quantized_deferred(quantize, node, graph_stack, weight, folder: Path | None = None):
+    """`quantize(node, graph_stack)` with the node's deferred `weight` (export/stream.py) made for
+    the time it takes, then let go where the node no longer reads it. With `folder`, the weight is
+    written to a file there, which the quantizer's reader maps (one copy of it, in the page cache,
+    where a message of its own held its bytes, and the array they were made from, beside it)."""
+    from .stream import forget, standalone, written_apart
+
+    path = Path(folder).resolve() / _MADE_APART if folder is not None else None
+    try:
+        with initializer_standing_in(written_apart(weight, path) if path else standalone(weight)):
+            quantized = quantize(node, graph_stack)
+    finally:
+        if path is not None:
+            path.unlink(missing_ok=True)
     if not any(weight.name in new.input for new in quantized):  # quantized, not left as it was
         forget(weight)
     return quantized

@@ -255,6 +255,24 @@ def forget(tensor: onnx.TensorProto) -> None:
         forget(part)
 
 
+_WRITE_BYTES = 64 << 20  # a deferred weight is written in rows of about this many bytes
+
+
+def written_apart(tensor: onnx.TensorProto, path) -> onnx.TensorProto:
+    """A deferred weight made and written to the file `path` a block of rows at a time (a tied
+    lm_head, the embedding's transpose, is never copied whole), and a message of its name that
+    references it there: a reader maps the file instead of holding the bytes."""
+    value = made(tensor)
+    rows = max(1, _WRITE_BYTES // max(1, value[:1].nbytes))
+    with open(path, "wb") as out:
+        for start in range(0, value.shape[0], rows):
+            np.ascontiguousarray(value[start : start + rows]).tofile(out)
+    reference = onnx.TensorProto(name=tensor.name, data_type=onnx.helper.np_dtype_to_tensor_dtype(value.dtype))
+    reference.dims.extend(value.shape)
+    refer(reference, str(path), 0, value.nbytes)
+    return reference
+
+
 def standalone(tensor: onnx.TensorProto) -> onnx.TensorProto:
     """A deferred weight made into a message of its own: its bytes go when it does (a graph's
     messages keep every byte ever put in them until the whole graph goes)."""
