@@ -4,9 +4,11 @@ the most disk the export has held so far (the output folder and its work folder 
 every half second), then the peaks.
 
     python benchmarks/export_memory.py MODEL OUT [--quantize int4|int8] [--algorithm NAME] [--graphs split]
+        [--stream] [--keep-int8 MODULES]
 
 MODEL: a folder, .gguf file, catalog name or hub id, as for `edgeinfer export` (0.5B weights and
-more stream, as the command does)."""
+more stream, as the command does; --stream streams a smaller one, such as a copy of a large
+model's first layers). --keep-int8 as the command's (left out: auto)."""
 
 import argparse
 import os
@@ -59,6 +61,8 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int4", "int8"])
     parser.add_argument("--algorithm", help="as --algorithm (left out: the default, gptq)")
     parser.add_argument("--graphs", choices=["single", "split"], default="single")
+    parser.add_argument("--stream", action="store_true", default=None, help="stream the export whatever the model's size")
+    parser.add_argument("--keep-int8", help="as --keep-int8: modules kept at 8 bits, comma-separated")
     args = parser.parse_args()
     start = time.perf_counter()
     disk = DiskPeak(args.out)
@@ -71,9 +75,13 @@ def main() -> None:
 
     quantization = None
     if args.quantize:
-        quantization = Quantization(args.quantize, **({"algorithm": args.algorithm} if args.algorithm else {}))
+        settings = {"algorithm": args.algorithm} if args.algorithm else {}
+        if args.keep_int8 is not None:
+            settings["keep_int8"] = tuple(m for m in args.keep_int8.split(",") if m)
+        quantization = Quantization(args.quantize, **settings)
+    options = ExportOptions(force=True, graphs=args.graphs, quantization=quantization, stream=args.stream)
     with disk:
-        export_model(args.model, args.out, ExportOptions(force=True, graphs=args.graphs, quantization=quantization), say)
+        export_model(args.model, args.out, options, say)
     high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     print(
         f"done in {time.perf_counter() - start:.0f} s: peak memory {high:.2f} GiB, peak disk {disk.peak / 2**30:.2f} GiB, "

@@ -81,13 +81,6 @@ def trace(model, path: Path) -> None:
     if record.prepare is not None:
         record.prepare(model)
     prompt, prompt_cache = _prompted(model, ids[:, :_PAST], record)
-    if prompt_cache is None:
-        why = (
-            'it runs with a cache only as a decoder: set "is_decoder": true in its config.json'
-            if getattr(model.config, "is_decoder", None) is False
-            else "transformers' model of this family has none (each step reads the whole text again)"
-        )
-        raise ExportError(f"this {model.config.model_type} model keeps no cache for a prompt, which edgeinfer's graphs need: {why}")
     kinds, past = _cache_tensors(prompt_cache, record.conv_state_whole or record.prompt_patched)
     # the head's width: the vocabulary, or fewer rows where a checkpoint pads its table (Inkling 2's)
     logits_width = prompt.logits.shape[-1]
@@ -105,15 +98,7 @@ def trace(model, path: Path) -> None:
         shape = (3, _BATCH, _NEW) if rotary_3d else (_BATCH, _NEW)
         inputs["position_ids"] = torch.arange(_PAST, _PAST + _NEW).expand(shape).contiguous()
     past_names, present_names = cache_names(kinds)
-    axes = {
-        "input_ids": {0: _AXES["batch"], 1: _AXES["new"]},
-        "image_features": {0: "image_tokens"},
-        "attention_mask": {0: _AXES["batch"], 1: _AXES["total"]},
-        "position_ids": {int(rotary_3d): _AXES["batch"], 1 + rotary_3d: _AXES["new"]},
-        "logits": {0: _AXES["batch"], 1: _AXES["new"]},
-        **{name: _cache_axes(name, _AXES["past"]) for name in past_names},
-        **{name: _cache_axes(name, _AXES["total"]) for name in present_names},
-    }
+    axes = _dynamic_axes(past_names, present_names, rotary_3d)
     names = [*inputs, *past_names]
     with (
         warnings.catch_warnings(),
@@ -141,21 +126,41 @@ def trace(model, path: Path) -> None:
     _outputs_shaped(path, logits_width)
 
 
+def _dynamic_axes(past_names: list[str], present_names: list[str], rotary_3d: bool) -> dict:
+    """Each graph input's and output's axes that vary, by name."""
+    return {
+        "input_ids": {0: _AXES["batch"], 1: _AXES["new"]},
+        "image_features": {0: "image_tokens"},
+        "attention_mask": {0: _AXES["batch"], 1: _AXES["total"]},
+        "position_ids": {int(rotary_3d): _AXES["batch"], 1 + rotary_3d: _AXES["new"]},
+        "logits": {0: _AXES["batch"], 1: _AXES["new"]},
+        **{name: _cache_axes(name, _AXES["past"]) for name in past_names},
+        **{name: _cache_axes(name, _AXES["total"]) for name in present_names},
+    }
+
+
 def _prompted(model, ids, record):
     """The model's outputs for the dummy prompt `ids`, and the cache it filled: transformers' own
     forwards, or (`record.prompt_patched`) the family's patched ones on a cache made here, which
-    then holds the states as the ops keep them."""
+    then holds the states as the ops keep them. A model that keeps no cache is refused."""
     import torch
     from transformers.cache_utils import DynamicCache
 
     with torch.no_grad(), traceable_experts(model.config), ExitStack() as patched:
-        if not record.prompt_patched:
-            prompt = model(input_ids=ids, use_cache=True)
-            return prompt, getattr(prompt, "cache", None)
-        for patch in record.patches:
-            patched.enter_context(patch())
-        cache = DynamicCache(config=model.config)
-        return model(input_ids=ids, use_cache=True, cache=cache), cache
+        if record.prompt_patched:
+            for patch in record.patches:
+                patched.enter_context(patch())
+            cache = DynamicCache(config=model.config)
+            return model(input_ids=ids, use_cache=True, cache=cache), cache
+        prompt = model(input_ids=ids, use_cache=True)
+    if getattr(prompt, "cache", None) is None:
+        why = (
+            'it runs with a cache only as a decoder: set "is_decoder": true in its config.json'
+            if getattr(model.config, "is_decoder", None) is False
+            else "transformers' model of this family has none (each step reads the whole text again)"
+        )
+        raise ExportError(f"this {model.config.model_type} model keeps no cache for a prompt, which edgeinfer's graphs need: {why}")
+    return prompt, prompt.cache
 
 
 def _outputs_shaped(path: Path, vocab_size: int) -> None:
@@ -305,9 +310,7 @@ def _decoder_class():
         """The model as a function of plain tensors: (input_ids[, image_features], attention_mask[,
         position_ids], past...) -> (logits, present...)."""
 
-        def __init__(
-            self, model, kinds: list[tuple[str, ...]], image_token: int | None = None, blocks: bool = False, cache_class=None
-        ):
+        def __init__(self, model, kinds: list, image_token: int | None = None, blocks: bool = False, cache_class=None):
             super().__init__()
             self.model, self.kinds, self.positions, self.image_token = model, kinds, takes_positions(model), image_token
             self.blocks, self.cache_class = blocks, cache_class
