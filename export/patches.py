@@ -971,7 +971,8 @@ def state_op_shapes():
             inference.__init__ = original
 
 
-_NORMS = threading.Lock()  # the patch is process-wide: one optimizer run uses it at a time
+_NORMS = threading.Lock()  # the patches are process-wide: one optimizer run uses each at a time
+_QUICK_GELU = threading.Lock()
 
 
 @contextmanager
@@ -980,30 +981,12 @@ def weighted_norms_only():
     the Mul it takes as the norm's scale multiplies by a weight (an initializer): otherwise the Mul
     is the model's own product of the norm's output and another activation, which the fused norm
     would take as its weight, read before it is made."""
-    from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
 
-    # the class as the optimizer's own modules import it (fusion_simplified_layernorm, not
-    # onnxruntime.transformers.fusion_simplified_layernorm): read off the module that calls it
-    FusionSimplifiedLayerNormalization = sys.modules[Gpt2OnnxModel.__mro__[1].__module__].FusionSimplifiedLayerNormalization
+    def activations_only(self, node) -> bool:
+        return node.op_type == "Mul" and not any(self.model.get_initializer(name) is not None for name in node.input)
 
-    def weighted_only(original):
-        def fuse(self, node, input_name_to_nodes, output_name_to_node):
-            if node.op_type == "Mul" and not any(self.model.get_initializer(name) is not None for name in node.input):
-                return None
-            return original(self, node, input_name_to_nodes, output_name_to_node)
-
-        return fuse
-
-    with _NORMS:  # the original is read under the lock: another run may have patched it until now
-        original = FusionSimplifiedLayerNormalization.fuse
-        FusionSimplifiedLayerNormalization.fuse = weighted_only(original)
-        try:
-            yield
-        finally:
-            FusionSimplifiedLayerNormalization.fuse = original
-
-
-_QUICK_GELU = threading.Lock()  # the patch is process-wide: one optimizer run uses it at a time
+    with _fusion_skipping(_optimizer_class("FusionSimplifiedLayerNormalization"), activations_only, _NORMS):
+        yield
 
 
 @contextmanager
@@ -1012,29 +995,41 @@ def scalar_quick_gelu_only():
     is tried only where the Mul under the Sigmoid takes one number: it reads that input with
     `.item()`, which raises on a vector of scales (Dory's attention gate, x * sigmoid(x * s^2)) and
     on an input that is not a constant."""
+
+    def not_one_number(self, node) -> bool:
+        path = self.model.match_parent_path(node, ["Sigmoid", "Mul"], [1, 0]) if node.op_type == "Mul" else None
+        if path is None:
+            return False
+        scale = self.model.get_constant_value(path[1].input[1])
+        return scale is None or scale.size != 1
+
+    with _fusion_skipping(_optimizer_class("FusionQuickGelu"), not_one_number, _QUICK_GELU):
+        yield
+
+
+def _optimizer_class(name: str):
+    """A fusion class as the optimizer's own modules import it (fusion_quickgelu, not
+    onnxruntime.transformers.fusion_quickgelu): read off the module that calls it."""
     from onnxruntime.transformers.onnx_model_gpt2 import Gpt2OnnxModel
 
-    # the class as the optimizer's own modules import it, read off the module that calls it
-    FusionQuickGelu = sys.modules[Gpt2OnnxModel.__mro__[1].__module__].FusionQuickGelu
+    return getattr(sys.modules[Gpt2OnnxModel.__mro__[1].__module__], name)
 
-    def scalar_only(original):
+
+@contextmanager
+def _fusion_skipping(fusion, skip, lock: threading.Lock):
+    """`fusion.fuse` left out for the nodes where `skip(fusion, node)` holds, put back after; the
+    original is read under `lock`: another run may have patched it until now."""
+    with lock:
+        original = fusion.fuse
+
         def fuse(self, node, input_name_to_nodes, output_name_to_node):
-            path = self.model.match_parent_path(node, ["Sigmoid", "Mul"], [1, 0]) if node.op_type == "Mul" else None
-            if path is not None:
-                scale = self.model.get_constant_value(path[1].input[1])
-                if scale is None or scale.size != 1:
-                    return None
-            return original(self, node, input_name_to_nodes, output_name_to_node)
+            return None if skip(self, node) else original(self, node, input_name_to_nodes, output_name_to_node)
 
-        return fuse
-
-    with _QUICK_GELU:  # the original is read under the lock: another run may have patched it until now
-        original = FusionQuickGelu.fuse
-        FusionQuickGelu.fuse = scalar_only(original)
+        fusion.fuse = fuse
         try:
             yield
         finally:
-            FusionQuickGelu.fuse = original
+            fusion.fuse = original
 
 
 # --- onnxruntime: the quantizer reads one weight at a time -----------------------------------------
