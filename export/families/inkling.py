@@ -30,10 +30,10 @@ def _masked(hidden_states: torch.Tensor, conv_mask) -> torch.Tensor:
     return hidden_states if conv_mask is None else hidden_states * conv_mask[:, :, None].to(hidden_states.dtype)
 
 
-def _static(scale: float | None):
+def _static(scaled: bool):
     def forward(self, hidden_states, dynamic_input=None, cache=None, conv_mask=None, cache_offset=0, **kwargs):
         """[batch, sequence, channels] -> the same: the causal depthwise convolution from the
-        layer's state (updated), plus the input, `scale`d by 1 / sqrt(K + 1) where given."""
+        layer's state (updated), plus the input, scaled by 1 / sqrt(K + 1) where `scaled`."""
         dtype = hidden_states.dtype
         residual = hidden_states.float()
         layer = _state_layer(self, cache, cache_offset)
@@ -42,13 +42,13 @@ def _static(scale: float | None):
         x = _masked(residual, conv_mask).transpose(1, 2)
         out, layer.conv_states[self.conv_idx] = CausalConv.apply(x, weight, bias, layer.conv_states[self.conv_idx], "none")
         out = out.transpose(1, 2) + residual
-        return (out / math.sqrt(self.conv_kernel_size + 1) if scale else out).to(dtype)
+        return (out / math.sqrt(self.conv_kernel_size + 1) if scaled else out).to(dtype)
 
     return forward
 
 
-inkling_short_conv_forward = _static(scale=None)
-inkling2_short_conv_forward = _static(scale=True)
+inkling_short_conv_forward = _static(scaled=False)
+inkling2_short_conv_forward = _static(scaled=True)
 
 
 def inkling2_dynamic_conv_forward(self, hidden_states, dynamic_input, cache=None, conv_mask=None, cache_offset=0, **kwargs):
