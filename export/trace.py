@@ -223,9 +223,10 @@ def _cache_axes(name: str, length: str) -> dict[int, str]:
 def _cache_tensors(cache, conv_state_whole: bool = False) -> tuple[list[tuple[str, ...]], list]:
     """Each cached layer's tensor kinds and its tensors, in order, from the cache transformers
     filled for a prompt: a linear-attention layer's convolution state there holds the kernel's K
-    inputs, the op's K - 1 (all K where the family's own convolutions read them, `conv_state_whole`). A layer with no cache of its own (an MLP or experts layer between
-    others, Nemotron-H's) is kept, holding nothing; the last layers that read another layer's cache
-    (Gemma 4's KV sharing) are left out."""
+    inputs, the op's K - 1 (all K where the family's own convolutions read them,
+    `conv_state_whole`). A layer with no cache of its own (an MLP or experts layer between others,
+    Nemotron-H's) is kept, holding nothing; the last layers that read another layer's cache (Gemma
+    4's KV sharing) are left out."""
     kinds, tensors = [], []
     own = getattr(cache, "linear_cache", [])  # MiniMax's cache keeps its linear layers' states apart
     for index in range(max(len(cache.layers), len(own))):
