@@ -129,7 +129,17 @@ def kept_int8(graph, items) -> list[str]:
             known = sorted({name for _, name in roles.values()})
             raise ExportError(f"--keep-int8 {item!r} names no MatMul of this model: its modules are {', '.join(known)}")
         chosen += [n for n in found if n not in chosen]
-    return chosen
+    return _with_shared_readers(graph, chosen)
+
+
+def _with_shared_readers(graph, chosen: list[str]) -> list[str]:
+    """`chosen` and every other MatMul that reads one of their weights: a weight has one precision.
+    A looped model runs its layers' modules again on the same weights (torch.onnx names the second
+    call q_proj_1), and one weight quantized at both 8 and 4 bits would write two sets of scales
+    under one name."""
+    matmuls = [node for node in graph.node if node.op_type == "MatMul"]
+    weights = {node.input[1] for node in matmuls if node.name in chosen}
+    return chosen + [node.name for node in matmuls if node.input[1] in weights and node.name not in chosen]
 
 
 def _kept_pattern(item: str) -> tuple[str, set[int] | None]:

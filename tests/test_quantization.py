@@ -442,6 +442,32 @@ def test_the_auto_choice_keeps_the_costliest_per_byte_within_the_budget():
     assert chosen([("lm_head", 0.5, 30), ("qkv_proj", 0.2, 30), ("o_proj", 0.01, 40)], 32) == ["lm_head"]
 
 
+def test_a_weight_read_twice_is_kept_at_8_bits_for_both_readers():
+    """A looped model (Dory) runs a layer's modules again on the same weights: torch.onnx names the
+    second call q_proj_1. Keeping q_proj at 8 bits keeps its second reader there too; quantized
+    at 8 and 4 bits, the weight's two sets of scales went under one name and ONNX Runtime refused
+    the file."""
+    from onnx import TensorProto, helper
+
+    from edgeinfer.export.quantize import kept_int8
+
+    names = [
+        "/model/layers.1/self_attn/q_proj/MatMul",
+        "/model/layers.1/self_attn/q_proj_1/MatMul",
+        "/model/layers.1/mlp/up_proj/MatMul",
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_q"], ["a"], name=names[0]),
+        helper.make_node("MatMul", ["a", "w_q"], ["b"], name=names[1]),
+        helper.make_node("MatMul", ["b", "w_up"], ["y"], name=names[2]),
+    ]
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    graph = helper.make_graph(nodes, "looped", [value], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    assert kept_int8(graph, ["q_proj"]) == names[:2]
+    assert kept_int8(graph, ["q_proj_1"]) == [names[1], names[0]]
+    assert kept_int8(graph, ["up_proj"]) == names[2:]
+
+
 def test_keep_int8_auto_writes_what_naming_its_choice_writes(tmp_path, tiny_llama):
     """gptq with --keep-int8 auto: the modules chosen are recorded in the manifest, and the files are
     byte for byte those of an export that names them (the blocks the measure fitted are reused)."""
