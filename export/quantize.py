@@ -24,6 +24,7 @@ from .graphs import GRAPH_FILE, lm_head, save_graph, tied_embedding
 from .kquant import FittedBlocks, dequantized, fit_weight, search_quantizer, statistics
 from .patches import one_weight_at_a_time, one_weight_loaded, write_as_made
 from .stream import is_deferred, sources_of
+from .table import quantized_embedding, quantized_table
 from .sensitivity import chosen, modules_by_cost, rounded_to_nearest
 
 BITS = {"int4": 4, "int8": 8}
@@ -195,6 +196,7 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
             included = set(names)
             exclude = [n for n in _matmuls(graph) if n not in included]
             graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)
+        quantized_table(graph.graph, folder, _MADE, BITS[quantization.method], quantization.block_size, quantization.symmetric)
         shutil.rmtree(scratch, ignore_errors=True)  # (before the data file is written beside the blocks made)
         save_graph(graph, folder, weights_from=folder)
     finally:
@@ -287,55 +289,6 @@ def lm_head_node(graph) -> str | None:
         return lm_head(graph).name
     except ExportError:
         return None
-
-
-def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) -> bool:
-    """Where the embedding table is the lm_head's weight transposed (tied weights), gather from the
-    lm_head's quantized blocks instead: `GatherBlockQuantized` on the same bytes, scales and zero
-    points, so no fp32 table is left. MatMulNBits lays its weight out as
-    [vocab, blocks, bytes per block], which is the [vocab, hidden] table quantized along hidden;
-    GatherBlockQuantized wants it as [vocab, bytes per row]: a Reshape of the same initializer,
-    which ONNX Runtime folds into a constant when the session starts (the file holds the bytes
-    once; the scales and zero points are shared; without zero points both ops take the same
-    default, 2^(bits-1)). Returns whether it applied.
-
-    fp32 exports keep both tables: the lm_head's MatMul weight is pre-packed at load, and ONNX
-    Runtime keeps an initializer that another node reads resident after packing it, while the
-    embedding table is memory-mapped and only the rows of the tokens seen are ever read. Sharing
-    one fp32 tensor saves disk but costs resident memory (docs/manifest.md has the figures)."""
-    from onnx import helper, numpy_helper
-
-    lm_head = next((n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{weight}_Q{bits}"), None)
-    initializers = {t.name: t for t in graph.initializer}
-    table = gather.input[0]
-    if lm_head is None or table not in initializers or gather not in graph.node:
-        return False
-    hidden = initializers[table].dims[1]
-    rows, blocks, per_block = initializers[lm_head.input[1]].dims  # (its bytes may be in a data file)
-    if hidden % block_size or blocks * per_block * 8 // bits != hidden:
-        return False
-    data, shape = f"{weight}_embedding_Q{bits}", f"{weight}_embedding_shape"
-    graph.initializer.append(numpy_helper.from_array(np.array([rows, -1], np.int64), shape))
-    position = list(graph.node).index(gather)
-    graph.node.remove(gather)
-    graph.node.insert(position, helper.make_node("Reshape", [lm_head.input[1], shape], [data], name="edgeinfer_embedding_rows"))
-    graph.node.insert(
-        position + 1,
-        helper.make_node(
-            "GatherBlockQuantized",
-            [data, "input_ids", *lm_head.input[2:4]],
-            [gather.output[0]],
-            name="edgeinfer_quantized_embedding",
-            domain="com.microsoft",
-            gather_axis=0,
-            quantize_axis=1,
-            block_size=block_size,
-            bits=bits,
-        ),
-    )
-    if not any(table in n.input for n in graph.node):
-        graph.initializer.remove(initializers[table])
-    return True
 
 
 @dataclass(frozen=True)

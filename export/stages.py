@@ -39,6 +39,7 @@ from .lora import add_adapters, check_fits, peft_reference
 from .manifest import manifest_of, max_context, save_tokenizer
 from .progress import Stages
 from .quantize import quality, quality_reference, quantize_graph
+from .table import gathered_table
 from .budget import check_memory_before_load
 from .source import Sizes, Source, load_model, resolve_source, source_parameters
 from .split import split_export
@@ -272,7 +273,11 @@ def quantize(run: ExportRun) -> None:
         asked = dataclasses.replace(asked, keep_int8=tuple(run.checked.quantization["keep_int8"]))
     done = quantize_graph(run.work, asked, head_first=run.checked is not None, activations=run.activations)
     measured = {"quality": "not measured (a streamed export)"} if run.checked else measure_quality(run, done.method)
-    run.quantization = {**dataclasses.asdict(done), **measured}
+    run.quantization = {**dataclasses.asdict(done), **measured, "embedding": gathered_table(run.work)}
+    if run.quantization["embedding"]:
+        table = run.quantization["embedding"]
+        source = "the lm_head's, tied" if table["blocks"] == "lm_head" else "its own"
+        run.stage.say(f"embedding table: its rows gathered from {table['bits']}-bit blocks ({source})")
     if run.manifest.vision:
         run.stage.progress("the vision graph's MatMuls to int8")
         run.quantization["vision"] = quantize_vision(run.work)

@@ -124,7 +124,13 @@ def _maker(name: str, loaded, strides: tuple[int, ...], view):
         release_file_pages(loaded)
         return value
 
+    def rows(start: int, stop: int):
+        value = loaded.detach().permute(order)[start:stop].float()
+        release_file_pages(loaded)
+        return value
+
     make.source = name  # tied weights (one parameter) have one name
+    make.rows = rows  # a band of its rows, made alone
     return make
 
 
@@ -182,7 +188,20 @@ def made(tensor: onnx.TensorProto) -> np.ndarray:
         raise ExportError(
             f"weight {tensor.name} was deferred by an export that has ended: this is a bug in edgeinfer, please report it"
         )
-    value = _MAKERS[location]()
+    return _array(_MAKERS[location]())
+
+
+def row_reader(tensor: onnx.TensorProto):
+    """A function (start, stop) -> a deferred weight's rows start:stop in fp32, each band made alone
+    where its maker can (a weight made from a loaded parameter), else cut from the whole made once."""
+    maker = _MAKERS.get(_location(tensor))
+    if maker is not None and hasattr(maker, "rows"):
+        return lambda start, stop: _array(maker.rows(start, stop))
+    whole = made(tensor)
+    return lambda start, stop: whole[start:stop]
+
+
+def _array(value) -> np.ndarray:
     return value.numpy() if hasattr(value, "numpy") else value
 
 

@@ -4,6 +4,7 @@ generation that still works, and clear errors for bad settings."""
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -184,6 +185,7 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(quantize, "quantized_embedding", lambda *args: False)
+    monkeypatch.setattr(quantize, "quantized_table", lambda *args: False)  # the fp32 table kept
     export_model(
         str(tmp_path / "hf"),
         tmp_path / "table",
@@ -194,6 +196,46 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     table, _ = logits_against_transformers(Engine.load(tmp_path / "table", provider="cpu"), model, [1, 40, 41, 42])
     cosine = (gathered * table).sum(-1) / np.linalg.norm(gathered, axis=-1) / np.linalg.norm(table, axis=-1)
     assert cosine.min() >= 0.85, cosine  # measured 0.90 (zero points) and 0.94 (symmetric)
+
+
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (4, True), (8, False)])
+def test_an_untied_table_gathers_rows_rounded_to_nearest_in_its_own_blocks(tmp_path, monkeypatch, bits, symmetric):
+    """`table.quantized_table` on a table of its own: every row GatherBlockQuantized gives is the
+    fp32 row rounded to nearest in blocks along it (within half a step of the block's range), the
+    bands of rows made apart join up, and the fp32 table leaves the graph."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import edgeinfer.export.table as table_module
+    from edgeinfer.export.graphs import save_graph
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((300, 64)).astype(np.float32) * np.linspace(0.1, 3, 300, dtype=np.float32)[:, None]
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, None])
+    rows = helper.make_tensor_value_info("rows", TensorProto.FLOAT, [1, None, 64])
+    gather = helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="embed")
+    graph = helper.make_graph([gather], "table", [ids], [rows], [numpy_helper.from_array(table, "table")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    monkeypatch.setattr(table_module, "_ROWS_BYTES", 64 * 4 * 70)  # bands of 70 rows: 5 bands, the last short
+    assert table_module.quantized_table(model.graph, tmp_path, "made.partial", bits, 32, symmetric)
+    assert [n.op_type for n in model.graph.node] == ["GatherBlockQuantized"] and not any(
+        t.name == "table" for t in model.graph.initializer
+    )
+    save_graph(model, tmp_path, weights_from=tmp_path)
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    gathered = session.run(None, {"input_ids": np.arange(300)[None]})[0][0]
+    blocks = table.reshape(300, 2, 32)
+    # Within half a step, a step being the block's range over its levels. Symmetric, a step is the
+    # largest magnitude over half the levels (it maps to -8), and a value of the other sign as large
+    # clips at +7: a whole step.
+    if symmetric:
+        bound = np.abs(blocks).max(-1) / 2 ** (bits - 1)
+    else:
+        bound = (blocks.max(-1) - blocks.min(-1)) / (2**bits - 1) / 2
+    error = np.abs(gathered.reshape(300, 2, 32) - blocks)
+    assert (error <= bound[..., None] + 1e-5 * np.abs(blocks).max()).all(), error.max()
+    assert error.max() > 0  # rounded, not copied
 
 
 def two_copies(tmp_path, tiny_llama, tied: bool):
@@ -221,7 +263,7 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     from edgeinfer.export.graphs import save_graph, tied_embedding
-    from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding
+    from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding, quantized_table
 
     source, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantization = Quantization(method, symmetric=symmetric, algorithm="rtn", keep_int8=())
@@ -237,7 +279,9 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     quantizer.process()
     if found:
         assert quantized_embedding(quantizer.model.model.graph, *found, bits, 32)
-    save_graph(quantizer.model.model, theirs)
+    else:  # an untied table: edgeinfer's own rounding of it (the test above pins its rows)
+        assert quantized_table(quantizer.model.model.graph, theirs, "table.partial", bits, 32, symmetric)
+    save_graph(quantizer.model.model, theirs, weights_from=theirs)
     for name in ("model.onnx", "model.onnx.data"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
     assert (ours / "model.onnx.data").stat().st_size < (source / "model.onnx.data").stat().st_size * 0.6
@@ -255,7 +299,7 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     )
 
     from edgeinfer.export.graphs import save_graph, tied_embedding
-    from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding
+    from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding, quantized_table
 
     _, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantize_graph(ours, Quantization("int4", algorithm="hqq", keep_int8=()))
@@ -270,7 +314,9 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
         assert quantized_embedding(first.model.model.graph, *found, 4, 32)
     second = MatMulNBitsQuantizer(first.model.model, bits=4, algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4))
     second.process()
-    save_graph(second.model.model, theirs)
+    if not found:
+        assert quantized_table(second.model.model.graph, theirs, "table.partial", 4, 32, False)
+    save_graph(second.model.model, theirs, weights_from=theirs)
     for name in ("model.onnx", "model.onnx.data"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
 

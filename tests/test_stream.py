@@ -205,15 +205,17 @@ def test_the_command_line_streams_with_stream_and_refuses_what_cannot_be(deep_bf
 
 
 @pytest.mark.parametrize("algorithm", ["rtn", "hqq"])
-def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf16_llama, tmp_path, algorithm):
+def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf16_llama, tmp_path, algorithm, monkeypatch):
     """Streamed, each weight is made from the bf16 checkpoint as it is quantized (packed ones
-    too); unstreamed, the same weights are read from the fp32 graph's data file: the same tensors,
-    byte for byte, and the same nodes."""
+    too; the untied embedding table a band of rows at a time); unstreamed, the same weights are
+    read from the fp32 graph's data file: the same tensors, byte for byte, and the same nodes."""
     import onnx
 
+    import edgeinfer.export.table as table
     from edgeinfer.export.graphs import tensor_array
 
     folder, _ = deep_bf16_llama
+    monkeypatch.setattr(table, "_ROWS_BYTES", 64 * 4 * 100)  # the 320 rows of 64 in 4 bands
     quantization = Quantization("int4", algorithm=algorithm, keep_int8=("down_proj",))
     graphs = {}
     for stream in (True, False):
@@ -226,6 +228,7 @@ def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf
     assert [n for n in graphs[True][0] if graphs[True][0][n] != graphs[False][0][n]] == []
     assert graphs[True][1] == graphs[False][1]
     assert sum(name.endswith("_Q8") for name in graphs[True][0]) == 5  # down_proj in each layer, at 8 bits
+    assert sum(b"GatherBlockQuantized" in node for node in graphs[True][1]) == 1  # no fp32 table left
 
 
 def test_equal_weights_are_written_once_and_read_under_one_name(tmp_path):
