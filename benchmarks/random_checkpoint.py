@@ -99,6 +99,20 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=131072,
     ),
+    # Qwen2.5-1.5B-Instruct's published shape (qwen2): untied embeddings, a 151,936-token vocabulary,
+    # biases on q, k and v: 1.54B weights
+    "qwen2-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+    ),
     # Llama-3.1-8B: 8.03B weights
     "llama-8b": dict(
         model_type="llama",
