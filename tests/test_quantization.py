@@ -263,7 +263,7 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     from edgeinfer.export.graphs import save_graph, tied_embedding
-    from edgeinfer.export.quantize import BITS, quantize_graph, quantized_embedding, quantized_table
+    from edgeinfer.export.quantize import BITS, TABLE_BITS, quantize_graph, quantized_embedding, quantized_table
 
     source, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantization = Quantization(method, symmetric=symmetric, algorithm="rtn", keep_int8=())
@@ -280,7 +280,7 @@ def test_one_weight_at_a_time_writes_the_quantizers_own_graph(tmp_path, tiny_lla
     if found:
         assert quantized_embedding(quantizer.model.model.graph, *found, bits, 32)
     else:  # an untied table: edgeinfer's own rounding of it (the test above pins its rows)
-        assert quantized_table(quantizer.model.model.graph, theirs, "table.partial", bits, 32, symmetric)
+        assert quantized_table(quantizer.model.model.graph, theirs, "table.partial", TABLE_BITS, 32, symmetric)
     save_graph(quantizer.model.model, theirs, weights_from=theirs)
     for name in ("model.onnx", "model.onnx.data"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
@@ -299,7 +299,7 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     )
 
     from edgeinfer.export.graphs import save_graph, tied_embedding
-    from edgeinfer.export.quantize import lm_head_node, quantize_graph, quantized_embedding, quantized_table
+    from edgeinfer.export.quantize import TABLE_BITS, lm_head_node, quantize_graph, quantized_embedding, quantized_table
 
     _, ours, theirs = two_copies(tmp_path, tiny_llama, tied)
     quantize_graph(ours, Quantization("int4", algorithm="hqq", keep_int8=()))
@@ -315,7 +315,7 @@ def test_hqq_one_weight_loaded_writes_the_quantizers_own_graph(tmp_path, tiny_ll
     second = MatMulNBitsQuantizer(first.model.model, bits=4, algo_config=HQQWeightOnlyQuantConfig(block_size=32, bits=4))
     second.process()
     if not found:
-        assert quantized_table(second.model.model.graph, theirs, "table.partial", 4, 32, False)
+        assert quantized_table(second.model.model.graph, theirs, "table.partial", TABLE_BITS, 32, False)
     save_graph(second.model.model, theirs, weights_from=theirs)
     for name in ("model.onnx", "model.onnx.data"):
         assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name

@@ -227,7 +227,7 @@ def test_deferred_weights_quantize_to_the_bytes_of_the_whole_fp32_export(deep_bf
     assert graphs[True][0].keys() == graphs[False][0].keys()
     assert [n for n in graphs[True][0] if graphs[True][0][n] != graphs[False][0][n]] == []
     assert graphs[True][1] == graphs[False][1]
-    assert sum(name.endswith("_Q8") for name in graphs[True][0]) == 5  # down_proj in each layer, at 8 bits
+    assert sum(name.endswith("_Q8") for name in graphs[True][0]) == 5 + 1  # down_proj in each layer and the table, at 8 bits
     assert sum(b"GatherBlockQuantized" in node for node in graphs[True][1]) == 1  # no fp32 table left
 
 
