@@ -53,7 +53,7 @@ def quantized_embedding(graph, gather, weight: str, bits: int, block_size: int) 
 _ROWS_BYTES = 64 << 20  # fp32 table rows rounded at a time
 
 
-def quantized_table(graph, folder: Path, made: Path, bits: int, block_size: int, symmetric: bool) -> bool:
+def quantized_table(graph, folder: Path, made: str, bits: int, block_size: int, symmetric: bool) -> bool:
     """Where the embedding table [vocab, hidden] is a weight of its own (untied; still fp32 or
     fp16 once the MatMuls are quantized), round it to nearest in blocks of `block_size` along
     hidden, as MatMulNBits lays out a weight [hidden, vocab] ([vocab, bytes per row] blocks,
