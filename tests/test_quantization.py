@@ -198,7 +198,7 @@ def test_a_tied_embedding_gathers_the_lm_heads_quantized_blocks(tmp_path, symmet
     assert cosine.min() >= 0.85, cosine  # measured 0.90 (zero points) and 0.94 (symmetric)
 
 
-@pytest.mark.parametrize("bits, symmetric", [(4, False), (4, True), (8, False)])
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (4, True), (8, False), (8, True)])
 def test_an_untied_table_gathers_rows_rounded_to_nearest_in_its_own_blocks(tmp_path, monkeypatch, bits, symmetric):
     """`table.quantized_table` on a table of its own: every row GatherBlockQuantized gives is the
     fp32 row rounded to nearest in blocks along it (within half a step of the block's range), the
