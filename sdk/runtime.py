@@ -17,6 +17,8 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from .errors import GraphError, ManifestError, NotAnExportError, ProviderError
 from .heads import load_head
+from .initializers import ExternalData
+from .int4 import kernel, rewrite
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Set to a path prefix, ONNX Runtime profiles every run of the model graph and writes PREFIX_<time>.json
@@ -128,12 +130,22 @@ class Graph:
     """One ONNX graph in one InferenceSession, always run through IO binding. `source` is the
     path of an .onnx file, or a serialized model (the small heads built in memory)."""
 
-    def __init__(self, source: Path | bytes, provider: str, threads: int | None, shared: dict | None = None, packed: bool = True):
+    def __init__(
+        self,
+        source: Path | bytes,
+        provider: str,
+        threads: int | None,
+        shared: dict | None = None,
+        packed: bool = True,
+        int4: bool = False,
+    ):
         """`shared`: initializers (OrtValues, by name) the session uses as they are instead of
         reading its own copy (the split layout's weights, on the GPU once for both graphs).
         `packed=False`: for a few runs of an export's own (a session to serve packs): the CPU
         kernels read the weights where the data file is mapped instead of packing a copy of each
-        as the session loads, and a run's buffers go back as it ends instead of staying in an arena."""
+        as the session loads, and a run's buffers go back as it ends instead of staying in an arena.
+        `int4`: the graph holds 4-bit MatMulNBits weights (the manifest says so), which edgeinfer's
+        own kernel runs on the CPU where it is built (sdk/int4.py; reading the nodes needs onnx)."""
         options = ort.SessionOptions()
         if not packed:
             options.add_session_config_entry("session.disable_prepacking", "1")
@@ -150,6 +162,9 @@ class Graph:
         name = "a built-in head graph" if isinstance(source, bytes) else str(source)
         if not isinstance(source, bytes) and not Path(source).is_file():
             raise NotAnExportError(f"graph {source} is missing: the export is incomplete, export the model again")
+        self.int4 = "none in this graph"  # what runs its 4-bit weights, and why
+        if int4 and provider == "cpu" and packed and not isinstance(source, bytes):
+            source = self._take_int4_kernel(Path(source), options)
         try:
             self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options, providers=providers)
         except _LOAD_ERRORS as e:
@@ -163,6 +178,30 @@ class Graph:
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
+
+    def _take_int4_kernel(self, source: Path, options: ort.SessionOptions) -> Path | bytes:
+        """The graph with its MatMulNBits nodes run by edgeinfer's int4 kernel where it is built
+        (sdk/int4.py), the packed weights handed to the session; else `source` as it is."""
+        built = kernel()
+        if built.path is None:
+            self.int4 = f"MatMulNBits: edgeinfer's kernel is off ({built.reason})"
+            return source
+        try:
+            rewritten = rewrite(source, built.path)
+        except (OSError, ValueError, ImportError) as e:  # a damaged file: the session's load says so
+            self.int4 = f"MatMulNBits: the graph could not be repacked ({e})"
+            return source
+        if rewritten is None:
+            self.int4 = "MatMulNBits: no node the kernel takes"
+            return source
+        model, packed = rewritten
+        options.register_custom_ops_library(str(built.path))
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(source.parent))
+        values = [ort.OrtValue.ortvalue_from_numpy(array) for array in packed.values()]
+        options.add_external_initializers(list(packed), values)
+        self._packed = (packed, values)  # the session reads this memory for as long as it lives
+        self.int4 = f"edgeinfer's int4 kernel ({len(packed)} weights, {sum(a.nbytes for a in packed.values()) / 2**20:.1f} MiB)"
+        return model
 
     def input_dtype(self, name: str) -> np.dtype:
         """The numpy dtype of a float input (image features, pixels)."""
@@ -269,20 +308,13 @@ def load_weights(graph_file: Path, provider: str) -> dict[str, ort.OrtValue]:
     copy of the weights on a GPU instead of one each."""
     import onnx
     from onnx.external_data_helper import uses_external_data
-    from onnx.helper import tensor_dtype_to_np_dtype
 
     model = onnx.load(str(graph_file), load_external_data=False)
-    values, files = {}, {}
+    values, reader = {}, ExternalData(Path(graph_file).parent)
     for tensor in model.graph.initializer:
         if not uses_external_data(tensor):
             continue
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        path = Path(graph_file).parent / info["location"]
-        if path not in files:
-            files[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        start = int(info.get("offset", 0))
-        raw = files[path][start : start + int(info["length"])]
-        array = np.ascontiguousarray(raw).view(tensor_dtype_to_np_dtype(tensor.data_type)).reshape(tuple(tensor.dims))
+        array = np.ascontiguousarray(reader.array(tensor))
         owner = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, provider, 0)._get_c_value()
         owner.update_inplace(array)  # copied onto the device
         # A session takes only values whose memory it does not own: the same memory seen through

@@ -1,0 +1,201 @@
+"""edgeinfer's int4 kernel on the CPU provider. An export's 4-bit weights are ONNX Runtime's
+MatMulNBits (blocks of 32, int8 activations); on a CPU with AVX-512 VNNI and a C compiler,
+kernels/int4_matmul.c is built once into edgeinfer's cache, and as a session loads, each such node
+becomes edgeinfer.Int4MatMul over its weights repacked for that kernel (scales in fp16). Anywhere
+else, and with EDGEINFER_INT4_KERNEL=0, the graph runs as exported.
+
+Nothing is written next to the export: the packed weights live in the process, and ONNX Runtime
+never loads the MatMulNBits copies they replace."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .initializers import ExternalData
+
+SOURCE = Path(__file__).resolve().parent / "kernels" / "int4_matmul.c"
+SWITCH_ENV = "EDGEINFER_INT4_KERNEL"  # "0": run MatMulNBits as exported
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+_GROUP, _BLOCK = 16, 32  # the kernel's columns a group, rows of K a block
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The built kernel library, or why there is none (`path` None)."""
+
+    path: Path | None
+    reason: str
+
+
+@functools.cache
+def kernel() -> Kernel:
+    """The kernel library for this machine, built on first use (once per source and CPU)."""
+    if os.environ.get(SWITCH_ENV) == "0":
+        return Kernel(None, f"{SWITCH_ENV}=0")
+    flags = _cpu_flags()
+    missing = [f for f in _CPU_FLAGS if f not in flags]
+    if missing:
+        return Kernel(None, f"this CPU lacks {', '.join(missing)}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        return Kernel(None, "no C compiler (cc or gcc) to build it")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
+    from edgeinfer.models.cache import cache_root
+
+    library = cache_root() / "kernels" / f"int4_matmul-{key}.so"
+    if not library.exists():
+        error = _build(compiler, library)
+        if error:
+            return Kernel(None, f"building {SOURCE.name} failed: {error}")
+    return Kernel(library, "built for this CPU")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _build(compiler: str, library: Path) -> str | None:
+    """Compile into `library` (a temporary name first: concurrent builds each write a whole file)."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=library.parent, suffix=".so")
+    os.close(fd)
+    command = [compiler, "-O3", "-march=native", "-shared", "-fPIC", str(SOURCE), "-o", temporary]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or ["no message"])[-1]
+        ctypes.CDLL(temporary)  # it loads here, or the error says why
+        os.replace(temporary, library)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def packed_size(k: int, n: int, symmetric: bool) -> int:
+    """Bytes of one [K, N] weight in the kernel's layout."""
+    return n // _GROUP * (k // _BLOCK) * (256 + 32 + (0 if symmetric else 32))
+
+
+def pack(library: Path, b: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, k: int, n: int) -> np.ndarray:
+    """MatMulNBits' B, scales and zero points (None: symmetric) in the kernel's layout."""
+    c = _library(library)
+    b, scales = np.ascontiguousarray(b, np.uint8), np.ascontiguousarray(scales, np.float32)
+    zeros = None if zeros is None else np.ascontiguousarray(zeros, np.uint8)
+    out = np.empty(packed_size(k, n, zeros is None), np.uint8)
+    c.edgeinfer_int4_pack(b.ctypes.data, scales.ctypes.data, None if zeros is None else zeros.ctypes.data, k, n, out.ctypes.data)
+    return out
+
+
+def matmul(library: Path, packed: np.ndarray, a: np.ndarray, k: int, n: int, symmetric: bool) -> np.ndarray:
+    """A [M, K] times the packed weight, on this thread (for tests; sessions run the op)."""
+    a = np.ascontiguousarray(a, np.float32).reshape(-1, k)
+    y = np.empty((a.shape[0], n), np.float32)
+    if _library(library).edgeinfer_int4_matmul(packed.ctypes.data, a.ctypes.data, y.ctypes.data, a.shape[0], k, n, int(symmetric)):
+        raise MemoryError("edgeinfer_int4_matmul: out of memory")
+    return y
+
+
+@functools.cache
+def _library(path: Path) -> ctypes.CDLL:
+    c = ctypes.CDLL(str(path))
+    c.edgeinfer_int4_pack.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
+    c.edgeinfer_int4_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    return c
+
+
+def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarray]] | None:
+    """`graph_file` with each MatMulNBits the kernel takes made edgeinfer.Int4MatMul, and the packed
+    weights its new nodes read (by initializer name, for the session to use as they are); None when
+    no node qualifies. The graph's other initializers stay in its external data file."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    graph, initializers = model.graph, {t.name: t for t in model.graph.initializer}
+    reader, packed, replaced = ExternalData(Path(graph_file).parent), {}, []
+    for index, node in enumerate(graph.node):
+        spec = _takes(node, initializers)
+        if spec is None:
+            continue
+        k, n, b, scales, zeros = spec
+        name = f"{b}/edgeinfer_int4"
+        if name not in packed:
+            zero_points = None if zeros is None else reader.array(initializers[zeros])
+            packed[name] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n)
+        new = helper.make_node("Int4MatMul", [node.input[0], name], list(node.output), node.name, domain="edgeinfer")
+        new.attribute.extend(
+            [helper.make_attribute("K", k), helper.make_attribute("N", n), helper.make_attribute("symmetric", int(zeros is None))]
+        )
+        replaced.append((index, new))
+    if not replaced:
+        return None
+    for index, new in replaced:
+        graph.node[index].CopyFrom(new)
+    _drop_unread(graph)
+    graph.initializer.extend(_placeholder(name, array.size) for name, array in packed.items())
+    model.opset_import.append(helper.make_opsetid("edgeinfer", 1))
+    return model.SerializeToString(), packed
+
+
+def _takes(node, initializers) -> tuple[int, int, str, str, str | None] | None:
+    """(K, N, B, scales, zero points or None) of a MatMulNBits node the kernel computes the same
+    way: 4 bits, blocks of 32, int8 activations, integer zero points, no group index or bias, its
+    weights constant."""
+    from onnx import TensorProto
+
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+        return None
+    attributes = {a.name: a.i for a in node.attribute}
+    k, n = attributes.get("K", 0), attributes.get("N", 0)
+    if attributes.get("bits") != 4 or attributes.get("block_size") != _BLOCK or attributes.get("accuracy_level") != 4:
+        return None
+    if k % _BLOCK or n % _GROUP or len(node.input) < 3 or any(node.input[4:]):
+        return None
+    zeros = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    weights = [node.input[1], node.input[2]] + ([zeros] if zeros else [])
+    if any(w not in initializers for w in weights):
+        return None
+    if zeros and initializers[zeros].data_type != TensorProto.UINT8:
+        return None  # float zero points: not the kernel's arithmetic
+    return k, n, node.input[1], node.input[2], zeros
+
+
+def _drop_unread(graph) -> None:
+    """Remove the initializers no node reads any more (MatMulNBits' copies; a tied embedding table's
+    gather still reads the lm_head's and keeps them)."""
+    read = {name for node in graph.node for name in node.input}
+    read |= {name for node in graph.node for a in node.attribute if a.g for n in a.g.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def _placeholder(name: str, size: int):
+    """An initializer whose bytes the session is handed at load (add_external_initializers): it
+    names external data that is never read."""
+    from onnx import TensorProto
+
+    tensor = TensorProto(name=name, data_type=TensorProto.UINT8, dims=[size], data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", "edgeinfer-packed-at-load"), ("length", str(size))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
