@@ -137,7 +137,7 @@ AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
 """
 
 
-def run_edgeinfer(export: Path, out: Path) -> dict:
+def run_edgeinfer(export: Path, out: Path, prompts: Path = HERE / "prompts.json", env: dict | None = None) -> dict:
     step(f"edgeinfer: {export.name}")
     subprocess.run(
         [
@@ -151,11 +151,12 @@ def run_edgeinfer(export: Path, out: Path) -> dict:
             "--threads",
             "2",
             "--prompts",
-            str(HERE / "prompts.json"),
+            str(prompts),
             "--json",
             str(out),
         ],
         check=True,
+        env=env,
     )
     figures = json.loads(out.read_text())
     return {
@@ -176,12 +177,12 @@ def run_genai(root: Path, name: str, results: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def run_llama(bin_dir: Path, gguf: Path) -> dict:
+def run_llama(bin_dir: Path, gguf: Path, prompts_file: Path = HERE / "prompts.json") -> dict:
     """llama.cpp's llama-bench on `gguf`, 2 threads, 3 repetitions: 128 tokens decoded after a context of
     each prompt's length (-d), and each prompt's prefill (TTFT: its tokens over the prefill rate).
     Weight repacking is off on CPUs with AMX, where it crashed quantized models."""
     step(f"llama.cpp: {gguf.name}")
-    prompts = json.loads((HERE / "prompts.json").read_text())["prompts"]
+    prompts = json.loads(prompts_file.read_text())["prompts"]
     lengths = ",".join(str(len(ids)) for ids in prompts.values())
     repack = "0" if "amx" in Path("/proc/cpuinfo").read_text() else "1"
     command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", "2", "-r", "3", "--repack", repack, "-o", "json"]

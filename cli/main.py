@@ -64,6 +64,13 @@ def cli(debug, verbose):
     help="A text whose activations k_quant and gptq fit to, and --keep-int8 auto measures on [default: export's calibration text].",
 )
 @click.option(
+    "--embedding-bits",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Bits of an untied embedding table's blocks (a tied table gathers from the lm_head's): 4 for the smallest "
+    "files, at some quality [default: 8].",
+)
+@click.option(
     "--no-quality",
     is_flag=True,
     help="Skip --quantize's quality measure (the quantized and fp32 graphs over a 1,200-token text, against PyTorch's): "
@@ -142,6 +149,7 @@ def export(
     algorithm,
     keep_int8,
     calibration,
+    embedding_bits,
     no_quality,
     dtype,
     no_fuse,
@@ -158,16 +166,12 @@ def export(
     (--graphs split) a prefill graph and a decode graph."""
     model = one_model(model, model_option)
     exporter = _exporter()
-    if not quantize:
-        _refuse_quantization_flags(
-            symmetric=symmetric, algorithm=algorithm, keep_int8=keep_int8, calibration=calibration, no_quality=no_quality
-        )
-    kept = None if keep_int8 is None else tuple(n.strip() for n in keep_int8.split(",") if n.strip() and n.strip() != "none")
-    quantization = (
-        exporter.Quantization(quantize, block_size, symmetric=symmetric, algorithm=algorithm, keep_int8=kept, calibration=calibration)
-        if quantize
-        else None
+    settings = dict(
+        symmetric=symmetric, algorithm=algorithm, keep_int8=keep_int8, calibration=calibration, embedding_bits=embedding_bits
     )
+    if not quantize:
+        _refuse_quantization_flags(**settings, no_quality=no_quality)
+    quantization = _quantization(exporter, quantize, block_size, **settings) if quantize else None
     options = exporter.ExportOptions(
         force=force,
         max_context=max_context,
@@ -213,6 +217,13 @@ def _layers_text(kv) -> str:
     if windows:
         text += f", {len(windows)} of them keeping only their {'/'.join(map(str, sorted(set(windows))))}-token window"
     return text
+
+
+def _quantization(exporter, method: str, block_size: int, keep_int8: str | None, embedding_bits: str | None, **settings):
+    """--quantize's settings as export takes them (--keep-int8 a tuple of names, none as empty)."""
+    kept = None if keep_int8 is None else tuple(n.strip() for n in keep_int8.split(",") if n.strip() and n.strip() != "none")
+    bits = {} if embedding_bits is None else {"embedding_bits": int(embedding_bits)}
+    return exporter.Quantization(method, block_size, keep_int8=kept, **bits, **settings)
 
 
 def _refuse_quantization_flags(**flags) -> None:

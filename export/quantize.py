@@ -57,6 +57,8 @@ class Quantization:
     slow path. The lm_head is rounded in a pass of its own where either applies (its blocks are
     shared with a tied embedding table). `keep_int8` names MatMuls kept at 8 bits (`kept_int8`), or
     is ("auto",): the modules export/sensitivity.py measures as costing most per byte at 4 bits.
+    `embedding_bits` (8 or 4) are an untied embedding table's (a tied one gathers from the lm_head's
+    blocks).
 
     Left out, `algorithm` is gptq and `keep_int8` auto for int4 (the closest to fp32 at a 4-bit
     size: docs/benchmarks.md has the table), rtn and none for int8 (8-bit rounding loses almost
@@ -69,10 +71,13 @@ class Quantization:
     algorithm: str | None = None
     keep_int8: tuple[str, ...] | None = None
     calibration: str | None = None
+    embedding_bits: int = TABLE_BITS
 
     def __post_init__(self):
         if self.method not in BITS:
             raise ExportError(f"unknown quantization {self.method!r}: use 'int4' or 'int8'")
+        if self.embedding_bits not in (4, 8):
+            raise ExportError(f"an untied embedding table is kept in 4- or 8-bit blocks, not {self.embedding_bits}: use 4 or 8")
         searched = self.method == "int4" and not self.symmetric
         if self.algorithm is None:
             object.__setattr__(self, "algorithm", "gptq" if searched else "rtn")
@@ -200,7 +205,7 @@ def quantize_graph(folder: Path, quantization: Quantization, head_first: bool = 
             included = set(names)
             exclude = [n for n in _matmuls(graph) if n not in included]
             graph = _quantized(graph, folder, quantization, bits, algorithm, exclude, activations, fitted if bits == 4 else None)
-        quantized_table(graph.graph, folder, _MADE, TABLE_BITS, quantization.block_size, quantization.symmetric)
+        quantized_table(graph.graph, folder, _MADE, quantization.embedding_bits, quantization.block_size, quantization.symmetric)
         shutil.rmtree(scratch, ignore_errors=True)  # (before the data file is written beside the blocks made)
         save_graph(graph, folder, weights_from=folder)
     finally:

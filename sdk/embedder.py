@@ -63,9 +63,10 @@ class Embedder:
     def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, max_batch: int = 8, max_context: int | None = None):
         self.folder, self.manifest = Path(folder), manifest
         self.provider, self.provider_reason = choose_provider(options.provider)
-        int4 = manifest.quantization.get("method") == "int4"
-        self.graph = Graph(self.folder / manifest.graph.file, self.provider, options.threads, int4=int4)
+        quantized = manifest.quantization.get("method") in ("int4", "int8")
+        self.graph = Graph(self.folder / manifest.graph.file, self.provider, options.threads, quantized=quantized)
         self.graph.check_names(manifest.graph.inputs, manifest.graph.outputs)
+        self.weights_kernel = self.graph.weights_kernel
         self.tokenizer = Tokenizer(self.folder, manifest.tokenizer)
         self.max_context = min(max_context or manifest.max_context, manifest.max_context)
         self.max_batch = max(1, max_batch)

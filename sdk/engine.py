@@ -65,6 +65,7 @@ class Engine:
             self.folder, manifest, self.provider, options, self.max_context, prefill_chunk, self.memory.prefix_cache
         )
         self.prefix_cache = self.runner.prefix_cache
+        self.weights_kernel = self.runner.base_graph.weights_kernel  # what runs the quantized weights here, and why
         eos = manifest.eos_token_ids or tuple(t for t in [self.tokenizer.token_id(manifest.tokenizer.eos_token)] if t is not None)
         self.constraints = Constraints(self.tokenizer, manifest.vocab_size, eos)
         self.draft: Engine | None = None

@@ -18,7 +18,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from .errors import GraphError, ManifestError, NotAnExportError, ProviderError
 from .heads import load_head
 from .initializers import ExternalData
-from .int4 import kernel, rewrite
+from .cpu_kernel import kernel, rewrite
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # Set to a path prefix, ONNX Runtime profiles every run of the model graph and writes PREFIX_<time>.json
@@ -137,15 +137,15 @@ class Graph:
         threads: int | None,
         shared: dict | None = None,
         packed: bool = True,
-        int4: bool = False,
+        quantized: bool = False,
     ):
         """`shared`: initializers (OrtValues, by name) the session uses as they are instead of
         reading its own copy (the split layout's weights, on the GPU once for both graphs).
         `packed=False`: for a few runs of an export's own (a session to serve packs): the CPU
         kernels read the weights where the data file is mapped instead of packing a copy of each
         as the session loads, and a run's buffers go back as it ends instead of staying in an arena.
-        `int4`: the graph holds 4-bit MatMulNBits weights (the manifest says so), which edgeinfer's
-        own kernel runs on the CPU where it is built (sdk/int4.py; reading the nodes needs onnx)."""
+        `quantized`: the graph holds MatMulNBits weights (the manifest says so), which edgeinfer's
+        own kernel runs on the CPU where it is built (sdk/cpu_kernel.py; reading the nodes needs onnx)."""
         options = ort.SessionOptions()
         if not packed:
             options.add_session_config_entry("session.disable_prepacking", "1")
@@ -162,9 +162,9 @@ class Graph:
         name = "a built-in head graph" if isinstance(source, bytes) else str(source)
         if not isinstance(source, bytes) and not Path(source).is_file():
             raise NotAnExportError(f"graph {source} is missing: the export is incomplete, export the model again")
-        self.int4 = "none in this graph"  # what runs its 4-bit weights, and why
-        if int4 and provider == "cpu" and packed and not isinstance(source, bytes):
-            source = self._take_int4_kernel(Path(source), options)
+        self.weights_kernel = "none in this graph"  # what runs its quantized weights, and why
+        if quantized and provider == "cpu" and packed and not isinstance(source, bytes):
+            source = self._take_cpu_kernel(Path(source), options)
         try:
             self.session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options, providers=providers)
         except _LOAD_ERRORS as e:
@@ -179,20 +179,20 @@ class Graph:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
 
-    def _take_int4_kernel(self, source: Path, options: ort.SessionOptions) -> Path | bytes:
-        """The graph with its MatMulNBits nodes run by edgeinfer's int4 kernel where it is built
-        (sdk/int4.py), the packed weights handed to the session; else `source` as it is."""
+    def _take_cpu_kernel(self, source: Path, options: ort.SessionOptions) -> Path | bytes:
+        """The graph with its MatMulNBits nodes run by edgeinfer's kernel where it is built
+        (sdk/cpu_kernel.py), the packed weights handed to the session; else `source` as it is."""
         built = kernel()
         if built.path is None:
-            self.int4 = f"MatMulNBits: edgeinfer's kernel is off ({built.reason})"
+            self.weights_kernel = f"MatMulNBits: edgeinfer's kernel is off ({built.reason})"
             return source
         try:
             rewritten = rewrite(source, built.path)
         except (OSError, ValueError, ImportError) as e:  # a damaged file: the session's load says so
-            self.int4 = f"MatMulNBits: the graph could not be repacked ({e})"
+            self.weights_kernel = f"MatMulNBits: the graph could not be repacked ({e})"
             return source
         if rewritten is None:
-            self.int4 = "MatMulNBits: no node the kernel takes"
+            self.weights_kernel = "MatMulNBits: no node the kernel takes"
             return source
         model, packed = rewritten
         options.register_custom_ops_library(str(built.path))
@@ -200,7 +200,7 @@ class Graph:
         values = [ort.OrtValue.ortvalue_from_numpy(array) for array in packed.values()]
         options.add_external_initializers(list(packed), values)
         self._packed = (packed, values)  # the session reads this memory for as long as it lives
-        self.int4 = f"edgeinfer's int4 kernel ({len(packed)} weights, {sum(a.nbytes for a in packed.values()) / 2**20:.1f} MiB)"
+        self.weights_kernel = f"edgeinfer's kernel ({len(packed)} weights, {sum(a.nbytes for a in packed.values()) / 2**20:.1f} MiB)"
         return model
 
     def input_dtype(self, name: str) -> np.dtype:

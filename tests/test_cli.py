@@ -104,6 +104,8 @@ def test_symmetric_without_quantize_is_a_usage_error(tiny_llama, tmp_path):
     assert done.returncode == 2 and "--keep-int8 applies to quantized weights" in done.stderr
     done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--no-quality")
     assert done.returncode == 2 and "--no-quality applies to quantized weights" in done.stderr
+    done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "out"), "--embedding-bits", "4")
+    assert done.returncode == 2 and "--embedding-bits applies to quantized weights" in done.stderr
     done = edgeinfer("export", str(tiny_llama[0]), "-o", str(tmp_path / "fast"), "--quantize", "int8", "--no-quality")
     assert done.returncode == 0 and "quality not measured (--no-quality)" in done.stderr, done.stderr
     assert json.loads((tmp_path / "fast" / "edgeinfer.json").read_text())["quantization"]["quality"] == "not measured (--no-quality)"

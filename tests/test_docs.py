@@ -115,7 +115,7 @@ def test_every_error_class_the_docs_name_is_importable_from_edgeinfer(page):
         assert isinstance(error, type) and issubclass(error, edgeinfer.EdgeInferError), f"{page}: {name}"
 
 
-@pytest.mark.parametrize("script", ["peers.py", "load_time.py"])
+@pytest.mark.parametrize("script", ["peers.py", "peers_at_size.py", "load_time.py"])
 def test_the_peer_benchmarks_run_from_a_clone_with_nothing_beside_it(tmp_path, script):
     clone = tmp_path / "clone"
     shutil.copytree(ROOT / "benchmarks", clone / "benchmarks")

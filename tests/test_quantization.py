@@ -113,6 +113,7 @@ def test_a_quantized_export_follows_transformers_logits_within_its_error(quantiz
         ),
         ({"method": "int4", "algorithm": "hqq", "symmetric": True}, "hqq fits a zero point to every block"),
         ({"method": "int4", "keep_int8": ("auto", "lm_head")}, "--keep-int8 auto chooses the modules itself: give auto alone"),
+        ({"method": "int4", "embedding_bits": 2}, "an untied embedding table is kept in 4- or 8-bit blocks, not 2: use 4 or 8"),
     ],
 )
 def test_bad_quantization_settings(settings, message):
@@ -236,6 +237,26 @@ def test_an_untied_table_gathers_rows_rounded_to_nearest_in_its_own_blocks(tmp_p
     error = np.abs(gathered.reshape(300, 2, 32) - blocks)
     assert (error <= bound[..., None] + 1e-5 * np.abs(blocks).max()).all(), error.max()
     assert error.max() > 0  # rounded, not copied
+
+
+def test_embedding_bits_set_an_untied_tables_blocks(tmp_path, tiny_llama):
+    """The tiny llama's untied table gathers from 4-bit blocks with embedding_bits 4, 8-bit ones by
+    default, and the 4-bit export's data file is smaller by the table's half bytes."""
+    import shutil
+
+    from edgeinfer.export.quantize import quantize_graph
+    from edgeinfer.export.table import gathered_table
+
+    sizes = {}
+    for bits in (4, 8):
+        folder = tmp_path / f"bits{bits}"
+        shutil.copytree(tiny_llama[1], folder)
+        settings = {"embedding_bits": 4} if bits == 4 else {}
+        quantize_graph(folder, Quantization("int4", symmetric=True, **settings))
+        assert gathered_table(folder) == {"bits": bits, "blocks": "own"}
+        sizes[bits] = (folder / "model.onnx.data").stat().st_size
+    rows, hidden = 320, 64  # the tiny llama's table
+    assert sizes[8] - sizes[4] == rows * hidden // 2
 
 
 def two_copies(tmp_path, tiny_llama, tied: bool):

@@ -1,18 +1,19 @@
-/* edgeinfer's int4 matmul for ONNX Runtime's CPU provider (AVX-512 VNNI), registered as the custom op
- * edgeinfer.Int4MatMul: Y[M, N] = A[M, K] . W[K, N], with W packed by sdk/int4.py.
+/* edgeinfer's block-quantized matmul for ONNX Runtime's CPU provider (AVX-512 VNNI), registered as the
+ * custom op edgeinfer.BlockMatMul: Y[M, N] = A[M, K] . W[K, N], with W packed by sdk/cpu_kernel.py.
  *
- * W is in blocks of 32 along K, each column's block a scale s and a zero point z: W[k, n] = s (q - z),
- * q in 0..15. Each row of A is rounded to int8 in blocks of 32 (scale d = max|a| / 127, as
- * MatMulNBits does at accuracy level 4), so one block's dot product is
+ * W is in blocks of 32 along K of 4- or 8-bit values, each column's block a scale s and a zero point
+ * z: W[k, n] = s (q - z), q in 0..15 (or 0..255). Each row of A is rounded to int8 in blocks of 32
+ * (scale d = max|a| / 127, as MatMulNBits does at accuracy level 4), so one block's dot product is
  *     s d (sum q aq)  -  s z (d sum aq)
  * with the first sum from VPDPBUSD (unsigned q times signed aq, four bytes to a 32-bit lane).
  *
  * Packed layout, per group of 16 columns and per block of 32 rows of K (the groups one after another,
- * each group's blocks in K order, so that a group is one sequential stream):
- *   bytes 0..255   four 64-byte vectors; vector u holds step 2u in its low nibbles and step 2u + 1 in
- *                  its high nibbles; step t's byte 4c + j is q[column c][row 4t + j] of the block
+ * each group's blocks in K order, so that a group is one sequential stream). Step t (0..7) is the
+ * 64 bytes whose byte 4c + j is q[column c][row 4t + j] of the block. 4 bits:
+ *   bytes 0..255   four 64-byte vectors; vector u holds step 2u in its low nibbles, 2u + 1 in its high
  *   bytes 256..287 the 16 columns' s, fp16
  *   bytes 288..319 the 16 columns' s z, fp16 (absent when symmetric: z is 8)
+ * 8 bits: the eight steps (bytes 0..511), then s and s z likewise (symmetric: z is 128).
  *
  * ONNX Runtime's C API is a table of function pointers whose order never changes (new versions append
  * to it); the slots used here are named by index below, and registration checks two of them against
@@ -25,6 +26,7 @@
 #define GROUP 16
 #define BLOCK 32
 #define ROWS 4            /* rows of A that share one pass over a group's weights */
+#define BITS_ATTRIBUTE "bits"
 #define GROUPS_A_TASK 8   /* column groups per task handed to ONNX Runtime's thread pool */
 #define API_VERSION 16
 
@@ -100,7 +102,8 @@ enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, ERROR_INVALID_ARGUMENT = 2, ERROR_FAIL = 
 
 /* ---- the kernel ---- */
 
-static inline int block_bytes(int symmetric) { return 256 + 32 + (symmetric ? 0 : 32); }
+static inline int values_bytes(int bits) { return bits == 8 ? 512 : 256; }
+static inline int block_bytes(int bits, int symmetric) { return values_bytes(bits) + 32 + (symmetric ? 0 : 32); }
 
 /* One row of A rounded to int8 per block of 32: aq[K], d[K / 32] (scales), dsums[K / 32] (d times the
  * block's sum of aq: the zero point's term). */
@@ -120,22 +123,27 @@ static void quantize_row(const float *a, int k, int8_t *aq, float *d, float *dsu
 
 /* Y[rows, 16] of one column group, rows (1..ROWS) of A sharing each unpacked weight vector. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const int8_t *aq, const float *d,
-                                                       const float *dsums, int k, int rows, int symmetric,
-                                                       float *y, int ldy) {
+                                                       const float *dsums, int k, int rows, int bits,
+                                                       int symmetric, float *y, int ldy) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const int blocks = k / BLOCK, stride = block_bytes(symmetric);
+    const int blocks = k / BLOCK, stride = block_bytes(bits, symmetric), at = values_bytes(bits);
+    const float middle = bits == 8 ? 128.0f : 8.0f;  /* a symmetric block's zero point */
     __m512 acc[ROWS], offset[ROWS];  /* two chains a row, so that their FMAs overlap */
     for (int r = 0; r < rows; r++) acc[r] = offset[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++, w += stride) {
         __m512i q[8];
-        for (int u = 0; u < 4; u++) {
-            __m512i v = _mm512_loadu_si512(w + 64 * u);
-            q[2 * u] = _mm512_and_si512(v, low);
-            q[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (bits == 8) {
+            for (int t = 0; t < 8; t++) q[t] = _mm512_loadu_si512(w + 64 * t);
+        } else {
+            for (int u = 0; u < 4; u++) {
+                __m512i v = _mm512_loadu_si512(w + 64 * u);
+                q[2 * u] = _mm512_and_si512(v, low);
+                q[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
         }
-        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 256)));
-        __m512 sz = symmetric ? _mm512_mul_ps(s, _mm512_set1_ps(8.0f))
-                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 288)));
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + at)));
+        __m512 sz = symmetric ? _mm512_mul_ps(s, _mm512_set1_ps(middle))
+                              : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + at + 32)));
         for (int r = 0; r < rows; r++) {
             const int32_t *a4 = (const int32_t *)(aq + (size_t)r * k + b * BLOCK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -156,36 +164,45 @@ typedef struct {
     const int8_t *aq;
     const float *d, *dsums;
     float *y;
-    int m, k, n, symmetric;
+    int m, k, n, bits, symmetric;
 } Work;
+
+/* One column group, every row: ROWS rows at a time, then one. `bits` is a constant in each call, so
+ * that the compiler makes the 4- and 8-bit loops apart. */
+static inline __attribute__((always_inline)) void group(const Work *work, const uint8_t *w, int g, int bits) {
+    const int blocks = work->k / BLOCK;
+    int r = 0;
+    for (; r + ROWS <= work->m; r += ROWS)
+        tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, ROWS, bits,
+             work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
+    for (; r < work->m; r++)
+        tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, 1, bits,
+             work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
+}
 
 /* Task `task`: GROUPS_A_TASK column groups, every row. */
 static void run_task(void *data, size_t task) {
     const Work *work = (const Work *)data;
     const int groups = work->n / GROUP, blocks = work->k / BLOCK;
-    const size_t group_bytes = (size_t)blocks * block_bytes(work->symmetric);
+    const size_t group_bytes = (size_t)blocks * block_bytes(work->bits, work->symmetric);
     int first = (int)task * GROUPS_A_TASK, last = first + GROUPS_A_TASK < groups ? first + GROUPS_A_TASK : groups;
     for (int g = first; g < last; g++) {
-        const uint8_t *w = work->w + g * group_bytes;
-        int r = 0;
-        for (; r + ROWS <= work->m; r += ROWS)
-            tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, ROWS,
-                 work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
-        for (; r < work->m; r++)
-            tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, 1,
-                 work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
+        if (work->bits == 8)
+            group(work, work->w + g * group_bytes, g, 8);
+        else
+            group(work, work->w + g * group_bytes, g, 4);
     }
 }
 
 /* Y[M, N] = A[M, K] . W; each task on a thread of `pool` (or here, when there is no pool). */
-static int matmul(const uint8_t *w, const float *a, float *y, int m, int k, int n, int symmetric,
+static int matmul(const uint8_t *w, const float *a, float *y, int m, int k, int n, int bits, int symmetric,
                   void (*parallel)(void *, size_t, void *), void *pool) {
     const int blocks = k / BLOCK;
     int8_t *aq = (int8_t *)malloc((size_t)m * k + 8 * (size_t)m * blocks);
     if (!aq) return 0;
     float *d = (float *)(aq + (size_t)m * k), *dsums = d + (size_t)m * blocks;
     for (int r = 0; r < m; r++) quantize_row(a + (size_t)r * k, k, aq + (size_t)r * k, d + r * blocks, dsums + r * blocks);
-    Work work = {w, aq, d, dsums, y, m, k, n, symmetric};
+    Work work = {w, aq, d, dsums, y, m, k, n, bits, symmetric};
     size_t tasks = (n / GROUP + GROUPS_A_TASK - 1) / GROUPS_A_TASK;
     if (parallel)
         parallel(&work, tasks, pool);
@@ -195,43 +212,50 @@ static int matmul(const uint8_t *w, const float *a, float *y, int m, int k, int 
     return 1;
 }
 
-/* MatMulNBits' 4-bit initializers (B [N, K / 32, 16], two values a byte, the lower k in the low nibble;
- * scales [N, K / 32]; zero points [N, ceil(K / 64)], two a byte, or NULL for 8) into the layout above. */
-void edgeinfer_int4_pack(const uint8_t *b, const float *scales, const uint8_t *zeros, int k, int n, uint8_t *out) {
-    const int blocks = k / BLOCK, zero_row = (blocks + 1) / 2, stride = block_bytes(zeros == NULL);
+/* MatMulNBits' initializers into the layout above: B [N, K / 32, 32 * bits / 8] (4 bits: two values a
+ * byte, the lower k in the low nibble), scales [N, K / 32], zero points [N, ceil(K / 32 * bits / 8)]
+ * (4 bits: two a byte) or NULL for a symmetric block's. */
+void edgeinfer_block_pack(const uint8_t *b, const float *scales, const uint8_t *zeros, int k, int n, int bits, uint8_t *out) {
+    const int blocks = k / BLOCK, zero_row = bits == 8 ? blocks : (blocks + 1) / 2;
+    const int stride = block_bytes(bits, zeros == NULL), at = values_bytes(bits), block_source = BLOCK * bits / 8;
     memset(out, 0, (size_t)(n / GROUP) * blocks * stride);
     for (int g = 0; g < n / GROUP; g++)
         for (int blk = 0; blk < blocks; blk++) {
             uint8_t *o = out + ((size_t)g * blocks + blk) * stride;
             for (int c = 0; c < GROUP; c++) {
                 const size_t column = (size_t)g * GROUP + c;
-                const uint8_t *source = b + (column * blocks + blk) * (BLOCK / 2);
+                const uint8_t *source = b + (column * blocks + blk) * block_source;
                 for (int i = 0; i < BLOCK; i++) {
-                    int q = (source[i / 2] >> (4 * (i & 1))) & 0x0F, step = i / 4;
-                    o[64 * (step / 2) + 4 * c + i % 4] |= (uint8_t)(q << (4 * (step & 1)));
+                    int step = i / 4;
+                    if (bits == 8)
+                        o[64 * step + 4 * c + i % 4] = source[i];
+                    else
+                        o[64 * (step / 2) + 4 * c + i % 4] |= (uint8_t)(((source[i / 2] >> (4 * (i & 1))) & 0x0F) << (4 * (step & 1)));
                 }
                 float s = scales[column * blocks + blk];
-                int z = zeros ? (zeros[column * zero_row + blk / 2] >> (4 * (blk & 1))) & 0x0F : 8;
+                int z = !zeros ? (bits == 8 ? 128 : 8)
+                        : bits == 8 ? zeros[column * zero_row + blk]
+                                    : (zeros[column * zero_row + blk / 2] >> (4 * (blk & 1))) & 0x0F;
                 uint16_t half = _cvtss_sh(s, _MM_FROUND_TO_NEAREST_INT);
-                memcpy(o + 256 + 2 * c, &half, 2);
+                memcpy(o + at + 2 * c, &half, 2);
                 if (zeros) {
                     half = _cvtss_sh(s * (float)z, _MM_FROUND_TO_NEAREST_INT);
-                    memcpy(o + 288 + 2 * c, &half, 2);
+                    memcpy(o + at + 32 + 2 * c, &half, 2);
                 }
             }
         }
 }
 
 /* For tests and benchmarks without a session: one thread. */
-int edgeinfer_int4_matmul(const uint8_t *w, const float *a, float *y, int m, int k, int n, int symmetric) {
-    return matmul(w, a, y, m, k, n, symmetric, NULL, NULL) ? 0 : -1;
+int edgeinfer_block_matmul(const uint8_t *w, const float *a, float *y, int m, int k, int n, int bits, int symmetric) {
+    return matmul(w, a, y, m, k, n, bits, symmetric, NULL, NULL) ? 0 : -1;
 }
 
 /* ---- the custom op ---- */
 
 typedef struct {
     const OrtApi *api;
-    int64_t k, n, symmetric;
+    int64_t k, n, bits, symmetric;
 } Kernel;
 
 typedef struct {
@@ -255,14 +279,17 @@ static OrtStatus *fail(const OrtApi *api, int code, const char *message) {
 static OrtStatus *create_kernel(const CustomOp *op, const OrtApi *api, const void *info, void **out) {
     (void)op;
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
-    if (!kernel) return fail(api, ERROR_FAIL, "edgeinfer.Int4MatMul: out of memory");
+    if (!kernel) return fail(api, ERROR_FAIL, "edgeinfer.BlockMatMul: out of memory");
     kernel->api = api;
     GetAttrFn attribute = SLOT(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttrFn);
     OrtStatus *status = attribute(info, "K", &kernel->k);
     if (!status) status = attribute(info, "N", &kernel->n);
     if (!status) status = attribute(info, "symmetric", &kernel->symmetric);
+    if (!status) status = attribute(info, BITS_ATTRIBUTE, &kernel->bits);
+    if (!status && kernel->bits != 4 && kernel->bits != 8)
+        status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: bits must be 4 or 8");
     if (!status && (kernel->k % BLOCK || kernel->n % GROUP || kernel->k <= 0 || kernel->n <= 0))
-        status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.Int4MatMul: K must be a multiple of 32 and N of 16");
+        status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: K must be a multiple of 32 and N of 16");
     if (status) {
         free(kernel);
         return status;
@@ -282,7 +309,7 @@ static OrtStatus *compute(void *data, void *context) {
     if (!status) status = SLOT(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, 1, &w);
     if (!status) status = SLOT(api, GET_TENSOR_TYPE_AND_SHAPE, GetShapeFn)(a, &shape);
     if (!status) status = SLOT(api, GET_DIMENSIONS_COUNT, GetCountFn)(shape, &rank);
-    if (!status && (rank < 1 || rank > 8)) status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.Int4MatMul: A must have 1 to 8 dimensions");
+    if (!status && (rank < 1 || rank > 8)) status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: A must have 1 to 8 dimensions");
     if (!status) status = SLOT(api, GET_DIMENSIONS, GetDimsFn)(shape, dims, rank);
     if (shape) SLOT(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseFn)(shape);
     if (status) return status;
@@ -292,9 +319,9 @@ static OrtStatus *compute(void *data, void *context) {
     if (!status) status = SLOT(api, GET_TENSOR_SHAPE_ELEMENT_COUNT, GetCountFn)(shape, &w_bytes);
     if (shape) SLOT(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseFn)(shape);
     if (status) return status;
-    if (w_bytes != (size_t)kernel->n / GROUP * (kernel->k / BLOCK) * block_bytes((int)kernel->symmetric))
-        return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.Int4MatMul: the packed weights' size does not match K, N and symmetric");
-    if (dims[rank - 1] != kernel->k) return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.Int4MatMul: A's last dimension is not K");
+    if (w_bytes != (size_t)kernel->n / GROUP * (kernel->k / BLOCK) * block_bytes((int)kernel->bits, (int)kernel->symmetric))
+        return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: the packed weights' size does not match K, N, bits and symmetric");
+    if (dims[rank - 1] != kernel->k) return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: A's last dimension is not K");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
     dims[rank - 1] = kernel->n;
@@ -305,13 +332,13 @@ static OrtStatus *compute(void *data, void *context) {
     if (status || m == 0) return status;
     Pool pool = {api, context};
     if (!matmul((const uint8_t *)w_data, (const float *)a_data, (float *)y_data, (int)m, (int)kernel->k,
-                (int)kernel->n, (int)kernel->symmetric, parallel_on_pool, &pool))
-        return fail(api, ERROR_FAIL, "edgeinfer.Int4MatMul: out of memory for A's int8 copy");
+                (int)kernel->n, (int)kernel->bits, (int)kernel->symmetric, parallel_on_pool, &pool))
+        return fail(api, ERROR_FAIL, "edgeinfer.BlockMatMul: out of memory for A's int8 copy");
     return NULL;
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
-static const char *op_name(const CustomOp *op) { (void)op; return "Int4MatMul"; }
+static const char *op_name(const CustomOp *op) { (void)op; return "BlockMatMul"; }
 static const char *op_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const CustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
 static size_t input_count(const CustomOp *op) { (void)op; return 2; }
@@ -320,7 +347,7 @@ static size_t output_count(const CustomOp *op) { (void)op; return 1; }
 static int required(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 static int on_cpu(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
 
-static CustomOp int4_matmul_op = {
+static CustomOp block_matmul_op = {
     .version = API_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -346,12 +373,12 @@ OrtStatus *RegisterCustomOps(void *options, const OrtApiBase *base) {
                       strcmp(SLOT(api, GET_ERROR_MESSAGE, GetErrorMessageFn)(probe), "edgeinfer probe") == 0;
     SLOT(api, RELEASE_STATUS, ReleaseFn)(probe);
     if (!table_holds)
-        return fail(api, ERROR_FAIL, "edgeinfer.Int4MatMul: this ONNX Runtime's C API table is not the one the kernel was written for");
+        return fail(api, ERROR_FAIL, "edgeinfer.BlockMatMul: this ONNX Runtime's C API table is not the one the kernel was written for");
     static void *domain = NULL;  /* lives as long as the process: sessions keep pointers into it */
     OrtStatus *status = NULL;
     if (!domain) {
         status = SLOT(api, CREATE_CUSTOM_OP_DOMAIN, CreateDomainFn)("edgeinfer", &domain);
-        if (!status) status = SLOT(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &int4_matmul_op);
+        if (!status) status = SLOT(api, CUSTOM_OP_DOMAIN_ADD, DomainAddFn)(domain, &block_matmul_op);
         if (status) {
             domain = NULL;
             return status;

@@ -1,6 +1,6 @@
-"""edgeinfer's int4 kernel on the CPU (sdk/int4.py, sdk/kernels/int4_matmul.c) against ONNX Runtime's
-MatMulNBits on the same 4-bit weights: the same products within MatMulNBits' own error, alone and
-in a session that loads an export's graph rewritten for it. Skipped where the kernel cannot be
+"""edgeinfer's kernel for quantized weights on the CPU (sdk/cpu_kernel.py, sdk/kernels/block_matmul.c)
+against ONNX Runtime's MatMulNBits on the same 4- and 8-bit weights: the same products within
+MatMulNBits' own error, alone and in a session that loads an export's graph rewritten for it. Skipped where the kernel cannot be
 built (no AVX-512 VNNI, no C compiler); there the graphs run as exported, which the rest of the
 suite covers."""
 
@@ -12,28 +12,30 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import convert_model_to_external_data
 
-from edgeinfer.sdk import int4
+from edgeinfer.sdk import cpu_kernel
 from edgeinfer.sdk.runtime import Graph
 
-BUILT = int4.kernel()
-pytestmark = pytest.mark.skipif(BUILT.path is None, reason=f"edgeinfer's int4 kernel is not built here: {BUILT.reason}")
+BUILT = cpu_kernel.kernel()
+pytestmark = pytest.mark.skipif(BUILT.path is None, reason=f"edgeinfer's CPU kernel is not built here: {BUILT.reason}")
 
 
-def weights(k: int, n: int, symmetric: bool, seed: int = 0):
-    """MatMulNBits' B, scales and zero points for random 4-bit blocks, and W [K, N] they stand for."""
+def weights(k: int, n: int, symmetric: bool, seed: int = 0, bits: int = 4):
+    """MatMulNBits' B, scales and zero points for random blocks of `bits`, and W [K, N] they stand for."""
     rng = np.random.default_rng(seed)
-    blocks = k // 32
-    q = rng.integers(0, 16, (n, blocks, 32), dtype=np.uint8)
-    s = rng.uniform(0.005, 0.05, (n, blocks)).astype(np.float32)
-    z = np.full((n, blocks), 8, np.uint8) if symmetric else rng.integers(0, 16, (n, blocks), dtype=np.uint8)
+    blocks, levels = k // 32, 2**bits
+    q = rng.integers(0, levels, (n, blocks, 32), dtype=np.uint8)
+    s = (rng.uniform(0.005, 0.05, (n, blocks)) * 16 / levels).astype(np.float32)
+    z = np.full((n, blocks), levels // 2, np.uint8) if symmetric else rng.integers(0, levels, (n, blocks), dtype=np.uint8)
+    w = ((q.astype(np.float64) - z[:, :, None]) * s[:, :, None]).reshape(n, k).T
+    if bits == 8:
+        return q, s.reshape(-1), None if symmetric else z.reshape(-1), w
     b = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).astype(np.uint8)
     padded = np.pad(z, ((0, 0), (0, blocks % 2)))
     zeros = None if symmetric else (padded[:, 0::2] | (padded[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
-    w = ((q.astype(np.float64) - z[:, :, None]) * s[:, :, None]).reshape(n, k).T
     return b, s.reshape(-1), zeros, w
 
 
-def matmulnbits(k: int, n: int, b, scales, zeros, name: str = "B") -> tuple[list, object]:
+def matmulnbits(k: int, n: int, b, scales, zeros, name: str = "B", bits: int = 4) -> tuple[list, object]:
     """Initializers and the MatMulNBits node of y = x . W, as export writes them."""
     inputs = [numpy_helper.from_array(b, name), numpy_helper.from_array(scales, f"{name}_scales")]
     if zeros is not None:
@@ -45,15 +47,15 @@ def matmulnbits(k: int, n: int, b, scales, zeros, name: str = "B") -> tuple[list
         domain="com.microsoft",
         K=k,
         N=n,
-        bits=4,
+        bits=bits,
         block_size=32,
         accuracy_level=4,
     )
     return inputs, node
 
 
-def model(k: int, n: int, b, scales, zeros):
-    initializers, node = matmulnbits(k, n, b, scales, zeros)
+def model(k: int, n: int, b, scales, zeros, bits: int = 4):
+    initializers, node = matmulnbits(k, n, b, scales, zeros, bits=bits)
     bias = numpy_helper.from_array(np.linspace(-1, 1, n).astype(np.float32), "bias")  # read by a plain op: stays in the data file
     graph = helper.make_graph(
         [node, helper.make_node("Add", ["y", "bias"], ["out"])],
@@ -69,19 +71,21 @@ def relative_error(y, exact) -> float:
     return float(np.abs(y - exact).max() / np.abs(exact).max())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("k,n", [(64, 16), (96, 48), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_the_kernel_multiplies_as_matmulnbits_does(k, n, rows, symmetric):
+def test_the_kernel_multiplies_as_matmulnbits_does(k, n, rows, symmetric, bits):
     """Against the exact product of the 4-bit weights, the kernel's error is MatMulNBits' own (int8
     activations in blocks of 32) within a quarter, and the two products agree within a fifth of it
     (what is left is the kernel's fp16 scales)."""
-    b, scales, zeros, w = weights(k, n, symmetric)
+    b, scales, zeros, w = weights(k, n, symmetric, bits=bits)
     x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
     exact = x.astype(np.float64) @ w
-    theirs = ort.InferenceSession(model(k, n, b, scales, zeros).SerializeToString(), providers=["CPUExecutionProvider"])
+    theirs = ort.InferenceSession(model(k, n, b, scales, zeros, bits).SerializeToString(), providers=["CPUExecutionProvider"])
     theirs = theirs.run(None, {"x": x})[0] - np.linspace(-1, 1, n).astype(np.float32)
-    ours = int4.matmul(BUILT.path, int4.pack(BUILT.path, b, scales, zeros, k, n), x, k, n, symmetric)
+    packed = cpu_kernel.pack(BUILT.path, b, scales, zeros, k, n, bits)
+    ours = cpu_kernel.matmul(BUILT.path, packed, x, k, n, bits, symmetric)
     assert relative_error(ours, exact) <= 1.25 * relative_error(theirs, exact) + 1e-4
     assert relative_error(ours, theirs) <= 0.2 * relative_error(theirs, exact) + 1e-5
     assert relative_error(theirs, exact) < 0.02  # the tolerance above is a small one
@@ -92,8 +96,8 @@ def test_the_packed_layout_is_the_one_the_kernel_reads():
     the low nibble for even steps, then the fp16 scale and scale x zero point."""
     k, n = 64, 16
     b, scales, zeros, _ = weights(k, n, symmetric=False)
-    packed = int4.pack(BUILT.path, b, scales, zeros, k, n)
-    assert packed.size == int4.packed_size(k, n, symmetric=False) == 1 * 2 * 320
+    packed = cpu_kernel.pack(BUILT.path, b, scales, zeros, k, n, 4)
+    assert packed.size == cpu_kernel.packed_size(k, n, 4, symmetric=False) == 1 * 2 * 320
     q = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, 2, 32)
     first = packed[:320]
     for c in (0, 5, 15):
@@ -109,9 +113,9 @@ def test_the_packed_layout_is_the_one_the_kernel_reads():
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_a_session_runs_the_graph_rewritten_for_the_kernel(tmp_path, symmetric, monkeypatch):
     """An export-like graph file with its weights in a data file: the session runs
-    edgeinfer.Int4MatMul over weights packed at load (MatMulNBits' copies are not loaded; the
+    edgeinfer.BlockMatMul over weights packed at load (MatMulNBits' copies are not loaded; the
     bias, read by a plain op, still comes from the data file), and gives MatMulNBits' product
-    within its error. With EDGEINFER_INT4_KERNEL=0 the graph runs as exported, exactly."""
+    within its error. With EDGEINFER_CPU_KERNEL=0 the graph runs as exported, exactly."""
     k, n = 576, 1536
     b, scales, zeros, w = weights(k, n, symmetric, seed=3)
     onnx_model = model(k, n, b, scales, zeros)
@@ -123,20 +127,20 @@ def test_a_session_runs_the_graph_rewritten_for_the_kernel(tmp_path, symmetric, 
     exact = x.astype(np.float64) @ w + np.linspace(-1, 1, n)
     plain = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
-    graph = Graph(tmp_path / "model.onnx", "cpu", threads=2, int4=True)
-    assert graph.int4.startswith("edgeinfer's int4 kernel (1 weights")
+    graph = Graph(tmp_path / "model.onnx", "cpu", threads=2, quantized=True)
+    assert graph.weights_kernel.startswith("edgeinfer's kernel (1 weights")
     ours = graph.run({"x": x}, on_device=[], to_host=["out"])[1]["out"]
     assert relative_error(ours, exact) <= 1.25 * relative_error(plain, exact) + 1e-4
 
-    monkeypatch.setenv(int4.SWITCH_ENV, "0")
-    int4.kernel.cache_clear()
+    monkeypatch.setenv(cpu_kernel.SWITCH_ENV, "0")
+    cpu_kernel.kernel.cache_clear()
     try:
-        exported = Graph(tmp_path / "model.onnx", "cpu", threads=2, int4=True)
-        assert exported.int4 == f"MatMulNBits: edgeinfer's kernel is off ({int4.SWITCH_ENV}=0)"
+        exported = Graph(tmp_path / "model.onnx", "cpu", threads=2, quantized=True)
+        assert exported.weights_kernel == f"MatMulNBits: edgeinfer's kernel is off ({cpu_kernel.SWITCH_ENV}=0)"
         assert np.array_equal(exported.run({"x": x}, on_device=[], to_host=["out"])[1]["out"], plain)
     finally:
-        monkeypatch.delenv(int4.SWITCH_ENV)
-        int4.kernel.cache_clear()
+        monkeypatch.delenv(cpu_kernel.SWITCH_ENV)
+        cpu_kernel.kernel.cache_clear()
 
 
 def test_nodes_the_kernel_does_not_compute_the_same_way_stay_matmulnbits(tmp_path):
@@ -151,4 +155,4 @@ def test_nodes_the_kernel_does_not_compute_the_same_way_stay_matmulnbits(tmp_pat
         import onnx
 
         onnx.save(onnx_model, path)
-        assert int4.rewrite(path, BUILT.path) is None
+        assert cpu_kernel.rewrite(path, BUILT.path) is None

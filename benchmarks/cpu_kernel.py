@@ -1,11 +1,11 @@
-"""edgeinfer's int4 kernel (sdk/int4.py) against ONNX Runtime's MatMulNBits on the same 4-bit weights,
+"""edgeinfer's CPU kernel (sdk/cpu_kernel.py) against ONNX Runtime's MatMulNBits on the same 4-bit (or `--bits 8`) weights,
 per call, in ONNX Runtime sessions: the chain of benchmarks/investigations/matmulnbits_rows.py
 ([K, N] then [N, K], `--layers` pairs, quantized by ONNX Runtime's quantizer), once as MatMulNBits
-and once rewritten to edgeinfer.Int4MatMul, `--threads` intra-op threads, `--rows` rows (1 is a
+and once rewritten to edgeinfer.BlockMatMul, `--threads` intra-op threads, `--rows` rows (1 is a
 decode step, 8 eight streams, 512 a prompt), alternated over `--rounds`, medians of the best of
 five runs each.
 
-    python benchmarks/int4_kernel.py [--k 1536] [--n 8960] [--layers 8] [--rows 1,8,512] [--rounds 7]
+    python benchmarks/cpu_kernel.py [--bits 4] [--k 1536] [--n 8960] [--layers 8] [--rows 1,8,512] [--rounds 7]
 
 Prints per scheme (zero points, symmetric) and rows: microseconds a call for each, the ratio, and at
 one row the bytes each reads a call over its time (GB/s; 1.5B shapes with 8 layers are 70-140 MB,
@@ -28,19 +28,19 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parent / "investigations"))
 from matmulnbits_rows import chain  # noqa: E402
 
-from edgeinfer.sdk import int4  # noqa: E402
+from edgeinfer.sdk import cpu_kernel  # noqa: E402
 
 
-def sessions(k: int, n: int, layers: int, symmetric: bool, threads: int, folder: Path):
-    """(MatMulNBits session, Int4MatMul session, MatMulNBits' bytes, the kernel's bytes)."""
-    model_bytes, ort_bytes = chain(k, n, layers, 4, 32, 4, symmetric)
+def sessions(k: int, n: int, layers: int, bits: int, symmetric: bool, threads: int, folder: Path):
+    """(MatMulNBits session, BlockMatMul session, MatMulNBits' bytes, the kernel's bytes)."""
+    model_bytes, ort_bytes = chain(k, n, layers, bits, 32, 4, symmetric)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     theirs = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
-    path = folder / f"chain-{int(symmetric)}.onnx"
+    path = folder / f"chain-{bits}-{int(symmetric)}.onnx"
     onnx.save(onnx.load_from_string(model_bytes), path, save_as_external_data=True, location=path.name + ".data")
-    library = int4.kernel().path
-    model, packed = int4.rewrite(path, library)
+    library = cpu_kernel.kernel().path
+    model, packed = cpu_kernel.rewrite(path, library)
     ours_options = ort.SessionOptions()
     ours_options.intra_op_num_threads = threads
     ours_options.register_custom_ops_library(str(library))
@@ -71,16 +71,19 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,512")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bits", type=int, choices=[4, 8], default=4)
     args = parser.parse_args()
     logging.disable(logging.INFO)
-    if int4.kernel().path is None:
-        sys.exit(f"edgeinfer's int4 kernel is not built here: {int4.kernel().reason}")
+    if cpu_kernel.kernel().path is None:
+        sys.exit(f"edgeinfer's CPU kernel is not built here: {cpu_kernel.kernel().reason}")
     rows, calls = [int(r) for r in args.rows.split(",")], 2 * args.layers
     print("| scheme | rows | MatMulNBits us a call | edgeinfer us a call | speedup | GB/s MatMulNBits / edgeinfer |")
     print("|---|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as folder:
         for symmetric in (False, True):
-            theirs, ours, ort_bytes, our_bytes = sessions(args.k, args.n, args.layers, symmetric, args.threads, Path(folder))
+            theirs, ours, ort_bytes, our_bytes = sessions(
+                args.k, args.n, args.layers, args.bits, symmetric, args.threads, Path(folder)
+            )
             for m in rows:
                 x = np.random.default_rng(m).standard_normal((m, args.k)).astype(np.float32)
                 times = {"theirs": [], "ours": []}

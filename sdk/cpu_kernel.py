@@ -1,8 +1,8 @@
-"""edgeinfer's int4 kernel on the CPU provider. An export's 4-bit weights are ONNX Runtime's
-MatMulNBits (blocks of 32, int8 activations); on a CPU with AVX-512 VNNI and a C compiler,
-kernels/int4_matmul.c is built once into edgeinfer's cache, and as a session loads, each such node
-becomes edgeinfer.Int4MatMul over its weights repacked for that kernel (scales in fp16). Anywhere
-else, and with EDGEINFER_INT4_KERNEL=0, the graph runs as exported.
+"""edgeinfer's own kernel for quantized weights on the CPU provider. An export's 4- and 8-bit weights
+are ONNX Runtime's MatMulNBits (blocks of 32, int8 activations); on a CPU with AVX-512 VNNI and a C
+compiler, kernels/block_matmul.c is built once into edgeinfer's cache, and as a session loads, each
+such node becomes edgeinfer.BlockMatMul over its weights repacked for that kernel (scales in fp16).
+Anywhere else, and with EDGEINFER_CPU_KERNEL=0, the graph runs as exported.
 
 Nothing is written next to the export: the packed weights live in the process, and ONNX Runtime
 never loads the MatMulNBits copies they replace."""
@@ -23,8 +23,8 @@ import numpy as np
 
 from .initializers import ExternalData
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "int4_matmul.c"
-SWITCH_ENV = "EDGEINFER_INT4_KERNEL"  # "0": run MatMulNBits as exported
+SOURCE = Path(__file__).resolve().parent / "kernels" / "block_matmul.c"
+SWITCH_ENV = "EDGEINFER_CPU_KERNEL"  # "0": run MatMulNBits as exported
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 _GROUP, _BLOCK = 16, 32  # the kernel's columns a group, rows of K a block
 
@@ -53,7 +53,7 @@ def kernel() -> Kernel:
     key = hashlib.sha256(source + " ".join(sorted(flags)).encode()).hexdigest()[:16]
     from edgeinfer.models.cache import cache_root
 
-    library = cache_root() / "kernels" / f"int4_matmul-{key}.so"
+    library = cache_root() / "kernels" / f"block_matmul-{key}.so"
     if not library.exists():
         error = _build(compiler, library)
         if error:
@@ -90,40 +90,42 @@ def _build(compiler: str, library: Path) -> str | None:
             os.unlink(temporary)
 
 
-def packed_size(k: int, n: int, symmetric: bool) -> int:
+def packed_size(k: int, n: int, bits: int, symmetric: bool) -> int:
     """Bytes of one [K, N] weight in the kernel's layout."""
-    return n // _GROUP * (k // _BLOCK) * (256 + 32 + (0 if symmetric else 32))
+    return n // _GROUP * (k // _BLOCK) * (64 * bits + 32 + (0 if symmetric else 32))
 
 
-def pack(library: Path, b: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, k: int, n: int) -> np.ndarray:
+def pack(library: Path, b: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, k: int, n: int, bits: int) -> np.ndarray:
     """MatMulNBits' B, scales and zero points (None: symmetric) in the kernel's layout."""
     c = _library(library)
     b, scales = np.ascontiguousarray(b, np.uint8), np.ascontiguousarray(scales, np.float32)
     zeros = None if zeros is None else np.ascontiguousarray(zeros, np.uint8)
-    out = np.empty(packed_size(k, n, zeros is None), np.uint8)
-    c.edgeinfer_int4_pack(b.ctypes.data, scales.ctypes.data, None if zeros is None else zeros.ctypes.data, k, n, out.ctypes.data)
+    out = np.empty(packed_size(k, n, bits, zeros is None), np.uint8)
+    zero_points = None if zeros is None else zeros.ctypes.data
+    c.edgeinfer_block_pack(b.ctypes.data, scales.ctypes.data, zero_points, k, n, bits, out.ctypes.data)
     return out
 
 
-def matmul(library: Path, packed: np.ndarray, a: np.ndarray, k: int, n: int, symmetric: bool) -> np.ndarray:
+def matmul(library: Path, packed: np.ndarray, a: np.ndarray, k: int, n: int, bits: int, symmetric: bool) -> np.ndarray:
     """A [M, K] times the packed weight, on this thread (for tests; sessions run the op)."""
     a = np.ascontiguousarray(a, np.float32).reshape(-1, k)
     y = np.empty((a.shape[0], n), np.float32)
-    if _library(library).edgeinfer_int4_matmul(packed.ctypes.data, a.ctypes.data, y.ctypes.data, a.shape[0], k, n, int(symmetric)):
-        raise MemoryError("edgeinfer_int4_matmul: out of memory")
+    rows = a.shape[0]
+    if _library(library).edgeinfer_block_matmul(packed.ctypes.data, a.ctypes.data, y.ctypes.data, rows, k, n, bits, int(symmetric)):
+        raise MemoryError("edgeinfer_block_matmul: out of memory")
     return y
 
 
 @functools.cache
 def _library(path: Path) -> ctypes.CDLL:
     c = ctypes.CDLL(str(path))
-    c.edgeinfer_int4_pack.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
-    c.edgeinfer_int4_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    c.edgeinfer_block_pack.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    c.edgeinfer_block_matmul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     return c
 
 
 def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarray]] | None:
-    """`graph_file` with each MatMulNBits the kernel takes made edgeinfer.Int4MatMul, and the packed
+    """`graph_file` with each MatMulNBits the kernel takes made edgeinfer.BlockMatMul, and the packed
     weights its new nodes read (by initializer name, for the session to use as they are); None when
     no node qualifies. The graph's other initializers stay in its external data file."""
     import onnx
@@ -136,15 +138,14 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarra
         spec = _takes(node, initializers)
         if spec is None:
             continue
-        k, n, b, scales, zeros = spec
-        name = f"{b}/edgeinfer_int4"
+        k, n, bits, b, scales, zeros = spec
+        name = f"{b}/edgeinfer_blocks"
         if name not in packed:
             zero_points = None if zeros is None else reader.array(initializers[zeros])
-            packed[name] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n)
-        new = helper.make_node("Int4MatMul", [node.input[0], name], list(node.output), node.name, domain="edgeinfer")
-        new.attribute.extend(
-            [helper.make_attribute("K", k), helper.make_attribute("N", n), helper.make_attribute("symmetric", int(zeros is None))]
-        )
+            packed[name] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n, bits)
+        new = helper.make_node("BlockMatMul", [node.input[0], name], list(node.output), node.name, domain="edgeinfer")
+        attributes = {"K": k, "N": n, "bits": bits, "symmetric": int(zeros is None)}
+        new.attribute.extend(helper.make_attribute(key, value) for key, value in attributes.items())
         replaced.append((index, new))
     if not replaced:
         return None
@@ -156,17 +157,17 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarra
     return model.SerializeToString(), packed
 
 
-def _takes(node, initializers) -> tuple[int, int, str, str, str | None] | None:
-    """(K, N, B, scales, zero points or None) of a MatMulNBits node the kernel computes the same
-    way: 4 bits, blocks of 32, int8 activations, integer zero points, no group index or bias, its
-    weights constant."""
+def _takes(node, initializers) -> tuple[int, int, int, str, str, str | None] | None:
+    """(K, N, bits, B, scales, zero points or None) of a MatMulNBits node the kernel computes the same
+    way: 4 or 8 bits, blocks of 32, int8 activations, integer zero points, no group index or bias,
+    its weights constant."""
     from onnx import TensorProto
 
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
         return None
     attributes = {a.name: a.i for a in node.attribute}
     k, n = attributes.get("K", 0), attributes.get("N", 0)
-    if attributes.get("bits") != 4 or attributes.get("block_size") != _BLOCK or attributes.get("accuracy_level") != 4:
+    if attributes.get("bits") not in (4, 8) or attributes.get("block_size") != _BLOCK or attributes.get("accuracy_level") != 4:
         return None
     if k % _BLOCK or n % _GROUP or len(node.input) < 3 or any(node.input[4:]):
         return None
@@ -176,7 +177,7 @@ def _takes(node, initializers) -> tuple[int, int, str, str, str | None] | None:
         return None
     if zeros and initializers[zeros].data_type != TensorProto.UINT8:
         return None  # float zero points: not the kernel's arithmetic
-    return k, n, node.input[1], node.input[2], zeros
+    return k, n, attributes["bits"], node.input[1], node.input[2], zeros
 
 
 def _drop_unread(graph) -> None:
