@@ -159,8 +159,8 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarra
 
 def _takes(node, initializers) -> tuple[int, int, int, str, str, str | None] | None:
     """(K, N, bits, B, scales, zero points or None) of a MatMulNBits node the kernel computes the same
-    way: 4 or 8 bits, blocks of 32, int8 activations, integer zero points, no group index or bias,
-    its weights constant."""
+    way: 4 or 8 bits, blocks of 32, fp32 activations rounded to int8, integer zero points, no group
+    index or bias, its weights constant."""
     from onnx import TensorProto
 
     if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
@@ -175,6 +175,8 @@ def _takes(node, initializers) -> tuple[int, int, int, str, str, str | None] | N
     weights = [node.input[1], node.input[2]] + ([zeros] if zeros else [])
     if any(w not in initializers for w in weights):
         return None
+    if initializers[node.input[2]].data_type != TensorProto.FLOAT:
+        return None  # fp16 activations (the scales are of their type): the kernel reads fp32
     if zeros and initializers[zeros].data_type != TensorProto.UINT8:
         return None  # float zero points: not the kernel's arithmetic
     return k, n, attributes["bits"], node.input[1], node.input[2], zeros

@@ -144,15 +144,19 @@ def test_a_session_runs_the_graph_rewritten_for_the_kernel(tmp_path, symmetric, 
 
 
 def test_nodes_the_kernel_does_not_compute_the_same_way_stay_matmulnbits(tmp_path):
-    """Blocks of 64 and fp32 activations (accuracy level 0) keep MatMulNBits: no node is rewritten."""
+    """Blocks of 64, fp32 arithmetic (accuracy level 0) and fp16 activations (an fp16 export's, whose
+    scales are fp16) keep MatMulNBits: no node is rewritten."""
+    import onnx
+
     k, n = 128, 32
     b, scales, zeros, _ = weights(k, n, symmetric=False)
-    for attribute, value in (("block_size", 64), ("accuracy_level", 0)):
-        onnx_model = model(k, n, b, scales, zeros)
+    for attribute, value in (("block_size", 64), ("accuracy_level", 0), ("scales", None)):
+        onnx_model = model(k, n, b, scales.astype(np.float16) if attribute == "scales" else scales, zeros)
         node = onnx_model.graph.node[0]
-        next(a for a in node.attribute if a.name == attribute).i = value
+        if value is not None:
+            next(a for a in node.attribute if a.name == attribute).i = value
         path = tmp_path / f"{attribute}.onnx"
-        import onnx
-
         onnx.save(onnx_model, path)
         assert cpu_kernel.rewrite(path, BUILT.path) is None
+    onnx.save(model(k, n, b, scales, zeros), tmp_path / "taken.onnx")
+    assert cpu_kernel.rewrite(tmp_path / "taken.onnx", BUILT.path) is not None  # the same graph as exported is taken
