@@ -29,27 +29,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "investigations"))
 from matmulnbits_rows import chain  # noqa: E402
 
 from edgeinfer.sdk import cpu_kernel  # noqa: E402
+from edgeinfer.sdk.runtime import Graph  # noqa: E402
 
 
 def sessions(k: int, n: int, layers: int, bits: int, symmetric: bool, threads: int, folder: Path):
-    """(MatMulNBits session, BlockMatMul session, MatMulNBits' bytes, the kernel's bytes)."""
+    """(MatMulNBits session, BlockMatMul session, MatMulNBits' bytes, the kernel's bytes): the chain
+    saved as an export saves its graph, loaded as edgeinfer loads one."""
     model_bytes, ort_bytes = chain(k, n, layers, bits, 32, 4, symmetric)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     theirs = ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
     path = folder / f"chain-{bits}-{int(symmetric)}.onnx"
     onnx.save(onnx.load_from_string(model_bytes), path, save_as_external_data=True, location=path.name + ".data")
-    library = cpu_kernel.kernel().path
-    model, packed = cpu_kernel.rewrite(path, library)
-    ours_options = ort.SessionOptions()
-    ours_options.intra_op_num_threads = threads
-    ours_options.register_custom_ops_library(str(library))
-    ours_options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in packed.values()]
-    ours_options.add_external_initializers(list(packed), values)
-    ours = ort.InferenceSession(model, ours_options, providers=["CPUExecutionProvider"])
-    ours.keep = (packed, values)
-    return theirs, ours, ort_bytes, sum(a.nbytes for a in packed.values())
+    ours = Graph(path, "cpu", threads, quantized=True)
+    return theirs, ours, ort_bytes, sum(a.nbytes for a in ours._packed)
 
 
 def best_of_five(session, x: np.ndarray) -> float:
@@ -89,7 +82,7 @@ def main() -> None:
                 times = {"theirs": [], "ours": []}
                 for _ in range(args.rounds):
                     times["theirs"].append(best_of_five(theirs, x) / calls)
-                    times["ours"].append(best_of_five(ours, x) / calls)
+                    times["ours"].append(best_of_five(ours.session, x) / calls)
                 t, o = statistics.median(times["theirs"]), statistics.median(times["ours"])
                 rates = f"{ort_bytes / calls / t / 1e9:.1f} / {our_bytes / calls / o / 1e9:.1f}" if m == 1 else ""
                 scheme = "symmetric" if symmetric else "zero points"

@@ -4,8 +4,8 @@ compiler, kernels/block_matmul.c is built once into edgeinfer's cache, and as a 
 such node becomes edgeinfer.BlockMatMul over its weights repacked for that kernel (scales in fp16).
 Anywhere else, and with EDGEINFER_CPU_KERNEL=0, the graph runs as exported.
 
-Nothing is written next to the export: the packed weights live in the process, and ONNX Runtime
-never loads the MatMulNBits copies they replace."""
+Nothing is written next to the export: the packed weights live in the process (the nodes name them
+by address), and ONNX Runtime never loads the MatMulNBits copies they replace."""
 
 from __future__ import annotations
 
@@ -124,10 +124,12 @@ def _library(path: Path) -> ctypes.CDLL:
     return c
 
 
-def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarray]] | None:
+def rewrite(graph_file: Path, library: Path) -> tuple[bytes, list[np.ndarray]] | None:
     """`graph_file` with each MatMulNBits the kernel takes made edgeinfer.BlockMatMul, and the packed
-    weights its new nodes read (by initializer name, for the session to use as they are); None when
-    no node qualifies. The graph's other initializers stay in its external data file."""
+    weights its new nodes read; None when no node qualifies. A node names its weights by address
+    (attributes `weights`, `weights_bytes`), so the caller must keep the arrays as long as a session
+    of the graph lives: an initializer handed to ONNX Runtime from memory is copied, and the weights
+    would be held twice. The graph's other initializers stay in its external data file."""
     import onnx
     from onnx import helper
 
@@ -139,12 +141,13 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarra
         if spec is None:
             continue
         k, n, bits, b, scales, zeros = spec
-        name = f"{b}/edgeinfer_blocks"
-        if name not in packed:
+        if b not in packed:
             zero_points = None if zeros is None else reader.array(initializers[zeros])
-            packed[name] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n, bits)
-        new = helper.make_node("BlockMatMul", [node.input[0], name], list(node.output), node.name, domain="edgeinfer")
+            packed[b] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n, bits)
+        new = helper.make_node("BlockMatMul", [node.input[0]], list(node.output), node.name, domain="edgeinfer")
+        weights = packed[b]
         attributes = {"K": k, "N": n, "bits": bits, "symmetric": int(zeros is None)}
+        attributes.update(weights=weights.ctypes.data, weights_bytes=weights.nbytes)
         new.attribute.extend(helper.make_attribute(key, value) for key, value in attributes.items())
         replaced.append((index, new))
     if not replaced:
@@ -152,9 +155,8 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, dict[str, np.ndarra
     for index, new in replaced:
         graph.node[index].CopyFrom(new)
     _drop_unread(graph)
-    graph.initializer.extend(_placeholder(name, array.size) for name, array in packed.items())
     model.opset_import.append(helper.make_opsetid("edgeinfer", 1))
-    return model.SerializeToString(), packed
+    return model.SerializeToString(), list(packed.values())
 
 
 def _takes(node, initializers) -> tuple[int, int, int, str, str, str | None] | None:
@@ -190,15 +192,3 @@ def _drop_unread(graph) -> None:
     kept = [t for t in graph.initializer if t.name in read]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-
-
-def _placeholder(name: str, size: int):
-    """An initializer whose bytes the session is handed at load (add_external_initializers): it
-    names external data that is never read."""
-    from onnx import TensorProto
-
-    tensor = TensorProto(name=name, data_type=TensorProto.UINT8, dims=[size], data_location=TensorProto.EXTERNAL)
-    for key, value in (("location", "edgeinfer-packed-at-load"), ("length", str(size))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-    return tensor

@@ -181,7 +181,7 @@ class Graph:
 
     def _take_cpu_kernel(self, source: Path, options: ort.SessionOptions) -> Path | bytes:
         """The graph with its MatMulNBits nodes run by edgeinfer's kernel where it is built
-        (sdk/cpu_kernel.py), the packed weights handed to the session; else `source` as it is."""
+        (sdk/cpu_kernel.py), over weights packed here; else `source` as it is."""
         built = kernel()
         if built.path is None:
             self.weights_kernel = f"MatMulNBits: edgeinfer's kernel is off ({built.reason})"
@@ -197,10 +197,8 @@ class Graph:
         model, packed = rewritten
         options.register_custom_ops_library(str(built.path))
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(source.parent))
-        values = [ort.OrtValue.ortvalue_from_numpy(array) for array in packed.values()]
-        options.add_external_initializers(list(packed), values)
-        self._packed = (packed, values)  # the session reads this memory for as long as it lives
-        self.weights_kernel = f"edgeinfer's kernel ({len(packed)} weights, {sum(a.nbytes for a in packed.values()) / 2**20:.1f} MiB)"
+        self._packed = packed  # the nodes read this memory by address for as long as the session lives
+        self.weights_kernel = f"edgeinfer's kernel ({len(packed)} weights, {sum(a.nbytes for a in packed) / 2**20:.1f} MiB)"
         return model
 
     def input_dtype(self, name: str) -> np.dtype:

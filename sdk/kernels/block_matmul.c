@@ -46,7 +46,6 @@ enum {  /* slots of the OrtApi table */
     GET_TENSOR_MUTABLE_DATA = 51,
     GET_DIMENSIONS_COUNT = 61,
     GET_DIMENSIONS = 62,
-    GET_TENSOR_SHAPE_ELEMENT_COUNT = 64,
     GET_TENSOR_TYPE_AND_SHAPE = 65,
     KERNEL_INFO_GET_ATTRIBUTE_INT64 = 86,
     KERNEL_CONTEXT_GET_INPUT = 90,
@@ -98,7 +97,7 @@ typedef struct CustomOp {
     OrtStatus *(*InferOutputShapeFn)(const struct CustomOp *, void *);
 } CustomOp;
 
-enum { TYPE_FLOAT = 1, TYPE_UINT8 = 2, ERROR_INVALID_ARGUMENT = 2, ERROR_FAIL = 1 };
+enum { TYPE_FLOAT = 1, ERROR_INVALID_ARGUMENT = 2, ERROR_FAIL = 1 };
 
 /* ---- the kernel ---- */
 
@@ -256,6 +255,7 @@ int edgeinfer_block_matmul(const uint8_t *w, const float *a, float *y, int m, in
 typedef struct {
     const OrtApi *api;
     int64_t k, n, bits, symmetric;
+    const uint8_t *w;  /* the packed weights: memory the process that rewrote the graph keeps */
 } Kernel;
 
 typedef struct {
@@ -276,24 +276,33 @@ static OrtStatus *fail(const OrtApi *api, int code, const char *message) {
     return SLOT(api, CREATE_STATUS, CreateStatusFn)(code, message);
 }
 
+/* The node's attributes: K, N, bits, symmetric, and the packed weights as an address and a size
+ * (weights, weights_bytes). They are not an input: ONNX Runtime copies an initializer handed to it
+ * from memory, and the packed weights would then be held twice. */
 static OrtStatus *create_kernel(const CustomOp *op, const OrtApi *api, const void *info, void **out) {
     (void)op;
     Kernel *kernel = (Kernel *)calloc(1, sizeof(Kernel));
     if (!kernel) return fail(api, ERROR_FAIL, "edgeinfer.BlockMatMul: out of memory");
     kernel->api = api;
     GetAttrFn attribute = SLOT(api, KERNEL_INFO_GET_ATTRIBUTE_INT64, GetAttrFn);
+    int64_t address = 0, size = 0;
     OrtStatus *status = attribute(info, "K", &kernel->k);
     if (!status) status = attribute(info, "N", &kernel->n);
     if (!status) status = attribute(info, "symmetric", &kernel->symmetric);
     if (!status) status = attribute(info, BITS_ATTRIBUTE, &kernel->bits);
+    if (!status) status = attribute(info, "weights", &address);
+    if (!status) status = attribute(info, "weights_bytes", &size);
     if (!status && kernel->bits != 4 && kernel->bits != 8)
         status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: bits must be 4 or 8");
     if (!status && (kernel->k % BLOCK || kernel->n % GROUP || kernel->k <= 0 || kernel->n <= 0))
         status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: K must be a multiple of 32 and N of 16");
+    if (!status && (!address || size != (int64_t)(kernel->n / GROUP) * (kernel->k / BLOCK) * block_bytes((int)kernel->bits, (int)kernel->symmetric)))
+        status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: the packed weights' size does not match K, N, bits and symmetric");
     if (status) {
         free(kernel);
         return status;
     }
+    kernel->w = (const uint8_t *)(uintptr_t)address;
     *out = kernel;
     return NULL;
 }
@@ -301,38 +310,28 @@ static OrtStatus *create_kernel(const CustomOp *op, const OrtApi *api, const voi
 static OrtStatus *compute(void *data, void *context) {
     const Kernel *kernel = (const Kernel *)data;
     const OrtApi *api = kernel->api;
-    const void *a = NULL, *w = NULL;
-    void *shape = NULL, *y = NULL, *a_data = NULL, *w_data = NULL, *y_data = NULL;
+    const void *a = NULL;
+    void *shape = NULL, *y = NULL, *a_data = NULL, *y_data = NULL;
     int64_t dims[8];
     size_t rank = 0;
     OrtStatus *status = SLOT(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, 0, &a);
-    if (!status) status = SLOT(api, KERNEL_CONTEXT_GET_INPUT, GetInputFn)(context, 1, &w);
     if (!status) status = SLOT(api, GET_TENSOR_TYPE_AND_SHAPE, GetShapeFn)(a, &shape);
     if (!status) status = SLOT(api, GET_DIMENSIONS_COUNT, GetCountFn)(shape, &rank);
     if (!status && (rank < 1 || rank > 8)) status = fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: A must have 1 to 8 dimensions");
     if (!status) status = SLOT(api, GET_DIMENSIONS, GetDimsFn)(shape, dims, rank);
     if (shape) SLOT(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseFn)(shape);
     if (status) return status;
-    size_t w_bytes = 0;
-    shape = NULL;
-    status = SLOT(api, GET_TENSOR_TYPE_AND_SHAPE, GetShapeFn)(w, &shape);
-    if (!status) status = SLOT(api, GET_TENSOR_SHAPE_ELEMENT_COUNT, GetCountFn)(shape, &w_bytes);
-    if (shape) SLOT(api, RELEASE_TENSOR_TYPE_AND_SHAPE_INFO, ReleaseFn)(shape);
-    if (status) return status;
-    if (w_bytes != (size_t)kernel->n / GROUP * (kernel->k / BLOCK) * block_bytes((int)kernel->bits, (int)kernel->symmetric))
-        return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: the packed weights' size does not match K, N, bits and symmetric");
     if (dims[rank - 1] != kernel->k) return fail(api, ERROR_INVALID_ARGUMENT, "edgeinfer.BlockMatMul: A's last dimension is not K");
     int64_t m = 1;
     for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
     dims[rank - 1] = kernel->n;
     status = SLOT(api, KERNEL_CONTEXT_GET_OUTPUT, GetOutputFn)(context, 0, dims, rank, &y);
     if (!status) status = SLOT(api, GET_TENSOR_MUTABLE_DATA, GetDataFn)(a, &a_data);
-    if (!status) status = SLOT(api, GET_TENSOR_MUTABLE_DATA, GetDataFn)(w, &w_data);
     if (!status) status = SLOT(api, GET_TENSOR_MUTABLE_DATA, GetDataFn)(y, &y_data);
     if (status || m == 0) return status;
     Pool pool = {api, context};
-    if (!matmul((const uint8_t *)w_data, (const float *)a_data, (float *)y_data, (int)m, (int)kernel->k,
-                (int)kernel->n, (int)kernel->bits, (int)kernel->symmetric, parallel_on_pool, &pool))
+    if (!matmul(kernel->w, (const float *)a_data, (float *)y_data, (int)m, (int)kernel->k, (int)kernel->n,
+                (int)kernel->bits, (int)kernel->symmetric, parallel_on_pool, &pool))
         return fail(api, ERROR_FAIL, "edgeinfer.BlockMatMul: out of memory for A's int8 copy");
     return NULL;
 }
@@ -340,8 +339,8 @@ static OrtStatus *compute(void *data, void *context) {
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const CustomOp *op) { (void)op; return "BlockMatMul"; }
 static const char *op_provider(const CustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static int input_type(const CustomOp *op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
-static size_t input_count(const CustomOp *op) { (void)op; return 2; }
+static int input_type(const CustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t input_count(const CustomOp *op) { (void)op; return 1; }
 static int output_type(const CustomOp *op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const CustomOp *op) { (void)op; return 1; }
 static int required(const CustomOp *op, size_t i) { (void)op; (void)i; return 0; }
