@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,28 +136,32 @@ def rewrite(graph_file: Path, library: Path) -> tuple[bytes, list[np.ndarray]] |
 
     model = onnx.load(str(graph_file), load_external_data=False)
     graph, initializers = model.graph, {t.name: t for t in model.graph.initializer}
-    reader, packed, replaced = ExternalData(Path(graph_file).parent), {}, []
-    for index, node in enumerate(graph.node):
-        spec = _takes(node, initializers)
-        if spec is None:
-            continue
-        k, n, bits, b, scales, zeros = spec
-        if b not in packed:
-            zero_points = None if zeros is None else reader.array(initializers[zeros])
-            packed[b] = pack(library, reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n, bits)
+    specs = {index: spec for index, node in enumerate(graph.node) if (spec := _takes(node, initializers))}
+    if not specs:
+        return None
+    packed = _packed_weights(library, Path(graph_file).parent, initializers, specs.values())
+    for index, (k, n, bits, b, _, zeros) in specs.items():
+        node, weights = graph.node[index], packed[b]
         new = helper.make_node("BlockMatMul", [node.input[0]], list(node.output), node.name, domain="edgeinfer")
-        weights = packed[b]
         attributes = {"K": k, "N": n, "bits": bits, "symmetric": int(zeros is None)}
         attributes.update(weights=weights.ctypes.data, weights_bytes=weights.nbytes)
         new.attribute.extend(helper.make_attribute(key, value) for key, value in attributes.items())
-        replaced.append((index, new))
-    if not replaced:
-        return None
-    for index, new in replaced:
-        graph.node[index].CopyFrom(new)
+        node.CopyFrom(new)
     _drop_unread(graph)
     model.opset_import.append(helper.make_opsetid("edgeinfer", 1))
     return model.SerializeToString(), list(packed.values())
+
+
+def _packed_weights(library: Path, folder: Path, initializers: dict, specs) -> dict[str, np.ndarray]:
+    """Each weight the specs name, packed once, the weights spread over the CPU's cores (ctypes lets
+    go of the GIL while the C packs)."""
+    reader, jobs = ExternalData(folder), {}
+    for k, n, bits, b, scales, zeros in specs:
+        zero_points = None if zeros is None else reader.array(initializers[zeros])
+        jobs.setdefault(b, (reader.array(initializers[b]), reader.array(initializers[scales]), zero_points, k, n, bits))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = pool.map(lambda job: pack(library, *job), jobs.values())
+        return dict(zip(jobs, done))
 
 
 def _takes(node, initializers) -> tuple[int, int, int, str, str, str | None] | None:
