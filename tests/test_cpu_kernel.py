@@ -74,7 +74,7 @@ def relative_error(y, exact) -> float:
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("k,n", [(64, 16), (96, 48), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 13])
 def test_the_kernel_multiplies_as_matmulnbits_does(k, n, rows, symmetric, bits):
     """Against the exact product of the 4-bit weights, the kernel's error is MatMulNBits' own (int8
     activations in blocks of 32) within a quarter, and the two products agree within a fifth of it

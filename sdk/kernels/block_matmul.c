@@ -25,7 +25,7 @@
 
 #define GROUP 16
 #define BLOCK 32
-#define ROWS 4            /* rows of A that share one pass over a group's weights */
+#define ROWS 8            /* the most rows of A that share one pass over a group's weights */
 #define BITS_ATTRIBUTE "bits"
 #define GROUPS_A_TASK 8   /* column groups per task handed to ONNX Runtime's thread pool */
 #define API_VERSION 16
@@ -166,17 +166,21 @@ typedef struct {
     int m, k, n, bits, symmetric;
 } Work;
 
-/* One column group, every row: ROWS rows at a time, then one. `bits` is a constant in each call, so
- * that the compiler makes the 4- and 8-bit loops apart. */
-static inline __attribute__((always_inline)) void group(const Work *work, const uint8_t *w, int g, int bits) {
+/* Rows r.. of one column group in tiles of `rows` (a constant in each call, as `bits` is, so that
+ * the compiler makes each loop apart); the row after the last one taken. */
+static inline __attribute__((always_inline)) int tiles(const Work *work, const uint8_t *w, int g, int r, int rows, int bits) {
     const int blocks = work->k / BLOCK;
-    int r = 0;
-    for (; r + ROWS <= work->m; r += ROWS)
-        tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, ROWS, bits,
+    for (; r + rows <= work->m; r += rows)
+        tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, rows, bits,
              work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
-    for (; r < work->m; r++)
-        tile(w, work->aq + (size_t)r * work->k, work->d + r * blocks, work->dsums + r * blocks, work->k, 1, bits,
-             work->symmetric, work->y + (size_t)r * work->n + g * GROUP, work->n);
+    return r;
+}
+
+/* One column group, every row: eight rows at a time, then four, then one. */
+static inline __attribute__((always_inline)) void group(const Work *work, const uint8_t *w, int g, int bits) {
+    int r = tiles(work, w, g, 0, 8, bits);
+    r = tiles(work, w, g, r, 4, bits);
+    tiles(work, w, g, r, 1, bits);
 }
 
 /* Task `task`: GROUPS_A_TASK column groups, every row. */
