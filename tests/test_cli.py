@@ -948,3 +948,41 @@ def test_allowed_image_domains_takes_hosts_only(tiny_llama, hosts):
     done = edgeinfer("serve", "-m", str(tiny_llama[1]), "--allowed-image-domains", hosts, "--port", "1")
     assert done.returncode == 2 and "is not a host: give names or addresses, comma-separated, without scheme or port" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_int4_export_with_a_4_bit_table_runs_and_says_which_kernel_runs_its_weights(tiny_llama, tmp_path):
+    """`export --quantize int4 --embedding-bits 4`: the manifest records the untied table's 4-bit
+    blocks; `edgeinfer -v run` names what runs the weights (edgeinfer's CPU kernel where it is
+    built, else MatMulNBits and why), and with `EDGEINFER_CPU_KERNEL=0` says MatMulNBits runs them."""
+    import json
+
+    from edgeinfer.sdk import cpu_kernel
+
+    out = tmp_path / "int4"
+    done = edgeinfer(
+        "export", str(tiny_llama[0]), "-o", str(out), "--quantize", "int4", "--symmetric", "--embedding-bits", "4", "--no-quality"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "edgeinfer.json").read_text())["quantization"]["embedding"] == {"bits": 4, "blocks": "own"}
+    ran = edgeinfer("-v", "run", "--model", str(out), "--max-new-tokens", "4", "--temperature", "0", "hello")
+    assert ran.returncode == 0, ran.stderr
+    built = cpu_kernel.kernel()
+    expected = (
+        "quantized weights: edgeinfer's kernel ("
+        if built.path
+        else f"quantized weights: MatMulNBits: edgeinfer's kernel is off ({built.reason})"
+    )
+    assert expected in ran.stderr, ran.stderr
+    off = edgeinfer(
+        "-v",
+        "run",
+        "--model",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "hello",
+        env={**os.environ, cpu_kernel.SWITCH_ENV: "0"},
+    )
+    assert off.returncode == 0 and f"MatMulNBits: edgeinfer's kernel is off ({cpu_kernel.SWITCH_ENV}=0)" in off.stderr, off.stderr
