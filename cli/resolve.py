@@ -98,7 +98,7 @@ def load_engine(
         chat_template=None if chat_template is None else read_template(chat_template),
     )
     say(f"provider: {engine.provider}" + _why(engine.provider_reason))
-    if QUIET["verbose"] and engine.weights_kernel != "none in this graph":
+    if QUIET["verbose"] and engine.weights_kernel:
         say(f"quantized weights: {engine.weights_kernel}")
     if isinstance(engine, Embedder) and not embeddings:
         raise SettingsError(NOT_GENERATING, "model")

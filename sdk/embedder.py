@@ -63,7 +63,7 @@ class Embedder:
     def __init__(self, folder: Path, manifest: Manifest, options: RuntimeOptions, max_batch: int = 8, max_context: int | None = None):
         self.folder, self.manifest = Path(folder), manifest
         self.provider, self.provider_reason = choose_provider(options.provider)
-        quantized = manifest.quantization.get("method") in ("int4", "int8")
+        quantized = manifest.precision in ("int4", "int8")
         self.graph = Graph(self.folder / manifest.graph.file, self.provider, options.threads, quantized=quantized)
         self.graph.check_names(manifest.graph.inputs, manifest.graph.outputs)
         self.weights_kernel = self.graph.weights_kernel

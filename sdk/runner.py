@@ -457,7 +457,7 @@ def _choose(sequence: Sequence, logits: np.ndarray) -> int | ConstraintError:
 
 def open_graph(folder: Path, manifest: Manifest, spec: GraphSpec, provider: str, threads: int | None, shared: dict | None) -> Graph:
     """One of the export's graphs in a session, refused where it takes an input the runner cannot fill."""
-    graph = Graph(folder / spec.file, provider, threads, shared, quantized=manifest.quantization.get("method") in ("int4", "int8"))
+    graph = Graph(folder / spec.file, provider, threads, shared, quantized=manifest.precision in ("int4", "int8"))
     graph.check_names(spec.inputs, spec.outputs)
     adapters = {n for n in graph.inputs if n.startswith("lora.")} if spec is manifest.lora else set()
     images = {IMAGE_INPUT} if manifest.vision else set()

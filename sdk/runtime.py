@@ -162,7 +162,7 @@ class Graph:
         name = "a built-in head graph" if isinstance(source, bytes) else str(source)
         if not isinstance(source, bytes) and not Path(source).is_file():
             raise NotAnExportError(f"graph {source} is missing: the export is incomplete, export the model again")
-        self.weights_kernel = "none in this graph"  # what runs its quantized weights, and why
+        self.weights_kernel: str | None = None  # what runs its quantized weights, and why (None: none here)
         if quantized and provider == "cpu" and packed and not isinstance(source, bytes):
             source = self._take_cpu_kernel(Path(source), options)
         try:
